@@ -1,0 +1,463 @@
+"""The semfab frame: a compact, memory-semantic header of 32 bytes.
+
+This module is pure (no sockets, no clock): it turns fields into bytes and bytes
+into a :class:`Frame`. The byte layout, opcode meanings and the sources of each
+field idea are in ``docs/PROTOCOL.md``; this docstring only summarises it.
+
+Wire form (little-endian)::
+
+    header (32 B) | crc32c (4 B, only when Flag.CRC) | payload (length B, only when inline)
+
+On ZeroMQ the same bytes travel as a two-part message: part one is the header
+(plus the CRC when present), part two the payload, so a large payload is never
+copied to be framed. :func:`decode` accepts either form.
+
+Decoding never trusts its input: any byte string gives a valid :class:`Frame`
+or raises :class:`FrameError`, whose ``code`` is the NACK code a receiver sends
+back. Encoding bad values is the caller's bug and raises :class:`LocalFrameError`.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from enum import IntEnum, IntFlag
+
+import crc32c as _crc32c
+
+__all__ = [
+    "VERSION",
+    "HEADER_SIZE",
+    "CRC_SIZE",
+    "MAX_PAYLOAD",
+    "Op",
+    "Flag",
+    "DType",
+    "NackCode",
+    "Frame",
+    "FrameError",
+    "LocalFrameError",
+    "encode",
+    "encode_header",
+    "encode_into",
+    "encode_ack",
+    "encode_nack",
+    "decode",
+    "DTYPE_SIZES",
+    "DTYPE_NAMES",
+    "dtype_from_name",
+]
+
+#: Protocol version carried in the high nibble of byte 0 (docs/PROTOCOL.md "Versioning").
+VERSION = 1
+#: Header type in the low nibble of byte 0; 0 is the 32-byte base header.
+#: Other values are reserved for extension headers.
+HEADER_TYPE_BASE = 0
+
+# B ver/type, B opcode, B flags, B dtype, H src, H dst, H job, H flow,
+# I psn, I key, I offset, I length, I msg  -> 32 bytes
+_HEADER = struct.Struct("<BBBBHHHHIIIII")
+HEADER_SIZE = _HEADER.size
+assert HEADER_SIZE == 32
+_CRC = struct.Struct("<I")
+CRC_SIZE = _CRC.size
+#: Largest payload length the 32-bit length field can name.
+MAX_PAYLOAD = 0xFFFF_FFFF
+# ACK frames reuse the key+offset words as one 64-bit SACK bitmap (as UET ACK_CC
+# carries a SACK bitmap beside the cumulative PSN).
+_SACK = struct.Struct("<Q")
+_SACK_OFFSET = 16
+
+
+class Op(IntEnum):
+    """Opcodes. Which header fields each one uses is in docs/PROTOCOL.md."""
+
+    WRITE = 1  # store payload at (key, offset)
+    READ = 2  # ask for `length` bytes at (key, offset); always referenced
+    READ_RESP = 3  # answer to READ, payload = the bytes
+    REDUCE = 4  # contribute payload to aggregation slot (job, psn = chunk)
+    RESULT = 5  # aggregated result of a chunk
+    ATOMIC_ADD = 6  # add one element of dtype at (key, offset)
+    FETCH_ADD = 7  # like ATOMIC_ADD, old value returned in READ_RESP
+    ACK = 8  # psn = cumulative ack, key|offset = 64-bit SACK bitmap
+    NACK = 9  # psn = offending PSN, offset = NackCode
+    CTRL = 10  # control message, payload = msgpack map
+
+
+class Flag(IntFlag):
+    """Header flag bits."""
+
+    NONE = 0
+    FIRST = 0x01  # first frame of a message
+    LAST = 0x02  # last frame of a message
+    ACK_REQ = 0x04  # receiver should acknowledge now
+    RETX = 0x08  # this is a retransmission
+    REF = 0x10  # payload referenced by (key, offset, length), not inline
+    ECN = 0x20  # congestion experienced (set by a switch)
+    CRC = 0x40  # a CRC32C of header + payload follows the header
+    MCAST = 0x80  # dst is a multicast group, not a node id
+
+
+class DType(IntEnum):
+    """Element type of the payload; RAW means opaque bytes."""
+
+    RAW = 0
+    F32 = 1
+    F16 = 2
+    BF16 = 3
+    I32 = 4
+    I64 = 5
+    U8 = 6
+
+
+DTYPE_SIZES: dict[DType, int] = {
+    DType.RAW: 1,
+    DType.F32: 4,
+    DType.F16: 2,
+    DType.BF16: 2,
+    DType.I32: 4,
+    DType.I64: 8,
+    DType.U8: 1,
+}
+#: The project-wide dtype names (kernels and numpy use these strings).
+DTYPE_NAMES: dict[DType, str] = {
+    DType.RAW: "raw",
+    DType.F32: "float32",
+    DType.F16: "float16",
+    DType.BF16: "bfloat16",
+    DType.I32: "int32",
+    DType.I64: "int64",
+    DType.U8: "uint8",
+}
+_DTYPE_BY_NAME = {v: k for k, v in DTYPE_NAMES.items()}
+
+
+def dtype_from_name(name: str) -> DType:
+    """Map a dtype name ("float32", ...) to its :class:`DType` code."""
+    try:
+        return _DTYPE_BY_NAME[name]
+    except KeyError:
+        valid = ", ".join(sorted(_DTYPE_BY_NAME))
+        raise LocalFrameError(f"unknown dtype {name!r}; valid: {valid}") from None
+
+
+class NackCode(IntEnum):
+    """Why a frame was refused (carried in a NACK's offset field)."""
+
+    MALFORMED = 1  # could not be decoded
+    BAD_KEY = 2  # region key unknown
+    PERMISSION = 3  # key known, sender not allowed / out of region bounds
+    OUT_OF_WINDOW = 4  # PSN or chunk outside the receive window
+    NO_RESOURCE = 5  # no slot / buffer / budget for it
+    BAD_CHECKSUM = 6  # CRC32C mismatch
+    UNSUPPORTED = 7  # version or header type we do not speak
+    UNKNOWN_JOB = 8  # aggregation job not registered
+
+
+_OP_VALUES = frozenset(int(o) for o in Op)
+_DTYPE_VALUES = frozenset(int(d) for d in DType)
+_NACK_VALUES = frozenset(int(c) for c in NackCode)
+# Opcodes that never carry data bytes: their length must be 0 (ACK/NACK) or
+# name remote memory (READ, which must say so with Flag.REF).
+_NO_DATA_OPS = frozenset({Op.ACK, Op.NACK})
+# Atomics carry exactly one element.
+_ATOMIC_OPS = frozenset({Op.ATOMIC_ADD, Op.FETCH_ADD})
+
+
+class FrameError(Exception):
+    """A peer sent bytes that are not a valid frame.
+
+    ``code`` is the :class:`NackCode` to answer with. The receiver counts the
+    error, NACKs where it can, and keeps running.
+    """
+
+    def __init__(self, code: NackCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class LocalFrameError(ValueError):
+    """The local caller asked to encode something the format cannot carry."""
+
+
+@dataclass(frozen=True, slots=True)
+class Frame:
+    """A decoded frame. ``payload`` is a view into the received buffer (no copy)."""
+
+    op: Op
+    flags: Flag
+    dtype: DType
+    src: int
+    dst: int
+    job: int
+    flow: int
+    psn: int
+    key: int
+    offset: int
+    length: int
+    msg: int
+    payload: memoryview
+    version: int = VERSION
+
+    @property
+    def referenced(self) -> bool:
+        """True when the data lives in registered memory, not in the frame."""
+        return bool(self.flags & Flag.REF)
+
+    @property
+    def count(self) -> int:
+        """Number of dtype elements the frame names (inline or referenced)."""
+        return self.length // DTYPE_SIZES[self.dtype]
+
+    @property
+    def sack(self) -> int:
+        """ACK only: bit i set = PSN ``psn + 1 + i`` received (psn is cumulative)."""
+        if self.op is not Op.ACK:
+            raise AttributeError("sack exists on ACK frames only")
+        return self.key | (self.offset << 32)
+
+    @property
+    def nack_code(self) -> NackCode:
+        """NACK only: why the frame ``psn`` was refused."""
+        if self.op is not Op.NACK:
+            raise AttributeError("nack_code exists on NACK frames only")
+        return NackCode(self.offset)
+
+
+def _check_fields(
+    op: int,
+    flags: int,
+    dtype: int,
+    length: int,
+    inline_len: int,
+) -> None:
+    """Local validation shared by the encoders (the format's own rules)."""
+    if op not in _OP_VALUES:
+        raise LocalFrameError(f"unknown opcode {op}")
+    if dtype not in _DTYPE_VALUES:
+        raise LocalFrameError(f"unknown dtype code {dtype}")
+    if op in _NO_DATA_OPS and (length or inline_len):
+        raise LocalFrameError(f"{Op(op).name} frames carry no payload")
+    if op == Op.READ and not flags & Flag.REF:
+        raise LocalFrameError("READ frames name remote memory: set Flag.REF")
+    if flags & Flag.REF and inline_len:
+        raise LocalFrameError("a referenced frame (Flag.REF) carries no inline payload")
+    if length % DTYPE_SIZES[DType(dtype)]:
+        raise LocalFrameError(
+            f"length {length} is not a multiple of the {DType(dtype).name} size "
+            f"{DTYPE_SIZES[DType(dtype)]}"
+        )
+    if op in _ATOMIC_OPS and length != DTYPE_SIZES[DType(dtype)]:
+        raise LocalFrameError(f"{Op(op).name} carries exactly one element")
+
+
+def encode_header(
+    op: Op | int,
+    *,
+    src: int = 0,
+    dst: int = 0,
+    job: int = 0,
+    flow: int = 0,
+    psn: int = 0,
+    key: int = 0,
+    offset: int = 0,
+    msg: int = 0,
+    dtype: DType | int = DType.RAW,
+    flags: Flag | int = Flag.NONE,
+    payload: bytes | bytearray | memoryview = b"",
+    length: int | None = None,
+    crc: bool = False,
+) -> bytes:
+    """Return the header part (32 bytes, 36 with ``crc``) of a two-part frame.
+
+    The payload is not copied into the result: send it as the second part.
+    For a referenced frame (``Flag.REF``) pass ``length`` and no payload.
+    ``crc=True`` sets ``Flag.CRC`` and appends CRC32C(header + payload).
+    """
+    pview = memoryview(payload)
+    if pview.ndim != 1 or pview.itemsize != 1:
+        pview = pview.cast("B")  # numpy arrays and typed views count in bytes
+    inline_len = pview.nbytes
+    if op == Op.READ and not flags & Flag.REF:
+        raise LocalFrameError("READ frames name remote memory: set Flag.REF")
+    if length is None:
+        length = inline_len
+    elif not flags & Flag.REF and length != inline_len:
+        raise LocalFrameError(f"length {length} does not match the payload ({inline_len} B)")
+    flags = int(flags) | (Flag.CRC if crc else 0)
+    _check_fields(int(op), flags, int(dtype), length, inline_len)
+    try:
+        header = _HEADER.pack(
+            (VERSION << 4) | HEADER_TYPE_BASE,
+            int(op),
+            flags,
+            int(dtype),
+            src,
+            dst,
+            job,
+            flow,
+            psn,
+            key,
+            offset,
+            length,
+            msg,
+        )
+    except struct.error as exc:
+        raise LocalFrameError(f"a field is out of range for its width: {exc}") from None
+    if flags & Flag.CRC:
+        value = _crc32c.crc32c(header)
+        if inline_len:
+            value = _crc32c.crc32c(pview, value)
+        return header + _CRC.pack(value)
+    return header
+
+
+def encode(op: Op | int, **fields: object) -> bytes:
+    """Return one contiguous frame: header [+ crc] + inline payload.
+
+    Takes the same keyword arguments as :func:`encode_header`.
+    """
+    header = encode_header(op, **fields)  # type: ignore[arg-type]
+    payload = fields.get("payload")
+    if payload is None:
+        return header
+    return header + memoryview(payload).cast("B").tobytes()  # type: ignore[arg-type]
+
+
+def encode_into(buf: bytearray | memoryview, op: Op | int, **fields: object) -> int:
+    """Write one contiguous frame into ``buf`` from position 0; return its size.
+
+    Raises :class:`LocalFrameError` when ``buf`` is too small.
+    """
+    header = encode_header(op, **fields)  # type: ignore[arg-type]
+    payload = fields.get("payload")
+    pview = memoryview(payload).cast("B") if payload is not None else memoryview(b"")  # type: ignore[arg-type]
+    plen = pview.nbytes
+    total = len(header) + plen
+    view = memoryview(buf).cast("B")
+    if view.nbytes < total:
+        raise LocalFrameError(f"buffer of {view.nbytes} B is too small for a {total} B frame")
+    view[: len(header)] = header
+    if plen:
+        view[len(header) : total] = pview
+    return total
+
+
+def encode_ack(
+    *, src: int, dst: int, flow: int, cum_psn: int, sack: int = 0, job: int = 0, msg: int = 0
+) -> bytes:
+    """An ACK: every PSN up to ``cum_psn`` received; bit i of ``sack`` = ``cum_psn+1+i``."""
+    if not 0 <= sack < 1 << 64:
+        raise LocalFrameError("sack bitmap must fit 64 bits")
+    return encode_header(
+        Op.ACK,
+        src=src,
+        dst=dst,
+        job=job,
+        flow=flow,
+        psn=cum_psn,
+        key=sack & 0xFFFF_FFFF,
+        offset=sack >> 32,
+        msg=msg,
+    )
+
+
+def encode_nack(
+    *, src: int, dst: int, flow: int, psn: int, code: NackCode, job: int = 0, msg: int = 0
+) -> bytes:
+    """A NACK refusing frame ``psn`` of ``flow`` with ``code``."""
+    return encode_header(
+        Op.NACK, src=src, dst=dst, job=job, flow=flow, psn=psn, offset=int(code), msg=msg
+    )
+
+
+def decode(buf: bytes | bytearray | memoryview, payload: object = None) -> Frame:
+    """Decode a frame without copying its payload.
+
+    ``buf`` is either a whole contiguous frame or, when ``payload`` is given,
+    the header part of a two-part message (``payload`` being the second part).
+    Returns a :class:`Frame` or raises :class:`FrameError`; never anything else.
+    """
+    try:
+        view = memoryview(buf).cast("B") if not isinstance(buf, memoryview) else buf
+        if view.ndim != 1 or view.itemsize != 1:
+            view = view.cast("B")
+    except (TypeError, ValueError) as exc:
+        raise FrameError(NackCode.MALFORMED, f"not a byte buffer: {exc}") from None
+    size = view.nbytes
+    if size < HEADER_SIZE:
+        raise FrameError(
+            NackCode.MALFORMED, f"short frame: {size} B, the header alone is {HEADER_SIZE} B"
+        )
+    (vt, op, flags, dtype, src, dst, job, flow, psn, key, offset, length, msg) = (
+        _HEADER.unpack_from(view)
+    )
+    version, htype = vt >> 4, vt & 0x0F
+    if version != VERSION:
+        raise FrameError(
+            NackCode.UNSUPPORTED, f"unsupported version {version}; this end speaks {VERSION}"
+        )
+    if htype != HEADER_TYPE_BASE:
+        raise FrameError(NackCode.UNSUPPORTED, f"unknown header type {htype}")
+    if op not in _OP_VALUES:
+        raise FrameError(NackCode.MALFORMED, f"unknown opcode {op}")
+    if dtype not in _DTYPE_VALUES:
+        raise FrameError(NackCode.MALFORMED, f"unknown dtype code {dtype}")
+    pos = HEADER_SIZE
+    if flags & Flag.CRC:
+        if size < pos + CRC_SIZE:
+            raise FrameError(NackCode.MALFORMED, "CRC flag set but the CRC32C field is missing")
+        (crc_value,) = _CRC.unpack_from(view, pos)
+        pos += CRC_SIZE
+    referenced = bool(flags & Flag.REF)
+    if payload is None:
+        body = view[pos:]
+    else:
+        if size != pos:
+            raise FrameError(
+                NackCode.MALFORMED, f"header part is {size} B, expected {pos} B for these flags"
+            )
+        try:
+            body = memoryview(payload)  # type: ignore[arg-type]
+            if body.ndim != 1 or body.itemsize != 1:
+                body = body.cast("B")
+        except (TypeError, ValueError) as exc:
+            raise FrameError(NackCode.MALFORMED, f"payload part is not bytes: {exc}") from None
+    if referenced:
+        if body.nbytes:
+            raise FrameError(
+                NackCode.MALFORMED,
+                f"referenced frame (REF flag) carries {body.nbytes} inline bytes; expected none",
+            )
+    elif body.nbytes != length:
+        raise FrameError(
+            NackCode.MALFORMED,
+            f"payload length field says {length} B but {body.nbytes} B follow",
+        )
+    dt = DType(dtype)
+    opc = Op(op)
+    if length % DTYPE_SIZES[dt]:
+        raise FrameError(
+            NackCode.MALFORMED,
+            f"length {length} is not a multiple of the {dt.name} element size {DTYPE_SIZES[dt]}",
+        )
+    if opc in _NO_DATA_OPS and length:
+        raise FrameError(NackCode.MALFORMED, f"{opc.name} frame with length {length}; expected 0")
+    if opc is Op.READ and not referenced:
+        raise FrameError(NackCode.MALFORMED, "READ frame without the REF flag")
+    if opc in _ATOMIC_OPS and length != DTYPE_SIZES[dt]:
+        raise FrameError(NackCode.MALFORMED, f"{opc.name} must carry exactly one {dt.name}")
+    if opc is Op.NACK and offset not in _NACK_VALUES:
+        raise FrameError(NackCode.MALFORMED, f"NACK with unknown code {offset}")
+    if flags & Flag.CRC:
+        computed = _crc32c.crc32c(view[:HEADER_SIZE])
+        if body.nbytes:
+            computed = _crc32c.crc32c(body, computed)
+        if computed != crc_value:
+            raise FrameError(
+                NackCode.BAD_CHECKSUM,
+                f"CRC32C mismatch: frame says {crc_value:#010x}, computed {computed:#010x}",
+            )
+    return Frame(
+        opc, Flag(flags), dt, src, dst, job, flow, psn, key, offset, length, msg, body, version
+    )
