@@ -43,6 +43,7 @@ __all__ = [
     "encode_ack",
     "encode_nack",
     "decode",
+    "peek",
     "DTYPE_SIZES",
     "DTYPE_NAMES",
     "dtype_from_name",
@@ -461,3 +462,23 @@ def decode(buf: bytes | bytearray | memoryview, payload: object = None) -> Frame
     return Frame(
         opc, Flag(flags), dt, src, dst, job, flow, psn, key, offset, length, msg, body, version
     )
+
+
+def peek(buf: bytes | bytearray | memoryview) -> tuple[Op, Flag, int, int, int, int, int, int]:
+    """Read ``(op, flags, src, job, psn, key, offset, length)`` from a header part.
+
+    For a receiver that must choose where to put the payload before it reads
+    it (``recv_into`` straight into the destination). Only the version and
+    opcode are checked; call :func:`decode` once the payload is in place.
+    """
+    view = memoryview(buf)
+    if view.nbytes < HEADER_SIZE:
+        raise FrameError(NackCode.MALFORMED, f"short header: {view.nbytes} B")
+    (vt, op, flags, _dt, src, _dst, job, _flow, psn, key, offset, length, _msg) = (
+        _HEADER.unpack_from(view)
+    )
+    if vt != (VERSION << 4) | HEADER_TYPE_BASE:
+        raise FrameError(NackCode.UNSUPPORTED, f"unsupported version/type byte {vt:#04x}")
+    if op not in _OP_VALUES:
+        raise FrameError(NackCode.MALFORMED, f"unknown opcode {op}")
+    return Op(op), Flag(flags), src, job, psn, key, offset, length

@@ -1,0 +1,141 @@
+"""The `semfab` command line.
+
+Each subcommand lives in the module that owns the work; this file only builds
+the parser and maps errors to exit codes: a bad argument or file prints one
+line and exits 2, a failed run exits 1, Ctrl-C exits 130.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from collections.abc import Callable, Sequence
+
+from fabric.errors import SemfabError, UsageError
+
+DESCRIPTION = """\
+semfab: an in-network aggregation and custom interconnect emulator.
+
+Launch a fabric of worker processes and switch daemons on this machine (or
+many), run collectives and token streams through emulated switches, and
+benchmark in-network reduction against host-staged paths and real libraries.
+"""
+
+EPILOG = """\
+quick start:
+  semfab bench                      quick default benchmark on a default topology
+  semfab info                       kernel backends, GPU, library versions
+  semfab bench frames --json f.json frame codec cost beside msgpack
+  semfab topo check FILE.toml       validate a topology file
+
+docs: README.md, docs/PROTOCOL.md, docs/TOPOLOGY.md, docs/AGGREGATION.md
+"""
+
+
+class _Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    pass
+
+
+def _lazy(module: str, func: str) -> Callable[[argparse.Namespace], int]:
+    """Import a subcommand's module only when it runs, so `--help` stays fast."""
+
+    def call(args: argparse.Namespace) -> int:
+        return int(getattr(importlib.import_module(module), func)(args))
+
+    return call
+
+
+def _add_lazy_parser(
+    sub: argparse._SubParsersAction,  # type: ignore[type-arg]
+    name: str,
+    help_text: str,
+    module: str,
+    adder: str = "add_arguments",
+    runner: str = "run",
+) -> argparse.ArgumentParser:
+    p = sub.add_parser(name, help=help_text, description=help_text, formatter_class=_Formatter)
+    getattr(importlib.import_module(module), adder)(p)
+    p.set_defaults(func=_lazy(module, runner))
+    return p
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The whole `semfab` parser (also used by the docs and tests)."""
+    parser = argparse.ArgumentParser(
+        prog="semfab", description=DESCRIPTION, epilog=EPILOG, formatter_class=_Formatter
+    )
+    parser.add_argument("-v", "--verbose", action="count", default=0,
+                        help="more log output (-vv for debug)")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    p = sub.add_parser("info", help="show kernel backends, GPU and library versions",
+                       description="Show the detected kernel backends (available, or why not), "
+                       "the GPU if any, and the versions semfab runs with.")
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    p.set_defaults(func=_lazy("fabric.info", "run"))
+
+    bench = sub.add_parser("bench", help="run benchmarks (no subcommand: the quick default)",
+                           description="Benchmarks. With no subcommand, runs the quick default "
+                           "comparison.", formatter_class=_Formatter)
+    bsub = bench.add_subparsers(dest="bench_command", metavar="BENCH")
+    _add_lazy_parser(bsub, "frames", "frame codec encode+decode rate and header overhead, "
+                     "beside msgpack", "bench.frames")
+    bench.set_defaults(func=_default_bench)
+
+    topo = sub.add_parser("topo", help="check or generate topology files",
+                          description="Topology files (TOML): see docs/TOPOLOGY.md.")
+    tsub = topo.add_subparsers(dest="topo_command", metavar="TOPO", required=True)
+    p = tsub.add_parser("check", help="validate a topology file and summarise it",
+                        add_help=False)
+    p.add_argument("rest", nargs=argparse.REMAINDER)
+    p.set_defaults(func=_passthrough("fabric.topology", "check_main"))
+    p = tsub.add_parser("gen", help="write a star or leaf/spine topology file", add_help=False)
+    p.add_argument("rest", nargs=argparse.REMAINDER)
+    p.set_defaults(func=_passthrough("fabric.topology", "gen_main"))
+    return parser
+
+
+def _passthrough(module: str, func: str) -> Callable[[argparse.Namespace], int]:
+    """Hand the remaining argv to a module that owns its own argparse parser."""
+
+    def call(args: argparse.Namespace) -> int:
+        return int(getattr(importlib.import_module(module), func)(list(args.rest)))
+
+    return call
+
+
+def _default_bench(args: argparse.Namespace) -> int:
+    """`semfab bench` alone: the quick default benchmark."""
+    from bench import frames
+
+    ns = argparse.Namespace(sizes=",".join(map(str, frames.DEFAULT_SIZES)), iters=20000,
+                            reps=5, json=None, markdown=None)
+    return frames.run(ns)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the CLI; returns the exit code."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    level = logging.WARNING - 10 * min(args.verbose, 2)
+    logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return args.func(args)
+    except UsageError as exc:
+        print(f"semfab: error: {exc}", file=sys.stderr)
+        return 2
+    except SemfabError as exc:
+        print(f"semfab: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("semfab: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

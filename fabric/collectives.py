@@ -1,0 +1,347 @@
+"""Allreduce, four ways, on the same fabric and processes.
+
+* ``ina``       frame plane: chunks travel in REDUCE frames, the switch sums
+                them in its slot pool and sends the RESULT back; received
+                straight into the output with ``recv_into``.
+* ``ina-mem``   memory plane: frames carry only (key, offset, length); the
+                switch reduces from every member's registered region and
+                stores the result into each of them.
+* ``host-ps``   the host-staged way: staging copy, msgpack message through the
+                switch (forwarding only) to the host node, NumPy sum, reply,
+                decode, copy back.
+* ``host-ring`` ring reduce-scatter + all-gather between workers through the
+                switch, with the staging copies.
+
+Each path counts its semantic distance (fabric.semantic) where the work
+happens. Windows are self-clocked: a chunk is sent only when the result of
+the chunk ``S`` places before it came back.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import msgpack
+import numpy as np
+import zmq
+
+from fabric import frame as fr
+from fabric.errors import PeerFailed, UsageError
+from fabric.frame import Flag, Op
+
+if TYPE_CHECKING:
+    from fabric.endpoint import Endpoint
+
+log = logging.getLogger("semfab.collectives")
+
+PSN_MASK = 0xFFFF_FFFF
+#: Flow ids that tell a host-staged message's kind apart at the receiver.
+HOST_PS_FLOW = 2
+RING_FLOW = 3
+#: Defaults; overridable per endpoint (ep.chunk_bytes / ep.slots).
+DEFAULT_CHUNK_BYTES = {"ina": 256 * 1024, "ina-mem": 4 * 1024 * 1024,
+                       "host-ps": 256 * 1024, "host-ring": 256 * 1024}
+DEFAULT_SLOTS = {"ina": 8, "ina-mem": 4, "host-ps": 8}
+
+_REDUCE = {"sum": np.add, "max": np.maximum, "min": np.minimum}
+
+
+@dataclass
+class JobState:
+    """A registered aggregation job as one worker sees it."""
+
+    job: int
+    slots: int
+    slot_elems: int
+    granted: bool
+    reason: str
+    next_chunk: int = 0
+
+
+def _chunk_elems(ep: Endpoint, path: str, itemsize: int) -> int:
+    nbytes = ep.chunk_bytes.get(path, DEFAULT_CHUNK_BYTES[path])
+    if path in ("ina", "host-ps", "host-ring"):
+        nbytes = min(nbytes, ep.mtu)  # one chunk = one frame on the frame plane
+    return max(nbytes // itemsize, 1)
+
+
+def _job(ep: Endpoint, path: str, dtype: str, op: str, itemsize: int) -> JobState:
+    key = (path, dtype, op)
+    st = ep.jobs.get(key)
+    if st is not None:
+        return st  # type: ignore[no-any-return]
+    # Workers call collectives in the same order, so the same job id comes out.
+    job = next(ep.job_seq)
+    slots = ep.slots.get(path, DEFAULT_SLOTS[path])
+    elems = _chunk_elems(ep, path, itemsize)
+    reply = ep.request("job", "job_reply", job=job, members=list(ep.worker_ids), dtype=dtype,
+                       op=op, slots=slots, slot_elems=elems, referenced=path == "ina-mem")
+    st = JobState(job, slots, elems, bool(reply.get("granted")), str(reply.get("reason", "")))
+    if not st.granted:
+        note = f"{path} job {job} refused by switch ({st.reason}); falling back to host-ps"
+        log.warning("%s: %s", ep.name, note)
+        ep.fallbacks.append(note)
+    ep.jobs[key] = st
+    return st
+
+
+def _route_cost(ep: Endpoint, dst: int) -> tuple[int, int]:
+    """(hops, crossings) of one payload sent from this node to node ``dst``."""
+    src_name, dst_name = ep.name, ep.topo.by_id(dst).name
+    switches = len(ep.topo.route(src_name, dst_name))
+    return switches, switches + 1
+
+
+# ---------------------------------------------------------------------- ina
+def allreduce_ina(ep: Endpoint, x: np.ndarray, out: np.ndarray, op: str, dtype: str) -> None:
+    """Frame-plane in-network allreduce."""
+    st = _job(ep, "ina", dtype, op, x.itemsize)
+    if not st.granted:
+        allreduce_host_ps(ep, x, out, op, dtype)
+        return
+    E, S, n = st.slot_elems, st.slots, x.size
+    nch = -(-n // E)
+    base = st.next_chunk
+    st.next_chunk += nch
+    msg = next(ep.coll_seq) & PSN_MASK
+    code = fr.dtype_from_name(dtype)
+    src, dst, job = ep.node_id, ep.switch_id, st.job
+    item = x.itemsize
+    outb = memoryview(out.view(np.uint8))
+    sock = ep.sock
+
+    def send(i: int) -> None:
+        seg = x[i * E : min(n, (i + 1) * E)]
+        header = fr.encode_header(Op.REDUCE, src=src, dst=dst, job=job,
+                                  psn=(base + i) & PSN_MASK, dtype=code, msg=msg, payload=seg)
+        ep.send(header, seg)
+
+    for i in range(min(S, nch)):
+        send(i)
+    got = bytearray(nch)
+    done = 0
+    hdr = memoryview(ep.hdr)
+    while done < nch:
+        ep.poll(time.monotonic() + ep.timeout_s, f"allreduce ina job {job} chunk {done}/{nch}")
+        nh = sock.recv_into(ep.hdr)
+        more = sock.get(zmq.RCVMORE)
+        rop, _fl, _s, rjob, psn, _k, _o, length = fr.peek(hdr[:nh])
+        i = (psn - base) & PSN_MASK
+        if rop is Op.RESULT and rjob == job and i < nch and not got[i]:
+            lo = i * E * item
+            target = outb[lo : lo + length]
+            if target.nbytes != length or not more:
+                raise PeerFailed(f"{ep.name}: RESULT for chunk {i} has {length} B, "
+                                 f"expected {min(n - i * E, E) * item} B")
+            nb = sock.recv_into(target)
+            if nb != length:
+                raise PeerFailed(f"{ep.name}: RESULT payload {nb} B != header {length} B")
+            fr.decode(hdr[:nh], target)  # full validation (CRC, dtype multiple)
+            got[i] = 1
+            done += 1
+            if i + S < nch:
+                send(i + S)
+            continue
+        payload = sock.recv(copy=False).buffer if more else None
+        f = fr.decode(bytes(hdr[:nh]), payload)
+        if f.op is Op.NACK:
+            raise PeerFailed(f"{ep.name}: switch refused chunk {f.psn} of job {f.job}: "
+                             f"{f.nack_code.name}")
+        ep.stash.append(f)
+    sem = ep.sem("ina")
+    sem.chunks += nch
+    sem.copies += nch * 2  # the switch reduces each chunk into its slot; we recv into out
+    sem.crossings += nch * 2  # worker -> switch, switch -> worker
+    sem.hops += nch
+
+
+# ---------------------------------------------------------------------- ina-mem
+def _scratch_region(ep: Endpoint, nbytes: int) -> np.ndarray:
+    """A registered byte region of at least ``nbytes``, reused across calls."""
+    if ep.scratch is None or ep.scratch.nbytes < nbytes:
+        ep.scratch = ep.alloc(-(-nbytes // 8), "int64").view(np.uint8)
+    return ep.scratch[:nbytes]
+
+
+def allreduce_ina_mem(ep: Endpoint, x: np.ndarray, out: np.ndarray, op: str, dtype: str) -> None:
+    """Memory-plane allreduce: the switch loads, reduces and stores in the regions."""
+    st = _job(ep, "ina-mem", dtype, op, x.itemsize)
+    if not st.granted:
+        allreduce_host_ps(ep, x, out, op, dtype)
+        return
+    sem = ep.sem("ina-mem")
+    E, S, n = st.slot_elems, st.slots, x.size
+    nch = -(-n // E)
+    loc = ep.region_of(out) if out is x else None
+    work = out
+    if loc is None:
+        # Not reducing in place in registered memory: stage through a scratch region.
+        work = _scratch_region(ep, x.nbytes).view(x.dtype)
+        np.copyto(work, x)
+        sem.copies += nch
+        loc = ep.region_of(work)
+        assert loc is not None
+    key, base_off = loc
+    base = st.next_chunk
+    st.next_chunk += nch
+    msg = next(ep.coll_seq) & PSN_MASK
+    code = fr.dtype_from_name(dtype)
+    item = x.itemsize
+
+    def send(i: int) -> None:
+        count = min(n - i * E, E)
+        ep.send(fr.encode_header(Op.REDUCE, src=ep.node_id, dst=ep.switch_id, job=st.job,
+                                 psn=(base + i) & PSN_MASK, dtype=code, msg=msg, key=key,
+                                 offset=base_off + i * E * item, flags=Flag.REF,
+                                 length=count * item))
+
+    for i in range(min(S, nch)):
+        send(i)
+    got = bytearray(nch)
+    done = 0
+
+    def is_result(f: fr.Frame) -> bool:
+        return f.op is Op.RESULT and f.job == st.job and ((f.psn - base) & PSN_MASK) < nch
+
+    while done < nch:
+        f = ep.wait_for(is_result, f"allreduce ina-mem job {st.job} chunk {done}/{nch}")
+        i = (f.psn - base) & PSN_MASK
+        if got[i]:
+            continue
+        got[i] = 1
+        done += 1
+        if i + S < nch:
+            send(i + S)
+    if work is not out:
+        np.copyto(out, work)
+        sem.copies += nch
+    sem.chunks += nch
+    sem.copies += nch  # the switch's fused reduce stores each chunk into our region once
+    sem.hops += nch
+
+
+# ---------------------------------------------------------------------- host-ps
+def allreduce_host_ps(ep: Endpoint, x: np.ndarray, out: np.ndarray, op: str, dtype: str) -> None:
+    """Host-staged parameter-server allreduce through the host node."""
+    if ep.host_id is None:
+        raise UsageError("host-ps needs a host node in the topology (kind = \"host\")")
+    sem = ep.sem("host-ps")
+    E = _chunk_elems(ep, "host-ps", x.itemsize) // 2  # room for the msgpack envelope
+    S = ep.slots.get("host-ps", DEFAULT_SLOTS["host-ps"])
+    n = x.size
+    nch = -(-n // E)
+    msg = next(ep.coll_seq) & PSN_MASK
+    hops, crossings = _route_cost(ep, ep.host_id)
+    staged = np.array(x, copy=True)  # device -> host staging copy
+    result = np.empty_like(x)
+    sem.copies += nch
+    members = list(ep.worker_ids)
+
+    def send(i: int) -> None:
+        body = msgpack.packb({"seq": msg, "chunk": i, "members": members, "op": op,
+                              "dtype": dtype, "data": memoryview(staged[i * E : (i + 1) * E])})
+        sem.encodes += 1
+        sem.copies += 1  # packing copies the payload into the message
+        ep.send(fr.encode_header(Op.WRITE, src=ep.node_id, dst=ep.host_id, flow=HOST_PS_FLOW,
+                                 psn=i, msg=msg, payload=body), body)
+        sem.hops += hops
+        sem.crossings += crossings
+
+    for i in range(min(S, nch)):
+        send(i)
+    done = 0
+    got = bytearray(nch)
+
+    def is_reply(f: fr.Frame) -> bool:
+        return f.op is Op.WRITE and f.flow == HOST_PS_FLOW and f.msg == msg
+
+    while done < nch:
+        f = ep.wait_for(is_reply, f"allreduce host-ps seq {msg} chunk {done}/{nch}")
+        reply = msgpack.unpackb(f.payload)
+        sem.encodes += 1
+        sem.copies += 1  # unpacking copies the payload out of the message
+        i = int(reply["chunk"])
+        if got[i]:
+            continue
+        got[i] = 1
+        done += 1
+        np.copyto(result[i * E : (i + 1) * E], np.frombuffer(reply["data"], dtype=x.dtype))
+        sem.copies += 1
+        # what the host did for our chunk, counted by the host node itself
+        sem.copies += float(reply["h_copies"])
+        sem.encodes += float(reply["h_encodes"])
+        sem.hops += hops
+        sem.crossings += crossings
+        if i + S < nch:
+            send(i + S)
+    np.copyto(out, result)  # host -> device copy back
+    sem.copies += nch
+    sem.chunks += nch
+
+
+# ---------------------------------------------------------------------- host-ring
+def allreduce_host_ring(ep: Endpoint, x: np.ndarray, out: np.ndarray, op: str,
+                        dtype: str) -> None:
+    """Ring reduce-scatter + all-gather between workers, staged on the host."""
+    sem = ep.sem("host-ring")
+    W, r, n = ep.world, ep.rank, x.size
+    staged = np.array(x, copy=True)  # device -> host staging copy
+    E = _chunk_elems(ep, "host-ring", x.itemsize)
+    bounds = [(n * k) // W for k in range(W + 1)]
+    nch_total = -(-n // E)
+    sem.copies += nch_total
+    if W == 1:
+        np.copyto(out, staged)
+        sem.copies += nch_total
+        sem.chunks += nch_total
+        return
+    right = ep.worker_ids[(r + 1) % W]
+    left = ep.worker_ids[(r - 1) % W]
+    hops, crossings = _route_cost(ep, right)
+    msg = next(ep.coll_seq) & PSN_MASK
+    reduce = _REDUCE[op]
+    code = fr.dtype_from_name(dtype)
+
+    def seg(k: int) -> np.ndarray:
+        return staged[bounds[k] : bounds[k + 1]]
+
+    def exchange(step: int, send_k: int, recv_k: int, combine: bool) -> None:
+        s = seg(send_k)
+        frames_out = -(-s.size // E)
+        for j in range(frames_out):
+            part = s[j * E : (j + 1) * E]
+            ep.send(fr.encode_header(Op.WRITE, src=ep.node_id, dst=right, flow=RING_FLOW,
+                                     psn=(step << 16) | j, msg=msg, dtype=code, payload=part),
+                    part)
+            sem.hops += hops
+            sem.crossings += crossings
+        dst = seg(recv_k)
+        frames_in = -(-dst.size // E)
+        for j in range(frames_in):
+            want = (step << 16) | j
+            f = ep.wait_for(
+                lambda f, want=want: f.op is Op.WRITE and f.flow == RING_FLOW and f.src == left
+                and f.msg == msg and f.psn == want,
+                f"allreduce host-ring step {step} from node {left}",
+            )
+            incoming = np.frombuffer(f.payload, dtype=x.dtype)
+            target = dst[j * E : (j + 1) * E]
+            if incoming.size != target.size:
+                raise PeerFailed(f"{ep.name}: ring frame of {incoming.size} elements, "
+                                 f"expected {target.size}")
+            if combine:
+                reduce(target, incoming, out=target)
+            else:
+                np.copyto(target, incoming)
+            sem.copies += 1
+
+    for step in range(W - 1):  # reduce-scatter
+        exchange(step, (r - step) % W, (r - step - 1) % W, True)
+    for step in range(W - 1):  # all-gather
+        exchange(W - 1 + step, (r + 1 - step) % W, (r - step) % W, False)
+    np.copyto(out, staged)  # host -> device copy back
+    sem.copies += nch_total
+    sem.chunks += nch_total

@@ -1,0 +1,283 @@
+"""The endpoint ("NIC") a worker uses: its socket to the switch, its registered
+memory, control requests, and the receive side shared by every collective.
+
+User code gets an :class:`Endpoint` as the first argument of a function run on
+every worker (see :mod:`fabric.launcher`)::
+
+    def work(ep):
+        x = ep.alloc(1 << 20, "float32")      # registered "device memory"
+        x[:] = ep.rank + 1
+        ep.allreduce(x, op="sum", path="ina-mem", out=x)
+        return float(x[0])
+
+Every wait has a deadline; running out raises :class:`FabricTimeout` naming
+the peer and the operation.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import zmq
+
+from fabric import control, transport
+from fabric import frame as fr
+from fabric.errors import FabricTimeout, PeerFailed, UsageError
+from fabric.frame import Op
+from fabric.semantic import SemanticCounts
+from fabric.shm import SharedRegion
+from fabric.topology import Topology
+
+log = logging.getLogger("semfab.endpoint")
+
+#: Allreduce paths, in the order benchmarks show them.
+PATHS = ("ina", "ina-mem", "host-ps", "host-ring")
+OPS = ("sum", "max", "min")
+DTYPE_NAMES = ("float32", "float16", "bfloat16", "int32", "int64")
+DEFAULT_TIMEOUT_S = 30.0
+
+
+def np_dtype(name: str) -> np.dtype[Any]:
+    """NumPy dtype for a project dtype name (bfloat16 through ml_dtypes)."""
+    from kernels.dtypes import np_dtype as _np_dtype
+
+    return _np_dtype(name)
+
+
+def dtype_name(dt: np.dtype[Any]) -> str:
+    """Project dtype name of a NumPy dtype; UsageError when unsupported."""
+    name = "bfloat16" if dt.name == "bfloat16" else dt.name
+    if name not in DTYPE_NAMES:
+        raise UsageError(f"dtype {dt} is not supported; use one of {', '.join(DTYPE_NAMES)}")
+    return name
+
+
+class Endpoint:
+    """One worker's (or host's) attachment to the fabric."""
+
+    def __init__(
+        self,
+        topo: Topology,
+        name: str,
+        sock_dir: str | Path,
+        *,
+        run_id: str = "run",
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        ctx: zmq.Context | None = None,  # type: ignore[type-arg]
+    ) -> None:
+        self.topo = topo
+        self.name = name
+        self.node = topo.node(name)
+        self.node_id = self.node.id
+        workers = topo.workers
+        self.world = len(workers)
+        self.rank = self.node_id if self.node.kind == "worker" else -1
+        self.worker_ids = tuple(w.id for w in workers)
+        self.switch_name = topo.switch_of(name)
+        self.switch_id = topo.node(self.switch_name).id
+        self.host_id = topo.hosts[0].id if topo.hosts else None
+        link = topo.link_between(name, self.switch_name)
+        self.mtu = link.params.mtu if link is not None else 256 * 1024
+        self.timeout_s = timeout_s
+        self.run_id = run_id
+        self._own_ctx = ctx is None
+        self.ctx = ctx or transport.context()
+        self.sock = transport.dealer(
+            self.ctx, topo.endpoint_address(self.switch_name, sock_dir), name
+        )
+        self.hdr = bytearray(64)  # recv_into target for header parts
+        self.stash: deque[fr.Frame] = deque()  # frames that arrived for a later wait
+        self.regions: list[tuple[int, int, int, SharedRegion]] = []  # (base, size, key, region)
+        self._region_seq = itertools.count(1)
+        self._barrier_seq = itertools.count(1)
+        self.jobs: dict[tuple[str, str, str], Any] = {}
+        self.job_seq = itertools.count(1)
+        self.coll_seq = itertools.count(1)
+        self.semantics: dict[str, SemanticCounts] = {}
+        self.fallbacks: list[str] = []  # reported, never silent
+        self.chunk_bytes: dict[str, int] = {}
+        self.slots: dict[str, int] = {}
+        self.scratch: np.ndarray | None = None  # staging region for ina-mem
+        self._hello()
+
+    # ------------------------------------------------------------------ basics
+    def deadline(self) -> float:
+        """Monotonic deadline of a wait that starts now."""
+        return time.monotonic() + self.timeout_s
+
+    def sem(self, path: str) -> SemanticCounts:
+        """The semantic-distance counters of ``path``."""
+        return self.semantics.setdefault(path, SemanticCounts())
+
+    def send(self, header: bytes, payload: Any = None) -> None:
+        """Send one frame to the switch (payload zero-copy when large)."""
+        if payload is None:
+            self.sock.send(header)
+            return
+        nbytes = memoryview(payload).nbytes
+        self.sock.send(header, zmq.SNDMORE)
+        self.sock.send(payload, copy=nbytes < transport.ZERO_COPY_MIN)
+
+    def poll(self, deadline: float, what: str) -> None:
+        """Wait until a frame can be read, or raise FabricTimeout naming ``what``."""
+        remaining = deadline - time.monotonic()
+        if remaining <= 0 or not self.sock.poll(int(remaining * 1000) + 1):
+            raise FabricTimeout(
+                f"{self.name}: {what}: no answer from switch {self.switch_name!r} "
+                f"within {self.timeout_s:g}s (is it running? see its log in the run folder)"
+            )
+
+    def recv_frame(self, deadline: float, what: str) -> fr.Frame:
+        """Receive the next whole frame (payload kept in the zmq buffer, no copy)."""
+        self.poll(deadline, what)
+        parts = self.sock.recv_multipart(copy=False)
+        payload = parts[1].buffer if len(parts) > 1 else None
+        return fr.decode(parts[0].buffer, payload)
+
+    def wait_for(self, match: Callable[[fr.Frame], bool], what: str,
+                 deadline: float | None = None) -> fr.Frame:
+        """The first frame satisfying ``match``; others are stashed for later waits.
+
+        A NACK addressed to this wait's operation raises PeerFailed.
+        """
+        for i, f in enumerate(self.stash):
+            if match(f):
+                del self.stash[i]
+                return f
+        deadline = deadline or self.deadline()
+        while True:
+            f = self.recv_frame(deadline, what)
+            if match(f):
+                return f
+            if f.op is Op.NACK:
+                raise PeerFailed(f"{self.name}: {what}: node {f.src} refused frame {f.psn} of "
+                                 f"job {f.job}: {f.nack_code.name}")
+            self.stash.append(f)
+
+    def request(self, t: str, reply: str, dst: int | None = None, **fields: Any) -> dict[str, Any]:
+        """Send a control message to the switch (or ``dst``) and wait for its reply."""
+        dst = self.switch_id if dst is None else dst
+        self.send(fr.encode(Op.CTRL, src=self.node_id, dst=dst,
+                            payload=control.pack(t, **fields)))
+
+        def is_reply(f: fr.Frame) -> bool:
+            return f.op is Op.CTRL and control.parse(f.payload).get("t") == reply
+
+        f = self.wait_for(is_reply, f"control request {t!r} to node {dst}")
+        return control.parse(f.payload)
+
+    def _hello(self) -> None:
+        # DEALER connects asynchronously: repeat hello until the switch answers.
+        deadline = self.deadline()
+        while True:
+            self.send(fr.encode(Op.CTRL, src=self.node_id, dst=self.switch_id,
+                                payload=control.pack("hello", name=self.name)))
+            try:
+                f = self.wait_for(
+                    lambda f: f.op is Op.CTRL and control.parse(f.payload).get("t") == "welcome",
+                    "hello", min(deadline, time.monotonic() + 0.5),
+                )
+                log.debug("%s: welcomed by %s", self.name, control.parse(f.payload)["switch"])
+                return
+            except FabricTimeout:
+                if time.monotonic() > deadline:
+                    raise
+
+    # ------------------------------------------------------------------ memory
+    def alloc(self, count: int, dtype: str = "float32") -> np.ndarray:
+        """A zero-filled array in a new shared region registered with the switch.
+
+        This is the worker's "device memory": the memory plane (``ina-mem``)
+        reduces straight into it.
+        """
+        dt = np_dtype(dtype)
+        size = max(int(count) * dt.itemsize, 1)
+        key = (self.node_id << 16) | (next(self._region_seq) & 0xFFFF) | (1 << 31)
+        region = SharedRegion.create(f"semfab-{self.run_id}-{self.name}-{key:x}", size)
+        reply = self.request("region", "region_reply", key=key, size=size,
+                             path=str(region.path))
+        if not reply.get("ok"):
+            region.close()
+            raise PeerFailed(f"{self.name}: switch refused region {key:#x}: {reply.get('reason')}")
+        arr = region.array(dt, int(count))
+        self.regions.append((arr.ctypes.data, size, key, region))
+        return arr
+
+    def region_of(self, x: np.ndarray) -> tuple[int, int] | None:
+        """``(key, byte offset)`` of ``x`` when it lies in a registered region."""
+        ptr = x.ctypes.data
+        for base, size, key, _ in self.regions:
+            if base <= ptr and ptr + x.nbytes <= base + size:
+                return key, ptr - base
+        return None
+
+    # ------------------------------------------------------------------ collectives
+    def barrier(self) -> None:
+        """Wait until every worker reached this barrier (counted by the switch)."""
+        bid = next(self._barrier_seq)
+        self.send(fr.encode(Op.CTRL, src=self.node_id, dst=self.switch_id,
+                            payload=control.pack("barrier", id=bid, n=self.world)))
+
+        def done(f: fr.Frame) -> bool:
+            if f.op is not Op.CTRL:
+                return False
+            m = control.parse(f.payload)
+            return m.get("t") == "barrier_done" and m.get("id") == bid
+
+        self.wait_for(done, f"barrier {bid}")
+
+    def allreduce(self, x: np.ndarray, op: str = "sum", path: str = "ina",
+                  out: np.ndarray | None = None) -> np.ndarray:
+        """Allreduce ``x`` over all workers; returns ``out`` (a new array by default).
+
+        ``path``: ``ina`` (frame plane, reduced in the switch), ``ina-mem``
+        (memory plane, ``x`` should come from :meth:`alloc`), ``host-ps``
+        (staged through the host node), ``host-ring`` (ring through the switch).
+        """
+        from fabric import collectives
+
+        if path not in PATHS:
+            raise UsageError(f"unknown path {path!r}; choose one of {', '.join(PATHS)}")
+        if op not in OPS:
+            raise UsageError(f"unknown op {op!r}; choose one of {', '.join(OPS)}")
+        if x.ndim != 1 or not x.flags.c_contiguous:
+            raise UsageError("allreduce takes a 1-D contiguous array (use x.reshape(-1))")
+        name = dtype_name(x.dtype)
+        if out is None:
+            out = np.empty_like(x)
+        elif out.shape != x.shape or out.dtype != x.dtype or not out.flags.c_contiguous:
+            raise UsageError("out must be a contiguous array of x's shape and dtype")
+        if self.rank < 0:
+            raise UsageError(f"{self.name} is not a worker; only workers join collectives")
+        if x.size == 0:
+            return out
+        runner = {
+            "ina": collectives.allreduce_ina,
+            "ina-mem": collectives.allreduce_ina_mem,
+            "host-ps": collectives.allreduce_host_ps,
+            "host-ring": collectives.allreduce_host_ring,
+        }[path]
+        runner(self, x, out, op, name)
+        return out
+
+    def switch_stats(self) -> dict[str, Any]:
+        """The switch's live counters."""
+        reply = self.request("stats", "stats")
+        reply.pop("t", None)
+        return reply
+
+    def close(self) -> None:
+        """Close the socket and free owned regions."""
+        for _, _, _, region in self.regions:
+            region.close()
+        self.regions.clear()
+        self.sock.close(0)
+        if self._own_ctx:
+            self.ctx.term()

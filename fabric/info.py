@@ -1,0 +1,65 @@
+"""`semfab info`: what this machine offers semfab."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+from importlib import metadata
+
+
+def _version(dist: str) -> str:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def collect() -> dict[str, object]:
+    """Backends (available or why not), GPU and versions, as plain data."""
+    import zmq
+
+    from kernels import describe_backends, gpu_info
+
+    return {
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "versions": {
+            "semfab": _version("semfab"),
+            "numpy": _version("numpy"),
+            "numba": _version("numba"),
+            "pyzmq": zmq.pyzmq_version(),
+            "libzmq": zmq.zmq_version(),
+            "msgpack": _version("msgpack"),
+            "ml_dtypes": _version("ml_dtypes"),
+            "cupy": _version("cupy-cuda12x"),
+            "torch": _version("torch"),
+            "mpi4py": _version("mpi4py"),
+        },
+        "gpu": gpu_info(),
+        "backends": [
+            {"name": b.name, "available": b.available, "reason": b.reason, "device": b.device}
+            for b in describe_backends()
+        ],
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    """Print the report as text or JSON."""
+    info = collect()
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    print(f"semfab {info['versions']['semfab']}  python {info['python']}  "  # type: ignore[index]
+          f"{info['platform']}")
+    print(f"GPU: {info['gpu'] or 'none found'}")
+    print("kernel backends:")
+    for b in info["backends"]:  # type: ignore[attr-defined]
+        state = "available" if b["available"] else "unavailable"
+        detail = b["device"] if b["available"] else b["reason"]
+        print(f"  {b['name']:<11} {state:<12} {detail}")
+    print("versions:")
+    for name, ver in info["versions"].items():  # type: ignore[attr-defined]
+        print(f"  {name:<10} {ver}")
+    return 0

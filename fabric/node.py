@@ -1,0 +1,170 @@
+"""A fabric node process: a worker (stands in for a GPU) or a host node.
+
+Started by the launcher (``python -m fabric.node``) or by any other launcher
+(Slurm ``srun``, ``mpirun``, ssh) as ``semfab node --name NAME --topology FILE``.
+It attaches to its switch, reports ready on the control socket, then runs the
+tasks it is sent (workers) or serves host-staged traffic (hosts) until told to
+shut down or its launcher disappears.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import logging
+import os
+import pickle
+import signal
+import sys
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+from fabric import control, transport
+from fabric import frame as fr
+from fabric.endpoint import Endpoint
+from fabric.frame import FrameError, Op
+from fabric.hostnode import HostAggregator
+from fabric.topology import load
+
+log = logging.getLogger("semfab.node")
+
+_loaded_files: dict[str, Any] = {}
+
+
+def resolve_function(module: str, name: str, file: str | None) -> Callable[..., Any]:
+    """Find a task function by module (or script file) and qualified name."""
+    if file:
+        mod = _loaded_files.get(file)
+        if mod is None:
+            spec = importlib.util.spec_from_file_location("semfab_user_script", file)
+            if spec is None or spec.loader is None:
+                raise ImportError(f"cannot load {file}")
+            mod = importlib.util.module_from_spec(spec)
+            sys.modules.setdefault("semfab_user_script", mod)
+            spec.loader.exec_module(mod)
+            _loaded_files[file] = mod
+    else:
+        mod = importlib.import_module(module)
+    obj: Any = mod
+    for part in name.split("."):
+        obj = getattr(obj, part)
+    return obj  # type: ignore[no-any-return]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Flags shared by `semfab node` and `python -m fabric.node`."""
+    p.add_argument("--name", required=True, help="this node's name in the topology")
+    p.add_argument("--topology", required=True, help="the topology TOML file")
+    p.add_argument("--sock-dir", required=True,
+                   help="folder of the ipc:// sockets (same on every node of one host)")
+    p.add_argument("--ctl", help="the launcher's control address (omit when run standalone)")
+    p.add_argument("--run-id", default="run", help="names shared-memory regions of this run")
+    p.add_argument("--timeout", type=float, default=30.0,
+                   help="seconds any wait on a peer may take before failing")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Process entry: serve until shutdown."""
+    topo = load(args.topology)
+    node = topo.node(args.name)
+    ctx = transport.context()
+    ep = Endpoint(topo, args.name, args.sock_dir, run_id=args.run_id, timeout_s=args.timeout,
+                  ctx=ctx)
+    ctl = transport.dealer(ctx, args.ctl, args.name) if args.ctl else None
+    stop = False
+
+    def on_term(*_: object) -> None:
+        nonlocal stop
+        stop = True
+
+    signal.signal(signal.SIGTERM, on_term)
+    if ctl is not None:
+        ctl.send(control.pack("ready", name=args.name, pid=os.getpid()))
+    log.info("%s (id %d, %s) ready", args.name, node.id, node.kind)
+    aggregator = HostAggregator() if node.kind == "host" else None
+    poller = zmq.Poller()
+    if ctl is not None:
+        poller.register(ctl, zmq.POLLIN)
+    if aggregator is not None:
+        poller.register(ep.sock, zmq.POLLIN)
+    parent = os.getppid()
+    try:
+        while not stop:
+            events = dict(poller.poll(1000))
+            if ctl is not None and os.getppid() != parent:
+                log.warning("launcher went away; exiting")
+                break
+            if aggregator is not None and ep.sock in events:
+                _serve_host(ep, aggregator)
+            if ctl is not None and ctl in events:
+                msg = control.parse(ctl.recv())
+                if msg["t"] == "shutdown":
+                    break
+                if msg["t"] == "run":
+                    ctl.send(_run_task(ep, msg))
+    finally:
+        ep.close()
+        if ctl is not None:
+            ctl.close(0)
+        ctx.term()
+    return 0
+
+
+def _run_task(ep: Endpoint, msg: dict[str, Any]) -> bytes:
+    task = msg.get("task")
+    try:
+        fn = resolve_function(msg["module"], msg["func"], msg.get("file"))
+        args, kwargs = pickle.loads(msg["args"])
+        result = fn(ep, *args, **kwargs)
+        return control.pack("done", task=task, ok=True, result=pickle.dumps(result))
+    except Exception as exc:  # reported to the launcher with the traceback
+        log.exception("task %s failed", task)
+        return control.pack("done", task=task, ok=False,
+                            error=f"{type(exc).__name__}: {exc}",
+                            traceback=traceback.format_exc())
+
+
+def _serve_host(ep: Endpoint, aggregator: HostAggregator) -> None:
+    """Handle every frame waiting on the host's data socket."""
+    from fabric.collectives import HOST_PS_FLOW
+
+    while True:
+        try:
+            parts = ep.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return
+        try:
+            f = fr.decode(parts[0].buffer, parts[1].buffer if len(parts) > 1 else None)
+            if f.op is Op.WRITE and f.flow == HOST_PS_FLOW:
+                for dst, body in aggregator.on_message(f.src, f.payload):
+                    ep.send(fr.encode_header(Op.WRITE, src=ep.node_id, dst=dst,
+                                             flow=HOST_PS_FLOW, psn=f.psn, msg=f.msg,
+                                             payload=body), body)
+            elif f.op is Op.CTRL and control.parse(f.payload).get("t") == "stats":
+                ep.send(fr.encode(Op.CTRL, src=ep.node_id, dst=f.src, payload=control.pack(
+                    "stats", **aggregator.stats.__dict__)))
+        except FrameError as exc:
+            log.warning("refused a frame: %s", exc)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m fabric.node ...`."""
+    p = argparse.ArgumentParser(prog="semfab node", description=__doc__)
+    add_arguments(p)
+    p.add_argument("-v", "--verbose", action="count", default=0)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if not Path(args.topology).is_file():
+        print(f"semfab node: error: topology file {args.topology} not found", file=sys.stderr)
+        return 2
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,80 @@
+"""Shared-memory regions on one host: the memory plane's "device memory".
+
+Each region is a file in /dev/shm mapped by its owner and by the switch, so a
+switch can load, reduce and store straight into a worker's memory (the
+NVLink SHARP ld_reduce/st model). Plain files + mmap rather than
+multiprocessing.shared_memory, whose resource tracker unlinks segments that
+another process attached to.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from pathlib import Path
+
+import numpy as np
+
+SHM_DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path("/tmp")
+
+
+class SharedRegion:
+    """A mapped shared-memory file; ``array(dtype)`` views it without copying."""
+
+    def __init__(self, path: Path, size: int, owner: bool) -> None:
+        self.path = path
+        self.size = size
+        self.owner = owner
+        fd = os.open(path, os.O_RDWR)
+        try:
+            self._map = mmap.mmap(fd, size) if size else None
+        finally:
+            os.close(fd)
+
+    @classmethod
+    def create(cls, name: str, size: int) -> SharedRegion:
+        """Create and map a new region of ``size`` bytes (zero-filled)."""
+        path = SHM_DIR / name
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, size)
+        finally:
+            os.close(fd)
+        return cls(path, size, owner=True)
+
+    @classmethod
+    def attach(cls, path: str | Path, size: int) -> SharedRegion:
+        """Map a region another process created."""
+        p = Path(path)
+        actual = p.stat().st_size
+        if actual < size:
+            raise ValueError(f"shared region {p} has {actual} B, expected {size} B")
+        return cls(p, size, owner=False)
+
+    def buffer(self) -> memoryview:
+        """The whole region as a writable byte view."""
+        if self._map is None:
+            return memoryview(bytearray())
+        return memoryview(self._map)
+
+    def array(self, dtype: np.dtype | str, count: int | None = None, offset: int = 0) -> np.ndarray:
+        """A NumPy view of ``count`` elements at byte ``offset`` (default: all)."""
+        dt = np.dtype(dtype)
+        if count is None:
+            count = (self.size - offset) // dt.itemsize
+        return np.frombuffer(self.buffer(), dtype=dt, count=count, offset=offset)
+
+    def close(self) -> None:
+        """Unmap; the owner also removes the file."""
+        if self._map is not None:
+            try:
+                self._map.close()
+            except BufferError:
+                # Views still exist (NumPy arrays); the mapping goes with them.
+                pass
+            self._map = None
+        if self.owner:
+            try:
+                self.path.unlink()
+            except FileNotFoundError:
+                pass

@@ -1,0 +1,66 @@
+"""ZeroMQ plumbing shared by switch daemons, nodes and the launcher.
+
+Thin on purpose: sockets, addresses, and the two-part frame send/receive. All
+protocol decisions live in the pure modules (frame, aggregation, reliability).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+from pathlib import Path
+
+import zmq
+
+#: Payloads at least this large are sent zero-copy (pyzmq's own default is
+#: 64 KiB; below it a copy is cheaper than tracking the buffer's lifetime).
+ZERO_COPY_MIN = 64 * 1024
+#: High-water marks: windows are self-clocked by the protocols, so the socket
+#: queues only need to hold one window; a large HWM avoids silent drops.
+HWM = 1_000_000
+
+
+def context(io_threads: int = 1) -> zmq.Context:
+    """A fresh ZeroMQ context (one per process)."""
+    ctx = zmq.Context(io_threads=io_threads)
+    return ctx
+
+
+def _tune(sock: zmq.Socket) -> None:  # type: ignore[type-arg]
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, HWM)
+    sock.setsockopt(zmq.RCVHWM, HWM)
+    # Larger kernel buffers help the ipc/tcp pipes carry 64 KiB..4 MiB frames.
+    sock.setsockopt(zmq.SNDBUF, 4 * 1024 * 1024)
+    sock.setsockopt(zmq.RCVBUF, 4 * 1024 * 1024)
+
+
+def router(ctx: zmq.Context, bind: str) -> zmq.Socket:  # type: ignore[type-arg]
+    """A ROUTER bound at ``bind`` that raises when a peer is unknown (not drop)."""
+    sock = ctx.socket(zmq.ROUTER)
+    _tune(sock)
+    sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    sock.bind(bind)
+    return sock
+
+
+def dealer(ctx: zmq.Context, connect: str, identity: str) -> zmq.Socket:  # type: ignore[type-arg]
+    """A DEALER named ``identity`` connected to ``connect``."""
+    sock = ctx.socket(zmq.DEALER)
+    _tune(sock)
+    sock.setsockopt(zmq.IDENTITY, identity.encode())
+    sock.connect(connect)
+    return sock
+
+
+def free_tcp_port(host: str = "127.0.0.1") -> int:
+    """A port that was free a moment ago on loopback (for tests and peers)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def socket_dir() -> Path:
+    """A short private folder for ipc:// sockets (their paths must stay < 107 bytes)."""
+    return Path(tempfile.mkdtemp(prefix=f"semfab-{os.getpid()}-", dir="/tmp"))

@@ -1,0 +1,65 @@
+"""Command line of one switch daemon: `semfab switchd --topology FILE --name sw0`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from fabric.topology import TopologyError, load
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Flags of `semfab switchd`."""
+    p.add_argument("--topology", required=True, help="the topology TOML file")
+    p.add_argument("--name", required=True, help="this switch's name in the topology")
+    p.add_argument("--sock-dir", default=".",
+                   help="folder of the ipc:// sockets (ipc transport)")
+    p.add_argument("--ctl", help="the launcher's control address (omit when run standalone)")
+    p.add_argument("--memory-mb", type=int, default=256,
+                   help="aggregation memory budget in MiB; jobs beyond it are refused")
+    p.add_argument("--io-threads", type=int, default=1, help="ZeroMQ I/O threads")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Start the daemon; returns when it shuts down."""
+    from fabric.errors import UsageError
+    from switchd.daemon import SwitchDaemon
+
+    if not Path(args.topology).is_file():
+        raise UsageError(f"topology file {args.topology} not found")
+    try:
+        topo = load(args.topology)
+        node = topo.node(args.name)
+    except (TopologyError, KeyError) as exc:
+        raise UsageError(str(exc)) from None
+    if node.kind != "switch":
+        raise UsageError(f"{args.name!r} is a {node.kind}, not a switch")
+    if args.memory_mb < 1:
+        raise UsageError("--memory-mb must be at least 1")
+    daemon = SwitchDaemon(topo, args.name, Path(args.sock_dir), ctl_addr=args.ctl,
+                          memory_budget=args.memory_mb * 2**20, io_threads=args.io_threads)
+    daemon.serve()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of `python -m switchd`."""
+    from fabric.errors import UsageError
+
+    p = argparse.ArgumentParser(prog="semfab switchd", description="Run one switch daemon.")
+    add_arguments(p)
+    p.add_argument("-v", "--verbose", action="count", default=0)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        return run(args)
+    except UsageError as exc:
+        print(f"semfab switchd: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

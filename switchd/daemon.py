@@ -1,0 +1,421 @@
+"""The switch daemon: a thin ZeroMQ loop around the pure protocol objects.
+
+One process per switch. A ROUTER socket is bound at the switch's address;
+every node attached to it connects a DEALER whose identity is its node name.
+Per frame the loop does one of three things:
+
+* ``REDUCE`` addressed to this switch: hand it to the aggregation engine and
+  turn the engine's events into RESULT / NACK frames (frame plane: the result
+  travels back in the frame; memory plane: the switch loads, reduces and
+  stores straight into the members' registered regions and sends a 32-byte
+  RESULT that carries no data);
+* ``CTRL`` addressed to this switch: hello, job and region registration,
+  barriers, statistics;
+* anything else: forward to the destination node unchanged (header and payload
+  buffers are passed through, never re-encoded).
+
+Malformed or unauthorised frames are counted and answered with a NACK; the
+loop keeps running.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import zmq
+
+from fabric import control, transport
+from fabric import frame as fr
+from fabric.frame import Flag, FrameError, NackCode, Op
+from fabric.memory import AccessError, RegionInfo, RegionTable
+from fabric.shm import SharedRegion
+from fabric.topology import Topology
+from switchd.aggregation import (
+    DTYPES,
+    AggOp,
+    AggregationEngine,
+    Completed,
+    DuplicateIgnored,
+    Granted,
+    JobSpec,
+    Rejected,
+    ResendResult,
+    Stale,
+)
+
+log = logging.getLogger("semfab.switchd")
+
+PSN_MASK = 0xFFFF_FFFF
+
+
+@dataclass
+class SwitchCounters:
+    """Live counters a running switch reports to `semfab stats`."""
+
+    frames_in: int = 0
+    frames_out: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+    forwarded: int = 0
+    reduce_frames: int = 0
+    results_sent: int = 0
+    ctrl_frames: int = 0
+    malformed: int = 0
+    nacks_sent: int = 0
+    unroutable: int = 0
+    # semantic distance, as the switch really handles payloads
+    payload_copies: int = 0  # chunk payloads copied/reduced into switch memory or regions
+    mem_stores: int = 0  # memory-plane chunk stores into member regions
+    reduce_seconds: float = 0.0
+    jobs_refused: int = 0
+    nack_codes: dict[str, int] = field(default_factory=dict)
+
+
+def unwrap_psn(psn: int, last: int) -> int:
+    """The unbounded chunk number nearest ``last`` whose low 32 bits are ``psn``."""
+    cand = (last & ~PSN_MASK) | psn
+    if cand - last > 1 << 31:
+        cand -= 1 << 32
+    elif last - cand > 1 << 31:
+        cand += 1 << 32
+    return max(cand, 0)
+
+
+class SwitchDaemon:
+    """One switch. ``serve()`` runs until a shutdown message or SIGTERM."""
+
+    def __init__(
+        self,
+        topo: Topology,
+        name: str,
+        sock_dir: Path,
+        ctl_addr: str | None = None,
+        memory_budget: int = 256 * 2**20,
+        io_threads: int = 1,
+    ) -> None:
+        self.topo = topo
+        self.name = name
+        self.node = topo.node(name)
+        self.address = topo.endpoint_address(name, sock_dir)
+        self.ctx = transport.context(io_threads)
+        self.sock = transport.router(self.ctx, topo.bind_address(name, sock_dir))
+        self.ctl = transport.dealer(self.ctx, ctl_addr, name) if ctl_addr else None
+        self.engine = AggregationEngine(memory_budget)
+        self.regions = RegionTable()
+        self._mapped: dict[int, SharedRegion] = {}
+        self._ident: dict[int, bytes] = {n.id: n.name.encode() for n in topo.nodes}
+        self.counters = SwitchCounters()
+        self._jobs: dict[int, JobSpec] = {}
+        self._job_last: dict[int, int] = {}
+        # memory plane: per (job, chunk) the (key, offset) each member named
+        self._refs: dict[tuple[int, int], dict[int, tuple[int, int]]] = {}
+        self._barriers: dict[int, list[bytes]] = {}
+        self._kernel: Any = None
+        self._running = True
+        self._started = time.monotonic()
+
+    # ------------------------------------------------------------------ sending
+    def _send(self, ident: bytes, header: bytes, payload: Any = None) -> None:
+        try:
+            if payload is None:
+                self.sock.send_multipart([ident, header])
+                nbytes = len(header)
+            else:
+                nb = memoryview(payload).nbytes
+                self.sock.send_multipart(
+                    [ident, header, payload], copy=nb < transport.ZERO_COPY_MIN
+                )
+                nbytes = len(header) + nb
+        except zmq.ZMQError as exc:
+            if exc.errno == zmq.EHOSTUNREACH:
+                self.counters.unroutable += 1
+                log.warning("drop: %s is not connected", ident.decode(errors="replace"))
+                return
+            raise
+        self.counters.frames_out += 1
+        self.counters.bytes_out += nbytes
+
+    def _nack(self, ident: bytes, f_src: int, job: int, psn: int, msg: int, code: NackCode,
+              why: str) -> None:
+        self.counters.nacks_sent += 1
+        self.counters.nack_codes[code.name] = self.counters.nack_codes.get(code.name, 0) + 1
+        log.info("NACK %s to %s: %s", code.name, ident.decode(errors="replace"), why)
+        self._send(ident, fr.encode_nack(src=self.node.id, dst=f_src, flow=0, psn=psn, code=code,
+                                         job=job, msg=msg))
+
+    def _ctrl(self, ident: bytes, dst: int, t: str, **fields: Any) -> None:
+        self._send(ident, fr.encode(Op.CTRL, src=self.node.id, dst=dst,
+                                    payload=control.pack(t, **fields)))
+
+    # ------------------------------------------------------------------ main loop
+    def serve(self) -> None:
+        """Run the event loop until shutdown."""
+        signal.signal(signal.SIGTERM, lambda *_: self._stop())
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        if self.ctl is not None:
+            poller.register(self.ctl, zmq.POLLIN)
+            self.ctl.send(control.pack("ready", name=self.name, pid=os.getpid(),
+                                       address=self.address))
+        log.info("switch %s (id %d) serving at %s", self.name, self.node.id, self.address)
+        parent = os.getppid()
+        try:
+            while self._running:
+                events = dict(poller.poll(1000))
+                if self.sock in events:
+                    # drain a batch before polling again: one wake-up, many frames
+                    for _ in range(256):
+                        try:
+                            parts = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                        except zmq.Again:
+                            break
+                        self._on_frame(parts)
+                if self.ctl is not None and self.ctl in events:
+                    msg = control.parse(self.ctl.recv())
+                    if msg["t"] == "shutdown":
+                        break
+                    if msg["t"] == "stats":
+                        self.ctl.send(control.pack("stats", **self.statistics()))
+                if self.ctl is not None and os.getppid() != parent:
+                    log.warning("launcher went away; shutting down")
+                    break
+        finally:
+            self.close()
+
+    def _stop(self) -> None:
+        self._running = False
+
+    def close(self) -> None:
+        """Release sockets and mapped regions."""
+        for region in self._mapped.values():
+            region.close()
+        self._mapped.clear()
+        self.sock.close(0)
+        if self.ctl is not None:
+            self.ctl.close(0)
+        self.ctx.term()
+
+    # ------------------------------------------------------------------ dispatch
+    def _on_frame(self, parts: list[zmq.Frame]) -> None:
+        c = self.counters
+        c.frames_in += 1
+        ident = parts[0].bytes
+        if len(parts) not in (2, 3):
+            c.malformed += 1
+            log.warning("malformed message of %d parts from %r", len(parts), ident)
+            return
+        header = parts[1].buffer
+        payload = parts[2].buffer if len(parts) == 3 else None
+        c.bytes_in += header.nbytes + (payload.nbytes if payload is not None else 0)
+        try:
+            # two parts: header + payload; one part: a contiguous frame
+            f = fr.decode(header, payload)
+        except FrameError as exc:
+            c.malformed += 1
+            try:
+                _op, _fl, src, job, psn, _k, _o, _l = fr.peek(header)
+            except FrameError:
+                src, job, psn = 0, 0, 0
+            self._nack(ident, src, job, psn, 0, exc.code, str(exc))
+            return
+        if f.dst != self.node.id or f.flags & Flag.MCAST:
+            self._forward(f, ident, parts)
+        elif f.op is Op.REDUCE:
+            c.reduce_frames += 1
+            self._on_reduce(f, ident)
+        elif f.op is Op.CTRL:
+            c.ctrl_frames += 1
+            try:
+                self._on_ctrl(f, ident, control.parse(f.payload))
+            except FrameError as exc:
+                c.malformed += 1
+                self._nack(ident, f.src, f.job, f.psn, f.msg, exc.code, str(exc))
+        else:
+            self._nack(ident, f.src, f.job, f.psn, f.msg, NackCode.UNSUPPORTED,
+                       f"switch does not serve {f.op.name}")
+
+    def _forward(self, f: fr.Frame, ident: bytes, parts: list[zmq.Frame]) -> None:
+        dst_ident = self._ident.get(f.dst)
+        if dst_ident is None:
+            self.counters.unroutable += 1
+            self._nack(ident, f.src, f.job, f.psn, f.msg, NackCode.PERMISSION,
+                       f"no node with id {f.dst}")
+            return
+        self.counters.forwarded += 1
+        if len(parts) == 3:
+            self._send(dst_ident, parts[1].buffer, parts[2])
+        else:
+            self._send(dst_ident, bytes(parts[1].buffer))
+
+    # ------------------------------------------------------------------ aggregation
+    def _on_reduce(self, f: fr.Frame, ident: bytes) -> None:
+        spec = self._jobs.get(f.job)
+        if spec is None:
+            self._nack(ident, f.src, f.job, f.psn, f.msg, NackCode.UNKNOWN_JOB,
+                       f"job {f.job} is not registered")
+            return
+        chunk = unwrap_psn(f.psn, self._job_last.get(f.job, 0))
+        pending: dict[int, tuple[int, int]] | None = None
+        had_ref = False
+        if spec.referenced:
+            if not f.referenced:
+                self._nack(ident, f.src, f.job, f.psn, f.msg, NackCode.MALFORMED,
+                           "memory-plane job needs REF frames")
+                return
+            try:
+                self.regions.check(f.key, f.offset, f.length, f.src)
+            except AccessError as exc:
+                self._nack(ident, f.src, f.job, f.psn, f.msg, exc.code, str(exc))
+                return
+            pending = self._refs.setdefault((f.job, chunk), {})
+            had_ref = f.src in pending
+            pending[f.src] = (f.key, f.offset)
+            data = None
+        else:
+            if f.referenced:
+                self._nack(ident, f.src, f.job, f.psn, f.msg, NackCode.MALFORMED,
+                           "frame-plane job needs inline payloads")
+                return
+            data = np.frombuffer(f.payload, dtype=DTYPES[spec.dtype])
+        events = self.engine.contribute(f.job, chunk, f.src, data, length=f.count)
+        completed = False
+        for ev in events:
+            if isinstance(ev, Completed):
+                completed = True
+                self._job_last[f.job] = max(self._job_last.get(f.job, 0), ev.chunk)
+                if spec.referenced:
+                    self._reduce_regions(spec, ev.chunk, f.count)
+                self._send_results(spec, ev.chunk, ev.recipients, ev.result, f)
+            elif isinstance(ev, ResendResult):
+                self._send_results(spec, ev.chunk, (ev.member,), ev.result, f)
+            elif isinstance(ev, Rejected):
+                self._nack(ident, f.src, f.job, f.psn, f.msg, NackCode[ev.code], ev.reason)
+            elif isinstance(ev, (DuplicateIgnored, Stale)):
+                pass  # counted by the engine; nothing to send
+        counted = completed or not events
+        if pending is not None and not counted and not had_ref:
+            # refused, stale or answered from the kept result: forget the address
+            pending.pop(f.src, None)
+            if not pending:
+                self._refs.pop((f.job, chunk), None)
+        if data is not None and counted:
+            self.counters.payload_copies += 1
+
+    def _reduce_regions(self, spec: JobSpec, chunk: int, count: int) -> None:
+        """Memory plane: ld_reduce from every member's region, st into every one."""
+        refs = self._refs.pop((spec.job, chunk))
+        dt = DTYPES[spec.dtype]
+        arrays = []
+        for member in spec.members:
+            key, offset = refs[member]
+            region = self._mapped[key]
+            arrays.append(region.array(dt, count, offset))
+        t0 = time.perf_counter()
+        self._kernel.multicast_reduce(arrays, arrays, spec.op.value)
+        self.counters.reduce_seconds += time.perf_counter() - t0
+        self.counters.mem_stores += len(arrays)
+        self.counters.payload_copies += 1
+
+    def _send_results(self, spec: JobSpec, chunk: int, recipients: tuple[int, ...],
+                      result: np.ndarray | None, f: fr.Frame) -> None:
+        dtype = f.dtype
+        for member in recipients:
+            ident = self._ident[member]
+            if result is None:
+                header = fr.encode_header(Op.RESULT, src=self.node.id, dst=member, job=spec.job,
+                                          psn=chunk & PSN_MASK, dtype=dtype, msg=f.msg,
+                                          flags=Flag.REF, length=f.length)
+                self._send(ident, header)
+            else:
+                header = fr.encode_header(Op.RESULT, src=self.node.id, dst=member, job=spec.job,
+                                          psn=chunk & PSN_MASK, dtype=dtype, msg=f.msg,
+                                          payload=result)
+                self._send(ident, header, result)
+            self.counters.results_sent += 1
+
+    # ------------------------------------------------------------------ control
+    def _on_ctrl(self, f: fr.Frame, ident: bytes, msg: dict[str, Any]) -> None:
+        t = msg["t"]
+        if t == "hello":
+            self._ident[f.src] = ident
+            self._ctrl(ident, f.src, "welcome", switch=self.name, id=self.node.id)
+        elif t == "job":
+            self._register_job(f, ident, msg)
+        elif t == "release":
+            job = control.need(msg, "job", int)
+            self.engine.release(job)
+            self._jobs.pop(job, None)
+        elif t == "region":
+            self._register_region(f, ident, msg)
+        elif t == "barrier":
+            bid = control.need(msg, "id", int)
+            n = control.need(msg, "n", int)
+            waiting = self._barriers.setdefault(bid, [])
+            waiting.append(ident)
+            if len(waiting) >= n:
+                for who in self._barriers.pop(bid):
+                    self._ctrl(who, 0, "barrier_done", id=bid)
+        elif t == "stats":
+            self._ctrl(ident, f.src, "stats", **self.statistics())
+        else:
+            raise FrameError(NackCode.MALFORMED, f"unknown control message type {t!r}")
+
+    def _register_job(self, f: fr.Frame, ident: bytes, msg: dict[str, Any]) -> None:
+        try:
+            spec = JobSpec(
+                job=control.need(msg, "job", int),
+                members=tuple(control.need(msg, "members", list)),
+                dtype=control.need(msg, "dtype", str),
+                op=AggOp(control.need(msg, "op", str)),
+                slots=control.need(msg, "slots", int),
+                slot_elems=control.need(msg, "slot_elems", int),
+                referenced=bool(msg.get("referenced", False)),
+            )
+        except ValueError as exc:
+            raise FrameError(NackCode.MALFORMED, f"bad job spec: {exc}") from None
+        if spec.referenced and self._kernel is None:
+            from kernels import get_backend
+
+            self._kernel = get_backend(msg.get("backend", "numba-cpu"))
+        reply = self.engine.register(spec)
+        if isinstance(reply, Granted):
+            self._jobs[spec.job] = spec
+            self._job_last.setdefault(spec.job, 0)
+            self._ctrl(ident, f.src, "job_reply", job=spec.job, granted=True, reason="")
+        else:
+            self.counters.jobs_refused += 1
+            log.warning("job %d refused: %s", spec.job, reply.reason)
+            self._ctrl(ident, f.src, "job_reply", job=spec.job, granted=False,
+                       reason=reply.reason)
+
+    def _register_region(self, f: fr.Frame, ident: bytes, msg: dict[str, Any]) -> None:
+        key = control.need(msg, "key", int)
+        size = control.need(msg, "size", int)
+        path = control.need(msg, "path", str)
+        try:
+            self.regions.add(RegionInfo(key=key, owner=f.src, size=size, path=path))
+            old = self._mapped.pop(key, None)
+            if old is not None:
+                old.close()
+            self._mapped[key] = SharedRegion.attach(path, size)
+        except (AccessError, OSError, ValueError) as exc:
+            self.regions.remove(key)
+            self._ctrl(ident, f.src, "region_reply", key=key, ok=False, reason=str(exc))
+            return
+        self._ctrl(ident, f.src, "region_reply", key=key, ok=True, reason="")
+
+    def statistics(self) -> dict[str, Any]:
+        """Counters and engine statistics as plain data."""
+        stats = asdict(self.counters)
+        stats["engine"] = asdict(self.engine.statistics())
+        stats["switch"] = self.name
+        stats["regions"] = len(self.regions)
+        stats["uptime_s"] = time.monotonic() - self._started
+        return stats
