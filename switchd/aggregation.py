@@ -1,0 +1,632 @@
+"""In-network aggregation engine: SwitchML-style slot pool with shadow copies.
+
+This module is *sans-IO*: it imports only the standard library, NumPy and
+ml_dtypes, never reads a clock and never touches a socket. The switch daemon
+decodes a REDUCE frame, calls :meth:`AggregationEngine.contribute`, and turns
+the returned events into RESULT / NACK frames. The same engine serves both
+data planes:
+
+* frame plane: the contribution's data travels in the frame and the engine
+  reduces it into its own preallocated slot memory;
+* memory plane (``JobSpec.referenced``): frames carry addresses only; the
+  engine tracks contributor bitmaps and chunk lengths, holds no data
+  (``data=None``), and the daemon reduces from shared memory when
+  :class:`Completed` comes out.
+
+Slot algorithm (see docs/AGGREGATION.md for the argument): chunk ``c`` of a
+job with ``S`` slots lives in slot ``c % S``, version ``(c // S) % 2``. A
+version may be reset for chunk ``c`` only when it holds the *completed* chunk
+``c - 2S``, and a contribution to ``c`` is counted only when the other version
+of the slot holds the completed chunk ``c - S``; self-clocking workers (chunk
+``c + S`` only after the result of ``c``) guarantee both, and then every member
+has received the result of ``c - 2S``.
+
+Chunk numbers must be dense and job-wide: consecutive collectives on one job
+continue the numbering (0, 1, 2, ... over the job's life), they do not restart
+at 0. Restarting would alias a new chunk onto an old completed one.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any, Final, TypeAlias
+
+import ml_dtypes
+import numpy as np
+
+__all__ = [
+    "DTYPES",
+    "NACK_CODES",
+    "AggOp",
+    "AggregationEngine",
+    "Completed",
+    "DuplicateIgnored",
+    "EngineStats",
+    "Event",
+    "Granted",
+    "JobSpec",
+    "Refused",
+    "Rejected",
+    "ResendResult",
+    "Stale",
+]
+
+
+class AggOp(StrEnum):
+    """Reduction operator applied element-wise across members."""
+
+    SUM = "sum"
+    MAX = "max"
+    MIN = "min"
+
+
+#: Element types the engine reduces, by the names used in frames and job specs.
+DTYPES: Final[dict[str, np.dtype[Any]]] = {
+    "float32": np.dtype(np.float32),
+    "float16": np.dtype(np.float16),
+    "bfloat16": np.dtype(ml_dtypes.bfloat16),
+    "int32": np.dtype(np.int32),
+    "int64": np.dtype(np.int64),
+}
+
+#: NACK codes a :class:`Rejected` may carry (names match ``fabric.frame.NackCode``).
+#: The engine itself emits UNKNOWN_JOB, NO_RESOURCE, PERMISSION, OUT_OF_WINDOW and
+#: MALFORMED; BAD_KEY is for the daemon's region-key checks on the memory plane.
+NACK_CODES: Final[frozenset[str]] = frozenset(
+    {"BAD_KEY", "PERMISSION", "OUT_OF_WINDOW", "NO_RESOURCE", "MALFORMED", "UNKNOWN_JOB"}
+)
+
+MAX_MEMBERS: Final = 64
+MAX_JOB_ID: Final = 0xFFFF
+DEFAULT_MAX_SLOTS: Final = 1 << 16
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """What a job asks of the switch.
+
+    ``members`` are the contributor node ids (workers, or child switches in a
+    tree); their order fixes the bitmap bit of each and the order of
+    ``Completed.recipients``. ``slots`` is the window S, ``slot_elems`` the
+    elements of one chunk (one frame's payload). ``referenced`` selects the
+    memory plane: the engine holds no data, only bitmaps.
+    """
+
+    job: int
+    members: tuple[int, ...]
+    dtype: str
+    op: AggOp
+    slots: int
+    slot_elems: int
+    referenced: bool = False
+
+
+# --------------------------------------------------------------------- events
+# slots=True: events are created on the hot path, keep them small and fast.
+
+
+@dataclass(frozen=True, slots=True)
+class Granted:
+    """Registration accepted: the job owns ``slots`` slots of ``slot_elems`` elements."""
+
+    job: int
+    slots: int
+    slot_elems: int
+
+
+@dataclass(frozen=True, slots=True)
+class Refused:
+    """Registration refused; the job must fall back to the host path (and report it).
+
+    ``slots_free`` is how many slots of the asked shape would fit right now
+    (0 when the refusal is not about resources), so a caller may retry smaller.
+    """
+
+    job: int
+    reason: str
+    slots_free: int
+
+
+@dataclass(frozen=True, slots=True)
+class Completed:
+    """All members contributed to ``chunk``: send ``result`` to every recipient.
+
+    ``result`` is a read-only view of engine memory, valid until this slot
+    version is reused (at chunk ``chunk + 2*slots``); ``None`` when the job is
+    referenced (the daemon reduces from shared memory itself).
+    """
+
+    job: int
+    chunk: int
+    slot: int
+    result: np.ndarray | None
+    recipients: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ResendResult:
+    """A contribution for an already-completed chunk: resend the kept result to ``member``.
+
+    The member lost the RESULT and retransmitted; ``result`` is the kept view
+    (``None`` when referenced).
+    """
+
+    job: int
+    chunk: int
+    member: int
+    result: np.ndarray | None
+
+
+@dataclass(frozen=True, slots=True)
+class DuplicateIgnored:
+    """A retransmission already in the bitmap of an incomplete chunk; nothing to send."""
+
+    job: int
+    chunk: int
+    member: int
+
+
+@dataclass(frozen=True, slots=True)
+class Stale:
+    """A late duplicate for a chunk whose slot version was already reused; nothing to send."""
+
+    job: int
+    chunk: int
+    member: int
+
+
+@dataclass(frozen=True, slots=True)
+class Rejected:
+    """A contribution refused with a NACK ``code``; no slot state was changed."""
+
+    job: int
+    chunk: int
+    member: int
+    code: str
+    reason: str
+
+
+Event: TypeAlias = (
+    Granted | Refused | Completed | ResendResult | DuplicateIgnored | Stale | Rejected
+)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """Counters and resource use of an :class:`AggregationEngine`.
+
+    Every ``contribute`` call lands in exactly one of ``contributions``
+    (counted into a slot), ``duplicates``, ``resends``, ``stale`` or
+    ``rejected``. ``completions`` counts chunks completed.
+    """
+
+    jobs: int
+    slots_total: int
+    slots_in_use: int
+    bytes_reserved: int
+    budget_bytes: int
+    contributions: int
+    completions: int
+    duplicates: int
+    resends: int
+    stale: int
+    rejected: int
+
+
+# ------------------------------------------------------------------ internals
+
+_UFUNCS: Final[dict[AggOp, Callable[..., Any]]] = {
+    AggOp.SUM: np.add,
+    AggOp.MAX: np.maximum,
+    AggOp.MIN: np.minimum,
+}
+
+
+_NO_DATA: Final = np.empty(0)  # stands in for data on referenced jobs (never read)
+
+
+def _fmt_bytes(n: int) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n} B ({n / size:.1f} {unit})"
+    return f"{n} B"
+
+
+def _absmax(a: np.ndarray) -> int:
+    # Python ints: -INT_MIN does not fit the dtype, and the bound must not wrap.
+    return max(int(a.max()), -int(a.min()))
+
+
+class _Job:
+    """Per-job slot state. Lists indexed by ``2 * slot + version``."""
+
+    __slots__ = (
+        "spec",
+        "slots",
+        "elems",
+        "dtype",
+        "ufunc",
+        "mem",
+        "bits",
+        "full",
+        "held",
+        "bitmap",
+        "length",
+        "bound",
+        "int_max",
+        "scratch",
+        "nbytes",
+    )
+
+    def __init__(self, spec: JobSpec, mem: np.ndarray | None, nbytes: int) -> None:
+        s = spec.slots
+        self.spec = spec
+        self.slots = s
+        self.elems = spec.slot_elems
+        self.dtype = DTYPES[spec.dtype]
+        self.ufunc = _UFUNCS[spec.op]
+        self.mem = mem
+        self.nbytes = nbytes
+        self.bits = {m: 1 << i for i, m in enumerate(spec.members)}
+        self.full = (1 << len(spec.members)) - 1
+        # Each version starts as if it held the *completed* chunk c - 2S for its
+        # first chunk c = slot + version*S: the reuse rule then needs no special
+        # case for fresh slots, and a first chunk >= 2S is rightly out of window.
+        self.held = [(i >> 1) + (i & 1) * s - 2 * s for i in range(2 * s)]
+        self.bitmap = [self.full] * (2 * s)
+        self.length = [0] * (2 * s)
+        # Integer SUM only: a bound on max|partial sum| per slot version, to
+        # prove cheaply that the next add cannot wrap.
+        sum_int = spec.op is AggOp.SUM and self.dtype.kind == "i" and mem is not None
+        self.int_max = int(np.iinfo(self.dtype).max) if sum_int else 0
+        self.bound = [0] * (2 * s) if sum_int else []
+        self.scratch: np.ndarray | None = None
+
+    def view(self, idx: int, n: int) -> np.ndarray | None:
+        if self.mem is None:
+            return None
+        v = self.mem[idx >> 1, idx & 1, :n]
+        v.flags.writeable = False  # the daemon must not scribble on slot memory
+        return v
+
+    def add_int_checked(self, dst: np.ndarray, data: np.ndarray, idx: int) -> str | None:
+        """Integer sum that never wraps silently; returns a reason when it would."""
+        m = _absmax(data)
+        bound = self.bound[idx] + m
+        if bound <= self.int_max:
+            np.add(dst, data, out=dst)
+            self.bound[idx] = bound
+            return None
+        # Rare path: the cheap bound failed; check element-wise with two scratch
+        # rows (allocated once per job) before touching the slot.
+        n = dst.shape[0]
+        if self.scratch is None:
+            self.scratch = np.empty((2, self.elems), dtype=self.dtype)
+        s, t = self.scratch[0, :n], self.scratch[1, :n]
+        np.add(dst, data, out=s)  # wrapping sum
+        # Overflow iff both operands have the sign the wrapped sum lacks.
+        np.bitwise_xor(dst, s, out=t)
+        np.bitwise_xor(data, s, out=s)
+        np.bitwise_and(t, s, out=t)
+        if int(t.min()) < 0:
+            i = int(np.argmax(t < 0))
+            return (
+                f"{self.dtype.name} sum would wrap at element {i} "
+                f"({int(dst[i])} + {int(data[i])}); workers must scale to leave "
+                f"headroom for {len(self.bits)} members"
+            )
+        np.add(dst, data, out=dst)
+        self.bound[idx] = _absmax(dst)
+        return None
+
+
+def _spec_error(spec: JobSpec) -> str | None:
+    """Why a spec is unusable, or None."""
+    if not isinstance(spec.job, int) or not 0 <= spec.job <= MAX_JOB_ID:
+        return f"job id {spec.job!r} is not a u16"
+    members = spec.members
+    if not 1 <= len(members) <= MAX_MEMBERS:
+        return f"{len(members)} members; 1..{MAX_MEMBERS} allowed"
+    if any(not isinstance(m, int) or m < 0 for m in members):
+        return f"members must be non-negative node ids, got {members!r}"
+    if len(set(members)) != len(members):
+        return f"duplicate members in {members!r}"
+    if spec.dtype not in DTYPES:
+        return f"dtype {spec.dtype!r} not one of {sorted(DTYPES)}"
+    if spec.op not in tuple(AggOp):
+        return f"op {spec.op!r} not one of {[o.value for o in AggOp]}"
+    if not isinstance(spec.slots, int) or spec.slots < 1:
+        return f"slots must be >= 1, got {spec.slots!r}"
+    if not isinstance(spec.slot_elems, int) or spec.slot_elems < 1:
+        return f"slot_elems must be >= 1, got {spec.slot_elems!r}"
+    return None
+
+
+def _normalise(spec: JobSpec) -> JobSpec:
+    # A list of members or a plain "sum" string must compare equal on re-register.
+    return JobSpec(
+        job=spec.job,
+        members=tuple(spec.members),
+        dtype=spec.dtype,
+        op=AggOp(spec.op),
+        slots=spec.slots,
+        slot_elems=spec.slot_elems,
+        referenced=bool(spec.referenced),
+    )
+
+
+# --------------------------------------------------------------------- engine
+
+
+class AggregationEngine:
+    """Sans-IO in-network aggregation: slot pools per job, exactly-once reduction.
+
+    ``memory_budget_bytes`` bounds the slot memory of all jobs together;
+    ``max_slots`` bounds the number of slots (it also applies to referenced
+    jobs, which hold no data but still hold bitmaps).
+    """
+
+    def __init__(
+        self, memory_budget_bytes: int = 256 * 2**20, *, max_slots: int = DEFAULT_MAX_SLOTS
+    ) -> None:
+        if memory_budget_bytes < 0 or max_slots < 0:
+            raise ValueError("memory_budget_bytes and max_slots must be >= 0")
+        self._budget = int(memory_budget_bytes)
+        self._max_slots = int(max_slots)
+        self._jobs: dict[int, _Job] = {}
+        # Jobs refused for resources: their contributions get NO_RESOURCE, which
+        # tells the worker "use the host path" rather than "who are you?".
+        self._refused: set[int] = set()
+        self._reserved = 0
+        self._slots_used = 0
+        self._contributions = 0
+        self._completions = 0
+        self._duplicates = 0
+        self._resends = 0
+        self._stale = 0
+        self._rejected = 0
+
+    # -------------------------------------------------------------- control
+
+    def register(self, spec: JobSpec) -> Granted | Refused:
+        """Reserve slot memory for a job, or refuse it with a reason.
+
+        Memory asked = ``slots * 2 * slot_elems * itemsize`` (0 if referenced);
+        slots are also counted against ``max_slots``. Registering the same job
+        id again with an equal spec is idempotent (``Granted`` again, nothing
+        reserved twice); with a different spec it is refused.
+        """
+        try:
+            err = _spec_error(spec)
+        except (TypeError, ValueError) as exc:  # e.g. members not a sequence
+            err = f"{type(exc).__name__}: {exc}"
+        if err is not None:
+            return Refused(getattr(spec, "job", -1), f"invalid job spec: {err}", 0)
+        spec = _normalise(spec)
+        old = self._jobs.get(spec.job)
+        if old is not None:
+            if old.spec == spec:
+                return Granted(spec.job, spec.slots, spec.slot_elems)
+            return Refused(
+                spec.job,
+                f"job {spec.job} is already registered with a different spec "
+                f"({old.spec}); release it first",
+                0,
+            )
+        per_slot = 0 if spec.referenced else 2 * spec.slot_elems * DTYPES[spec.dtype].itemsize
+        asked = spec.slots * per_slot
+        bytes_free = self._budget - self._reserved
+        slots_free = self._max_slots - self._slots_used
+        fit = min(slots_free, bytes_free // per_slot if per_slot else slots_free)
+        if asked > bytes_free or spec.slots > slots_free:
+            self._refused.add(spec.job)
+            return Refused(
+                spec.job,
+                f"job {spec.job} asks {spec.slots} slots x 2 versions x "
+                f"{spec.slot_elems} x {spec.dtype} = {_fmt_bytes(asked)}; "
+                f"{_fmt_bytes(bytes_free)} of {_fmt_bytes(self._budget)} free, "
+                f"{slots_free} of {self._max_slots} slots free; "
+                f"{fit} slots of this shape would fit",
+                max(fit, 0),
+            )
+        mem: np.ndarray | None = None
+        if not spec.referenced:
+            try:
+                # One block per job; np.empty: every element is written (copied)
+                # by a chunk's first contribution before anything reads it.
+                mem = np.empty((spec.slots, 2, spec.slot_elems), dtype=DTYPES[spec.dtype])
+            except MemoryError:
+                self._refused.add(spec.job)
+                return Refused(
+                    spec.job, f"job {spec.job}: host could not allocate {_fmt_bytes(asked)}", 0
+                )
+        self._jobs[spec.job] = _Job(spec, mem, asked)
+        self._refused.discard(spec.job)
+        self._reserved += asked
+        self._slots_used += spec.slots
+        return Granted(spec.job, spec.slots, spec.slot_elems)
+
+    def release(self, job: int) -> None:
+        """Free a job's slots and memory. Unknown jobs are ignored (idempotent).
+
+        Result views already handed out stay readable (NumPy keeps the block
+        alive); the budget is returned at once.
+        """
+        self._refused.discard(job)
+        j = self._jobs.pop(job, None)
+        if j is None:
+            return
+        self._reserved -= j.nbytes
+        self._slots_used -= j.slots
+
+    def statistics(self) -> EngineStats:
+        """A snapshot of counters and resource use."""
+        return EngineStats(
+            jobs=len(self._jobs),
+            slots_total=self._max_slots,
+            slots_in_use=self._slots_used,
+            bytes_reserved=self._reserved,
+            budget_bytes=self._budget,
+            contributions=self._contributions,
+            completions=self._completions,
+            duplicates=self._duplicates,
+            resends=self._resends,
+            stale=self._stale,
+            rejected=self._rejected,
+        )
+
+    # ------------------------------------------------------------ data path
+
+    def _reject(self, job: int, chunk: int, member: int, code: str, reason: str) -> list[Event]:
+        self._rejected += 1
+        return [Rejected(job, chunk, member, code, reason)]
+
+    def contribute(
+        self,
+        job: int,
+        chunk: int,
+        member: int,
+        data: np.ndarray | None,
+        *,
+        length: int | None = None,
+    ) -> list[Event]:
+        """Count one member's contribution to one chunk and say what to send.
+
+        ``data`` is a 1-D array of the job's dtype with 1..slot_elems elements
+        (frame plane); for a referenced job pass ``data=None`` and ``length``
+        (element count). All members must agree on a chunk's length.
+
+        Returns ``[]`` (counted, chunk not complete), ``[Completed]``,
+        ``[ResendResult]``, ``[DuplicateIgnored]``, ``[Stale]`` or
+        ``[Rejected]``. A rejection never changes any slot.
+        """
+        j = self._jobs.get(job)
+        if j is None:
+            if job in self._refused:
+                why = f"job {job} was refused switch resources; use the host path"
+                return self._reject(job, chunk, member, "NO_RESOURCE", why)
+            return self._reject(job, chunk, member, "UNKNOWN_JOB", f"job {job} not registered")
+        bit = j.bits.get(member)
+        if bit is None:
+            return self._reject(
+                job, chunk, member, "PERMISSION", f"node {member} is not a member of job {job}"
+            )
+        if chunk.__class__ is not int:
+            try:
+                chunk = operator.index(chunk)
+            except TypeError:
+                return self._reject(job, -1, member, "MALFORMED", f"chunk {chunk!r} not an int")
+        if chunk < 0:
+            return self._reject(job, chunk, member, "MALFORMED", "negative chunk number")
+
+        # ---- validate the payload before looking at (let alone touching) a slot
+        if j.mem is None:
+            if data is not None:
+                return self._reject(
+                    job, chunk, member, "MALFORMED", "referenced job takes no inline data"
+                )
+            try:
+                n = operator.index(length)  # type: ignore[arg-type]
+            except TypeError:
+                why = f"referenced contribution needs an integer length=, got {length!r}"
+                return self._reject(job, chunk, member, "MALFORMED", why)
+            arr = _NO_DATA
+        else:
+            if not isinstance(data, np.ndarray):
+                return self._reject(
+                    job, chunk, member, "MALFORMED", f"data is {type(data).__name__}, not ndarray"
+                )
+            if data.dtype != j.dtype or data.ndim != 1:
+                why = f"data is {data.dtype} shape {data.shape}; job {job} wants 1-D {j.dtype}"
+                return self._reject(job, chunk, member, "MALFORMED", why)
+            arr = data
+            n = arr.shape[0]
+            if length is not None and length != n:
+                return self._reject(
+                    job, chunk, member, "MALFORMED", f"length={length} but data has {n} elements"
+                )
+        if not 0 < n <= j.elems:
+            return self._reject(
+                job, chunk, member, "MALFORMED", f"{n} elements; 1..{j.elems} allowed"
+            )
+
+        # ---- locate the slot version and classify
+        s = j.slots
+        q, slot = divmod(chunk, s)
+        ver = q & 1
+        idx = 2 * slot + ver
+        held = j.held[idx]
+
+        if held == chunk:
+            if n != j.length[idx]:
+                why = f"chunk {chunk} has {j.length[idx]} elements, this contribution {n}"
+                return self._reject(job, chunk, member, "MALFORMED", why)
+            bm = j.bitmap[idx]
+            if bm == j.full:
+                self._resends += 1
+                return [ResendResult(job, chunk, member, j.view(idx, n))]
+            if bm & bit:
+                self._duplicates += 1
+                return [DuplicateIgnored(job, chunk, member)]
+            fresh = False
+        elif held > chunk:
+            # Same residue mod 2S, so held >= chunk + 2S: the version was reused,
+            # which (self-clocking) means every member already had this result.
+            self._stale += 1
+            return [Stale(job, chunk, member)]
+        elif held == chunk - 2 * s and j.bitmap[idx] == j.full:
+            # Reuse: chunk - 2S is complete, and nobody sends `chunk` before the
+            # result of chunk - S, which nobody sent before the result of chunk - 2S.
+            bm = 0
+            fresh = True
+        else:
+            if held < 0:
+                why = f"slot {slot} version {ver} is unused; a first chunk must be < {2 * s}"
+            elif held == chunk - 2 * s:
+                why = (
+                    f"slot {slot} version {ver} still holds incomplete chunk {held} "
+                    f"({j.bitmap[idx].bit_count()}/{len(j.bits)} members)"
+                )
+            else:
+                why = (
+                    f"chunk {chunk} is more than 2x{s} slots ahead of chunk {held} "
+                    f"held in slot {slot} version {ver}"
+                )
+            return self._reject(job, chunk, member, "OUT_OF_WINDOW", why)
+
+        # Self-clocking check: whoever sends `chunk` has the result of chunk - S, so
+        # the other version of this slot must hold chunk - S, complete. (It cannot
+        # hold chunk + S yet: that needs `chunk` complete, handled above.) This
+        # catches a sender that did not wait before it can disturb a slot.
+        o = idx ^ 1
+        if j.held[o] != chunk - s or j.bitmap[o] != j.full:
+            why = f"chunk {chunk} sent before the result of chunk {chunk - s} (not complete)"
+            return self._reject(job, chunk, member, "OUT_OF_WINDOW", why)
+
+        if fresh:
+            if j.mem is not None:
+                dst = j.mem[slot, ver, :n]
+                np.copyto(dst, arr)  # first contribution is copied, as hardware does
+                if j.int_max:
+                    j.bound[idx] = _absmax(dst)
+            j.held[idx] = chunk
+            j.length[idx] = n
+        elif j.mem is not None:
+            dst = j.mem[slot, ver, :n]
+            if j.int_max:
+                overflow = j.add_int_checked(dst, arr, idx)
+                if overflow is not None:
+                    return self._reject(job, chunk, member, "MALFORMED", overflow)
+            else:
+                j.ufunc(dst, arr, out=dst)  # arrival-order, in place
+        bm |= bit
+        j.bitmap[idx] = bm
+
+        self._contributions += 1
+        if bm != j.full:
+            return []
+        self._completions += 1
+        return [Completed(job, chunk, slot, j.view(idx, n), j.spec.members)]
