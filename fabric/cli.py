@@ -25,7 +25,9 @@ benchmark in-network reduction against host-staged paths and real libraries.
 
 EPILOG = """\
 quick start:
-  semfab bench                      quick default benchmark on a default topology
+  semfab bench                      quick default allreduce comparison (2 workers)
+  semfab bench allreduce -b 4K -e 64M -f 4 --workers 2,4 --json out.json --plot out.png
+  semfab launch --workers 4 --run examples/allreduce_paths.py:work
   semfab info                       kernel backends, GPU, library versions
   semfab bench frames --json f.json frame codec cost beside msgpack
   semfab topo check FILE.toml       validate a topology file
@@ -48,7 +50,7 @@ def _lazy(module: str, func: str) -> Callable[[argparse.Namespace], int]:
 
 
 def _add_lazy_parser(
-    sub: argparse._SubParsersAction,  # type: ignore[type-arg]
+    sub: argparse._SubParsersAction,
     name: str,
     help_text: str,
     module: str,
@@ -82,7 +84,18 @@ def build_parser() -> argparse.ArgumentParser:
     bsub = bench.add_subparsers(dest="bench_command", metavar="BENCH")
     _add_lazy_parser(bsub, "frames", "frame codec encode+decode rate and header overhead, "
                      "beside msgpack", "bench.frames")
+    _add_lazy_parser(bsub, "allreduce", "allreduce on every path (ina, ina-mem, host-ps, "
+                     "host-ring) and the peers (gloo, MPI), nccl-tests style", "bench.allreduce")
     bench.set_defaults(func=_default_bench)
+
+    _add_lazy_parser(sub, "launch", "start a fabric (switches, host, workers); run a function "
+                     "on every worker or keep it up until Ctrl-C", "fabric.launch_cli")
+    _add_lazy_parser(sub, "switchd", "run one switch daemon (for srun/mpirun/ssh placement)",
+                     "switchd.cli")
+    _add_lazy_parser(sub, "node", "run one worker or host node (for srun/mpirun/ssh placement)",
+                     "fabric.node")
+    _add_lazy_parser(sub, "stats", "show the live counters of a running fabric's switches",
+                     "fabric.launch_cli", adder="add_stats_arguments", runner="run_stats")
 
     topo = sub.add_parser("topo", help="check or generate topology files",
                           description="Topology files (TOML): see docs/TOPOLOGY.md.")
@@ -107,16 +120,20 @@ def _passthrough(module: str, func: str) -> Callable[[argparse.Namespace], int]:
 
 
 def _default_bench(args: argparse.Namespace) -> int:
-    """`semfab bench` alone: the quick default benchmark."""
-    from bench import frames
+    """`semfab bench` alone: the quick default allreduce comparison on a 2-worker star."""
+    from bench import allreduce
 
-    ns = argparse.Namespace(sizes=",".join(map(str, frames.DEFAULT_SIZES)), iters=20000,
-                            reps=5, json=None, markdown=None)
-    return frames.run(ns)
+    return allreduce.run(allreduce.quick_args())
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if len(argv) >= 2 and argv[0] == "topo" and argv[1] in ("check", "gen"):
+        # the topology module owns these parsers (flags included)
+        from fabric import topology
+
+        return (topology.check_main if argv[1] == "check" else topology.gen_main)(argv[2:])
     parser = build_parser()
     args = parser.parse_args(argv)
     level = logging.WARNING - 10 * min(args.verbose, 2)

@@ -72,7 +72,7 @@ def _job(ep: Endpoint, path: str, dtype: str, op: str, itemsize: int) -> JobStat
     key = (path, dtype, op)
     st = ep.jobs.get(key)
     if st is not None:
-        return st  # type: ignore[no-any-return]
+        return st
     # Workers call collectives in the same order, so the same job id comes out.
     job = next(ep.job_seq)
     slots = ep.slots.get(path, DEFAULT_SLOTS[path])
@@ -110,7 +110,7 @@ def allreduce_ina(ep: Endpoint, x: np.ndarray, out: np.ndarray, op: str, dtype: 
     code = fr.dtype_from_name(dtype)
     src, dst, job = ep.node_id, ep.switch_id, st.job
     item = x.itemsize
-    outb = memoryview(out.view(np.uint8))
+    outb = out.view(np.uint8).data
     sock = ep.sock
 
     def send(i: int) -> None:
@@ -226,7 +226,8 @@ def allreduce_ina_mem(ep: Endpoint, x: np.ndarray, out: np.ndarray, op: str, dty
 # ---------------------------------------------------------------------- host-ps
 def allreduce_host_ps(ep: Endpoint, x: np.ndarray, out: np.ndarray, op: str, dtype: str) -> None:
     """Host-staged parameter-server allreduce through the host node."""
-    if ep.host_id is None:
+    host = ep.host_id
+    if host is None:
         raise UsageError("host-ps needs a host node in the topology (kind = \"host\")")
     sem = ep.sem("host-ps")
     E = _chunk_elems(ep, "host-ps", x.itemsize) // 2  # room for the msgpack envelope
@@ -234,7 +235,7 @@ def allreduce_host_ps(ep: Endpoint, x: np.ndarray, out: np.ndarray, op: str, dty
     n = x.size
     nch = -(-n // E)
     msg = next(ep.coll_seq) & PSN_MASK
-    hops, crossings = _route_cost(ep, ep.host_id)
+    hops, crossings = _route_cost(ep, host)
     staged = np.array(x, copy=True)  # device -> host staging copy
     result = np.empty_like(x)
     sem.copies += nch
@@ -242,10 +243,10 @@ def allreduce_host_ps(ep: Endpoint, x: np.ndarray, out: np.ndarray, op: str, dty
 
     def send(i: int) -> None:
         body = msgpack.packb({"seq": msg, "chunk": i, "members": members, "op": op,
-                              "dtype": dtype, "data": memoryview(staged[i * E : (i + 1) * E])})
+                              "dtype": dtype, "data": staged[i * E : (i + 1) * E].data})
         sem.encodes += 1
         sem.copies += 1  # packing copies the payload into the message
-        ep.send(fr.encode_header(Op.WRITE, src=ep.node_id, dst=ep.host_id, flow=HOST_PS_FLOW,
+        ep.send(fr.encode_header(Op.WRITE, src=ep.node_id, dst=host, flow=HOST_PS_FLOW,
                                  psn=i, msg=msg, payload=body), body)
         sem.hops += hops
         sem.crossings += crossings
@@ -322,11 +323,11 @@ def allreduce_host_ring(ep: Endpoint, x: np.ndarray, out: np.ndarray, op: str,
         frames_in = -(-dst.size // E)
         for j in range(frames_in):
             want = (step << 16) | j
-            f = ep.wait_for(
-                lambda f, want=want: f.op is Op.WRITE and f.flow == RING_FLOW and f.src == left
-                and f.msg == msg and f.psn == want,
-                f"allreduce host-ring step {step} from node {left}",
-            )
+            def is_part(f: fr.Frame, want: int = want) -> bool:
+                return (f.op is Op.WRITE and f.flow == RING_FLOW and f.src == left
+                        and f.msg == msg and f.psn == want)
+
+            f = ep.wait_for(is_part, f"allreduce host-ring step {step} from node {left}")
             incoming = np.frombuffer(f.payload, dtype=x.dtype)
             target = dst[j * E : (j + 1) * E]
             if incoming.size != target.size:

@@ -17,7 +17,7 @@ from fabric.frame import FrameError, NackCode
 def pack(t: str, **fields: Any) -> bytes:
     """Encode one control message of type ``t``."""
     fields["t"] = t
-    return msgpack.packb(fields, use_bin_type=True)  # type: ignore[no-any-return]
+    return msgpack.packb(fields, use_bin_type=True)
 
 
 def parse(payload: bytes | memoryview) -> dict[str, Any]:

@@ -70,7 +70,7 @@ class Endpoint:
         *,
         run_id: str = "run",
         timeout_s: float = DEFAULT_TIMEOUT_S,
-        ctx: zmq.Context | None = None,  # type: ignore[type-arg]
+        ctx: zmq.Context | None = None,
     ) -> None:
         self.topo = topo
         self.name = name

@@ -22,8 +22,15 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 from enum import IntEnum, IntFlag
+from typing import TYPE_CHECKING
 
 import crc32c as _crc32c
+
+if TYPE_CHECKING:
+    from typing import Any
+
+    from numpy.typing import NDArray
+    from typing_extensions import Buffer
 
 __all__ = [
     "VERSION",
@@ -265,7 +272,7 @@ def encode_header(
     msg: int = 0,
     dtype: DType | int = DType.RAW,
     flags: Flag | int = Flag.NONE,
-    payload: bytes | bytearray | memoryview = b"",
+    payload: Buffer | NDArray[Any] = b"",
     length: int | None = None,
     crc: bool = False,
 ) -> bytes:
@@ -275,7 +282,7 @@ def encode_header(
     For a referenced frame (``Flag.REF``) pass ``length`` and no payload.
     ``crc=True`` sets ``Flag.CRC`` and appends CRC32C(header + payload).
     """
-    pview = memoryview(payload)
+    pview = memoryview(payload)  # type: ignore[arg-type]  # ndarray is a buffer
     if pview.ndim != 1 or pview.itemsize != 1:
         pview = pview.cast("B")  # numpy arrays and typed views count in bytes
     inline_len = pview.nbytes

@@ -77,7 +77,7 @@ class HostAggregator:
         n = len(p.members)
         # Per member chunk, what the host did: unpack + accumulate, plus a share
         # of the one reply it packs for everybody.
-        reply = msgpack.packb({"seq": seq, "chunk": chunk, "data": memoryview(p.acc),
+        reply = msgpack.packb({"seq": seq, "chunk": chunk, "data": p.acc.data,
                                "h_copies": 2 + 1 / n, "h_encodes": 1 + 1 / n})
         self.stats.encodes += 1
         self.stats.copies += 1

@@ -98,8 +98,8 @@ class Fabric:
         self.sock_dir: Path | None = None
         self.run_id = f"{os.getpid():x}{int(time.time() * 1000) & 0xFFFFFF:x}"
         self._task_seq = itertools.count(1)
-        self.ctx: zmq.Context | None = None  # type: ignore[type-arg]
-        self.ctl: zmq.Socket | None = None  # type: ignore[type-arg]
+        self.ctx: zmq.Context | None = None
+        self.ctl: zmq.Socket | None = None
         self._ready: set[str] = set()
         self._closed = False
 

@@ -53,7 +53,7 @@ def resolve_function(module: str, name: str, file: str | None) -> Callable[..., 
     obj: Any = mod
     for part in name.split("."):
         obj = getattr(obj, part)
-    return obj  # type: ignore[no-any-return]
+    return obj
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

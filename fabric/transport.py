@@ -27,7 +27,7 @@ def context(io_threads: int = 1) -> zmq.Context:
     return ctx
 
 
-def _tune(sock: zmq.Socket) -> None:  # type: ignore[type-arg]
+def _tune(sock: zmq.Socket) -> None:
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM, HWM)
     sock.setsockopt(zmq.RCVHWM, HWM)
@@ -36,7 +36,7 @@ def _tune(sock: zmq.Socket) -> None:  # type: ignore[type-arg]
     sock.setsockopt(zmq.RCVBUF, 4 * 1024 * 1024)
 
 
-def router(ctx: zmq.Context, bind: str) -> zmq.Socket:  # type: ignore[type-arg]
+def router(ctx: zmq.Context, bind: str) -> zmq.Socket:
     """A ROUTER bound at ``bind`` that raises when a peer is unknown (not drop)."""
     sock = ctx.socket(zmq.ROUTER)
     _tune(sock)
@@ -45,7 +45,7 @@ def router(ctx: zmq.Context, bind: str) -> zmq.Socket:  # type: ignore[type-arg]
     return sock
 
 
-def dealer(ctx: zmq.Context, connect: str, identity: str) -> zmq.Socket:  # type: ignore[type-arg]
+def dealer(ctx: zmq.Context, connect: str, identity: str) -> zmq.Socket:
     """A DEALER named ``identity`` connected to ``connect``."""
     sock = ctx.socket(zmq.DEALER)
     _tune(sock)

@@ -122,7 +122,7 @@ class SwitchDaemon:
         self._started = time.monotonic()
 
     # ------------------------------------------------------------------ sending
-    def _send(self, ident: bytes, header: bytes, payload: Any = None) -> None:
+    def _send(self, ident: bytes, header: Any, payload: Any = None) -> None:
         try:
             if payload is None:
                 self.sock.send_multipart([ident, header])
@@ -381,7 +381,7 @@ class SwitchDaemon:
         except ValueError as exc:
             raise FrameError(NackCode.MALFORMED, f"bad job spec: {exc}") from None
         if spec.referenced and self._kernel is None:
-            from kernels import get_backend
+            from kernels.backends import get_backend
 
             self._kernel = get_backend(msg.get("backend", "numba-cpu"))
         reply = self.engine.register(spec)

@@ -1,0 +1,169 @@
+"""`semfab launch` and `semfab stats`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from fabric.errors import UsageError
+
+#: A client that is not a node of the topology uses this id in frame headers.
+OUTSIDE_ID = 0xFFFF
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Flags of `semfab launch`."""
+    g = p.add_mutually_exclusive_group(required=True)
+    g.add_argument("--workers", type=int, help="start the default star with N workers and a host")
+    g.add_argument("--topology", help="a topology file (see docs/TOPOLOGY.md)")
+    p.add_argument("--run", metavar="FILE.py:FUNC|MODULE:FUNC",
+                   help="run FUNC(ep, *args) on every worker, print the results, shut down")
+    p.add_argument("--args", default="[]", help="JSON list of extra arguments for FUNC")
+    p.add_argument("--run-dir", help="folder for logs (default: ./runs/<stamp>)")
+    p.add_argument("--timeout", type=float, default=30.0,
+                   help="seconds any single wait on a peer may take")
+    p.add_argument("--duration", type=float, default=0,
+                   help="without --run: stay up this many seconds (0 = until Ctrl-C)")
+
+
+def _split_ref(ref: str) -> tuple[str, str, str | None]:
+    target, sep, func = ref.rpartition(":")
+    if not sep or not target or not func:
+        raise UsageError(f"--run {ref!r}: write FILE.py:FUNC or MODULE:FUNC")
+    if target.endswith(".py"):
+        path = Path(target)
+        if not path.is_file():
+            raise UsageError(f"--run: script {target} not found")
+        return "semfab_user_script", func, str(path.resolve())
+    return target, func, None
+
+
+def run(args: argparse.Namespace) -> int:
+    """Start the fabric, run the function or wait, and shut everything down."""
+    from fabric.launcher import launch
+    from fabric.topology import TopologyError
+
+    try:
+        extra = json.loads(args.args)
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"--args is not JSON: {exc}") from None
+    if not isinstance(extra, list):
+        raise UsageError("--args must be a JSON list, e.g. '[1024, \"ina\"]'")
+    ref = _split_ref(args.run) if args.run else None
+    if args.topology and not Path(args.topology).is_file():
+        raise UsageError(f"topology file {args.topology} not found")
+    kw: dict[str, Any] = dict(timeout_s=args.timeout)
+    if args.run_dir:
+        kw["run_dir"] = args.run_dir
+    t0 = time.monotonic()
+    try:
+        fab = launch(workers=args.workers, topology=args.topology, **kw)
+    except TopologyError as exc:
+        raise UsageError(str(exc)) from None
+    with fab:
+        _write_info(fab)
+        print(f"fabric up in {time.monotonic() - t0:.1f}s: {len(fab.procs)} processes "
+              f"({', '.join(fab.procs)}); logs in {fab.run_dir}", file=sys.stderr)
+        if ref is not None:
+            module, func, file = ref
+            results = fab.run_ref(module, func, file, extra)
+            for w, res in zip(fab.topo.workers, results, strict=True):
+                print(f"{w.name}: {res!r}")
+            return 0
+        _status_loop(fab, args.duration)
+    return 0
+
+
+def _write_info(fab: Any) -> None:
+    info = {"sock_dir": str(fab.sock_dir), "pid": os.getpid(),
+            "switches": {s.name: fab.topo.endpoint_address(s.name, fab.sock_dir)
+                         for s in fab.topo.switches}}
+    (fab.run_dir / "fabric.json").write_text(json.dumps(info, indent=2))
+
+
+def _status_loop(fab: Any, duration: float) -> None:
+    """A live status line until Ctrl-C (or ``duration``); fails when a process dies."""
+    start = time.monotonic()
+    end = start + duration if duration > 0 else float("inf")
+    tty = sys.stderr.isatty()
+    print("fabric running; `semfab stats` shows its counters; Ctrl-C stops it",
+          file=sys.stderr)
+    while time.monotonic() < end:
+        fab._check_alive("running")
+        codes = fab.exit_codes()
+        alive = sum(1 for c in codes.values() if c is None)
+        line = f"up {time.monotonic() - start:.0f}s  processes alive {alive}/{len(codes)}"
+        if tty:
+            print(f"\r{line}", end="", file=sys.stderr, flush=True)
+        time.sleep(1.0)
+    if tty:
+        print(file=sys.stderr)
+
+
+# ---------------------------------------------------------------------- stats
+def add_stats_arguments(p: argparse.ArgumentParser) -> None:
+    """Flags of `semfab stats`."""
+    p.add_argument("run_dir", nargs="?",
+                   help="the fabric's run folder (default: the newest under ./runs)")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for each switch")
+
+
+def query_switch(address: str, timeout_s: float) -> dict[str, Any]:
+    """Ask one switch for its counters."""
+    from fabric import control, transport
+    from fabric import frame as fr
+    from fabric.errors import FabricTimeout
+
+    ctx = transport.context()
+    sock = transport.dealer(ctx, address, f"stats-{os.getpid()}")
+    try:
+        sock.send(fr.encode(fr.Op.CTRL, src=OUTSIDE_ID, dst=0, payload=control.pack("stats")))
+        if not sock.poll(int(timeout_s * 1000)):
+            raise FabricTimeout(f"switch at {address} did not answer within {timeout_s:g}s")
+        parts = sock.recv_multipart()
+        f = fr.decode(parts[0], parts[1] if len(parts) > 1 else None)
+        msg = control.parse(f.payload)
+        msg.pop("t", None)
+        return msg
+    finally:
+        sock.close(0)
+        ctx.term()
+
+
+def run_stats(args: argparse.Namespace) -> int:
+    """Print each switch's live counters."""
+    if args.run_dir:
+        run_dir = Path(args.run_dir)
+    else:
+        root = Path(os.environ.get("SEMFAB_RUN_DIR", "runs"))
+        candidates = sorted(root.glob("*/fabric.json"), key=lambda p: p.stat().st_mtime)
+        if not candidates:
+            raise UsageError(f"no running fabric found under {root}/; start one with "
+                             "`semfab launch --workers 4` or give its run folder")
+        run_dir = candidates[-1].parent
+    info_path = run_dir / "fabric.json"
+    if not info_path.is_file():
+        raise UsageError(f"{run_dir} has no fabric.json: is it a `semfab launch` run folder?")
+    info = json.loads(info_path.read_text())
+    out = {name: query_switch(addr, args.timeout) for name, addr in info["switches"].items()}
+    if args.json:
+        print(json.dumps(out, indent=2))
+        return 0
+    for name, st in out.items():
+        eng = st.get("engine", {})
+        print(f"{name}: up {st['uptime_s']:.0f}s  frames in {st['frames_in']} out "
+              f"{st['frames_out']}  bytes in {st['bytes_in']} out {st['bytes_out']}")
+        print(f"  forwarded {st['forwarded']}  reduce frames {st['reduce_frames']}  results "
+              f"{st['results_sent']}  malformed {st['malformed']}  NACKs {st['nacks_sent']} "
+              f"{st['nack_codes'] or ''}  unroutable {st['unroutable']}")
+        print(f"  aggregation: jobs {eng.get('jobs')}  slots {eng.get('slots_in_use')}/"
+              f"{eng.get('slots_total')}  completions {eng.get('completions')}  duplicates "
+              f"{eng.get('duplicates')}  refused jobs {st['jobs_refused']}  regions "
+              f"{st['regions']}")
+    return 0

@@ -1,0 +1,39 @@
+"""Functions the end-to-end tests run on fabric workers (importable by module name)."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from kernels.reference import count_wrong, expected_allreduce, make_tensor
+
+
+def allreduce_check(ep, path: str, count: int, dtype: str, op: str, chunk_bytes: int,
+                    steps: int = 2, in_place: bool = True) -> dict:
+    """Allreduce fresh seeded tensors ``steps`` times; count wrong elements."""
+    ep.chunk_bytes[path] = chunk_bytes
+    x = ep.alloc(count, dtype)
+    wrong = 0
+    for step in range(steps):
+        np.copyto(x, make_tensor(ep.rank, step, count, dtype, seed=11))
+        original = x.copy()
+        out = x if in_place else None
+        y = ep.allreduce(x, op=op, path=path, out=out)
+        wrong += count_wrong(y, expected_allreduce(ep.world, step, count, dtype, op, seed=11))
+        if not in_place:
+            wrong += int((x != original).sum())  # input must be left alone
+    return {"wrong": wrong, "sem": ep.sem(path).per_chunk(), "fallbacks": list(ep.fallbacks)}
+
+
+def fail_on_rank1(ep) -> int:
+    if ep.rank == 1:
+        raise RuntimeError("deliberate failure on rank 1")
+    return ep.rank
+
+
+def sleep_then_allreduce(ep, seconds: float) -> int:
+    time.sleep(seconds)
+    x = ep.alloc(1000, "float32")
+    ep.allreduce(x, path="ina", out=x)
+    return 0

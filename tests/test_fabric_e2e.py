@@ -1,0 +1,102 @@
+"""End to end: real processes, real sockets, every allreduce path."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from fabric.errors import FabricTimeout, PeerFailed
+from fabric.launcher import Fabric, TaskFailed, launch
+from fabric.topology import star
+from tests import fabric_tasks as tasks
+
+pytestmark = pytest.mark.timeout(180)
+
+PATHS = ["ina", "ina-mem", "host-ps", "host-ring"]
+
+
+def _all_exited(fab: Fabric) -> bool:
+    return all(code is not None for code in fab.exit_codes().values())
+
+
+@pytest.fixture(scope="module")
+def fab2(tmp_path_factory: pytest.TempPathFactory):
+    fab = launch(workers=2, run_dir=tmp_path_factory.mktemp("fab2"), timeout_s=20)
+    try:
+        yield fab
+    finally:
+        fab.close()
+    assert _all_exited(fab)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize(("dtype", "op"), [("float32", "sum"), ("int32", "sum"),
+                                           ("float32", "max"), ("int64", "min")])
+def test_every_path_exact_with_ragged_sizes(fab2: Fabric, path: str, dtype: str, op: str) -> None:
+    # 5003 elements in 1 KiB chunks: many chunks, a window that wraps, a short last chunk
+    res = fab2.run(tasks.allreduce_check, path, 5003, dtype, op, 1024)
+    assert [r["wrong"] for r in res] == [0, 0]
+    assert all(not r["fallbacks"] for r in res)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_out_of_place_leaves_input_alone(fab2: Fabric, path: str) -> None:
+    res = fab2.run(tasks.allreduce_check, path, 3001, "float32", "sum", 4096, 1, False)
+    assert [r["wrong"] for r in res] == [0, 0]
+
+
+def test_semantic_distance_is_counted_per_path(fab2: Fabric) -> None:
+    sem = {p: fab2.run(tasks.allreduce_check, p, 4096, "float32", "sum", 4096)[0]["sem"]
+           for p in PATHS}
+    assert sem["ina-mem"]["crossings"] == 0 and sem["ina-mem"]["encodes"] == 0
+    assert sem["ina"]["encodes"] == 0 and sem["ina"]["hops"] == 1
+    assert sem["host-ps"]["encodes"] >= 2 and sem["host-ps"]["hops"] == 2
+    assert sem["host-ps"]["copies"] > sem["ina"]["copies"] > sem["ina-mem"]["copies"] - 1
+
+
+def test_task_error_carries_remote_traceback(fab2: Fabric) -> None:
+    with pytest.raises(TaskFailed, match="deliberate failure on rank 1") as info:
+        fab2.run(tasks.fail_on_rank1)
+    assert "fail_on_rank1" in info.value.tracebacks["w1"]
+    assert fab2.run(tasks.fail_on_rank1.__wrapped__ if False else tasks.allreduce_check,
+                    "ina", 10, "float32", "sum", 1024)[0]["wrong"] == 0
+
+
+def test_three_workers_all_paths(tmp_path) -> None:
+    with launch(workers=3, run_dir=tmp_path, timeout_s=20) as fab:
+        for path in PATHS:
+            res = fab.run(tasks.allreduce_check, path, 7777, "float32", "sum", 2048)
+            assert [r["wrong"] for r in res] == [0, 0, 0], path
+    assert _all_exited(fab)
+
+
+def test_refused_job_falls_back_and_says_so(tmp_path) -> None:
+    fab = Fabric(star(2), tmp_path, timeout_s=20, switch_args=["--memory-mb", "1"])
+    with fab.start():
+        # 8 slots x 2 versions x 256 KiB = 4 MiB > 1 MiB budget: refused
+        res = fab.run(tasks.allreduce_check, "ina", 100_000, "float32", "sum", 256 * 1024)
+    assert [r["wrong"] for r in res] == [0, 0]
+    assert all("refused" in r["fallbacks"][0] for r in res)
+
+
+def test_switch_death_fails_fast_naming_it(tmp_path) -> None:
+    fab = launch(workers=2, run_dir=tmp_path, timeout_s=3)
+    try:
+        os.kill(fab.procs["sw0"].popen.pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises((PeerFailed, FabricTimeout), match="sw0"):
+            fab.run(tasks.sleep_then_allreduce, 0.2)
+        assert time.monotonic() - t0 < 15
+    finally:
+        fab.close()
+    assert _all_exited(fab)
+
+
+def test_start_timeout_names_who_is_missing(tmp_path) -> None:
+    fab = Fabric(star(2), tmp_path, start_timeout_s=0.01)
+    with pytest.raises((FabricTimeout, PeerFailed), match="w0|w1|sw0|host0"):
+        fab.start()
+    assert _all_exited(fab)
