@@ -346,3 +346,49 @@ def allreduce_host_ring(ep: Endpoint, x: np.ndarray, out: np.ndarray, op: str,
     np.copyto(out, staged)  # host -> device copy back
     sem.copies += nch_total
     sem.chunks += nch_total
+
+
+# ---------------------------------------------------------------------- fixed point
+#: Elements per fixed-point scale block (SwitchML scales each packet's worth;
+#: one scale per block keeps the extra max-allreduce small).
+FIXED_BLOCK = 16384
+
+
+def allreduce_fixed(ep: Endpoint, x: np.ndarray, out: np.ndarray, path: str) -> None:
+    """Sum float32 ``x`` as fixed-point int32 with a per-block scale.
+
+    Every worker first agrees on each block's largest magnitude (a max
+    allreduce of one float per block), picks the power-of-two scale under
+    which ``world`` quantised values cannot overflow int32, sums the integers
+    on ``path`` and scales back. Integer sums do not depend on arrival order,
+    so the result is bitwise the same on every path and every run.
+    """
+    from kernels.reference import choose_scale, dequantize, quantize
+
+    if x.dtype != np.float32:
+        raise UsageError("fixed-point numerics take float32 tensors")
+    n = x.size
+    nblk = -(-n // FIXED_BLOCK)
+    pad = np.zeros(nblk * FIXED_BLOCK, np.float32)
+    pad[:n] = np.abs(x)
+    maxima = pad.reshape(nblk, FIXED_BLOCK).max(axis=1)
+    # the scalar agreement travels in-network too (ina for the memory plane:
+    # a few bytes are not worth a region)
+    side = "ina" if path == "ina-mem" else path
+    ep.allreduce(maxima, op="max", path=side, out=maxima)
+    q = _scratch_ints(ep, n) if path == "ina-mem" else np.empty(n, np.int32)
+    scales = [choose_scale(float(m), ep.world, 32) for m in maxima]
+    for b, scale in enumerate(scales):
+        lo, hi = b * FIXED_BLOCK, min(n, (b + 1) * FIXED_BLOCK)
+        q[lo:hi] = quantize(x[lo:hi], scale, "int32")
+    ep.allreduce(q, op="sum", path=path, out=q)
+    for b, scale in enumerate(scales):
+        lo, hi = b * FIXED_BLOCK, min(n, (b + 1) * FIXED_BLOCK)
+        out[lo:hi] = dequantize(q[lo:hi], scale)
+
+
+def _scratch_ints(ep: Endpoint, n: int) -> np.ndarray:
+    """A registered int32 region for the memory plane's fixed-point sum."""
+    if ep.fixed_scratch is None or ep.fixed_scratch.size < n:
+        ep.fixed_scratch = ep.alloc(n, "int32")
+    return ep.fixed_scratch[:n]

@@ -105,6 +105,7 @@ class Endpoint:
         self.chunk_bytes: dict[str, int] = {}
         self.slots: dict[str, int] = {}
         self.scratch: np.ndarray | None = None  # staging region for ina-mem
+        self.fixed_scratch: np.ndarray | None = None  # int32 region for fixed-point ina-mem
         self._hello()
 
     # ------------------------------------------------------------------ basics
@@ -234,12 +235,14 @@ class Endpoint:
         self.wait_for(done, f"barrier {bid}")
 
     def allreduce(self, x: np.ndarray, op: str = "sum", path: str = "ina",
-                  out: np.ndarray | None = None) -> np.ndarray:
+                  out: np.ndarray | None = None, numerics: str = "float") -> np.ndarray:
         """Allreduce ``x`` over all workers; returns ``out`` (a new array by default).
 
         ``path``: ``ina`` (frame plane, reduced in the switch), ``ina-mem``
         (memory plane, ``x`` should come from :meth:`alloc`), ``host-ps``
         (staged through the host node), ``host-ring`` (ring through the switch).
+        ``numerics="fixed"`` sums float32 as int32 fixed point with a per-block
+        scale: bitwise the same result whatever the path or arrival order.
         """
         from fabric import collectives
 
@@ -256,7 +259,12 @@ class Endpoint:
             raise UsageError("out must be a contiguous array of x's shape and dtype")
         if self.rank < 0:
             raise UsageError(f"{self.name} is not a worker; only workers join collectives")
+        if numerics not in ("float", "fixed"):
+            raise UsageError(f"numerics must be 'float' or 'fixed', not {numerics!r}")
         if x.size == 0:
+            return out
+        if numerics == "fixed" and op == "sum":
+            collectives.allreduce_fixed(self, x, out, path)
             return out
         runner = {
             "ina": collectives.allreduce_ina,

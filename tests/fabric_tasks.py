@@ -37,3 +37,13 @@ def sleep_then_allreduce(ep, seconds: float) -> int:
     x = ep.alloc(1000, "float32")
     ep.allreduce(x, path="ina", out=x)
     return 0
+
+
+def fixed_point_all_paths(ep, count: int) -> dict:
+    """Fixed-point sums of random floats: bitwise equal on every path."""
+    rng = np.random.default_rng(1000 + ep.rank)
+    x = (rng.standard_normal(count) * (10.0 ** rng.integers(-3, 4, count))).astype(np.float32)
+    results = {}
+    for path in ("ina", "ina-mem", "host-ps", "host-ring"):
+        results[path] = ep.allreduce(x, op="sum", path=path, numerics="fixed").tobytes()
+    return results

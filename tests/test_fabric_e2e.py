@@ -100,3 +100,20 @@ def test_start_timeout_names_who_is_missing(tmp_path) -> None:
     with pytest.raises((FabricTimeout, PeerFailed), match="w0|w1|sw0|host0"):
         fab.start()
     assert _all_exited(fab)
+
+
+def test_fixed_point_is_bitwise_equal_across_paths_and_close_to_float(fab2: Fabric) -> None:
+    import numpy as np
+
+    res = fab2.run(tasks.fixed_point_all_paths, 40_000)
+    first = res[0]["ina"]
+    for r in res:
+        assert all(v == first for v in r.values())  # every path, every rank: same bits
+    rngs = [np.random.default_rng(1000 + k) for k in range(2)]
+    xs = [(g.standard_normal(40_000) * (10.0 ** g.integers(-3, 4, 40_000))).astype(np.float32)
+          for g in rngs]
+    exact = xs[0].astype(np.float64) + xs[1]
+    got = np.frombuffer(first, np.float32)
+    # quantisation (half a step per contribution, steps ~ max/2^29) plus the
+    # float32 rounding of the result: well under 2^-22 of the largest value
+    assert np.max(np.abs(got - exact)) <= np.max(np.abs(exact)) * 2.0**-22
