@@ -81,8 +81,8 @@ def run(args: argparse.Namespace) -> int:
 
 def _write_info(fab: Any) -> None:
     info = {"sock_dir": str(fab.sock_dir), "pid": os.getpid(),
-            "switches": {s.name: fab.topo.endpoint_address(s.name, fab.sock_dir)
-                         for s in fab.topo.switches}}
+            "switches": {s.name: {"address": fab.topo.endpoint_address(s.name, fab.sock_dir),
+                                  "id": s.id} for s in fab.topo.switches}}
     (fab.run_dir / "fabric.json").write_text(json.dumps(info, indent=2))
 
 
@@ -114,7 +114,7 @@ def add_stats_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for each switch")
 
 
-def query_switch(address: str, timeout_s: float) -> dict[str, Any]:
+def query_switch(address: str, switch_id: int, timeout_s: float) -> dict[str, Any]:
     """Ask one switch for its counters."""
     from fabric import control, transport
     from fabric import frame as fr
@@ -123,7 +123,8 @@ def query_switch(address: str, timeout_s: float) -> dict[str, Any]:
     ctx = transport.context()
     sock = transport.dealer(ctx, address, f"stats-{os.getpid()}")
     try:
-        sock.send(fr.encode(fr.Op.CTRL, src=OUTSIDE_ID, dst=0, payload=control.pack("stats")))
+        sock.send(fr.encode(fr.Op.CTRL, src=OUTSIDE_ID, dst=switch_id,
+                            payload=control.pack("stats")))
         if not sock.poll(int(timeout_s * 1000)):
             raise FabricTimeout(f"switch at {address} did not answer within {timeout_s:g}s")
         parts = sock.recv_multipart()
@@ -151,7 +152,8 @@ def run_stats(args: argparse.Namespace) -> int:
     if not info_path.is_file():
         raise UsageError(f"{run_dir} has no fabric.json: is it a `semfab launch` run folder?")
     info = json.loads(info_path.read_text())
-    out = {name: query_switch(addr, args.timeout) for name, addr in info["switches"].items()}
+    out = {name: query_switch(sw["address"], sw["id"], args.timeout)
+           for name, sw in info["switches"].items()}
     if args.json:
         print(json.dumps(out, indent=2))
         return 0
