@@ -50,6 +50,27 @@ class TaskFailed(PeerFailed):
         self.tracebacks = tracebacks
 
 
+@dataclass(frozen=True)
+class Task:
+    """A submitted task: its id, function name and the nodes running it."""
+
+    id: int
+    func: str
+    nodes: list[str]
+
+
+def _function_ref(fn: Callable[..., Any]) -> tuple[str, str | None]:
+    """(module, script file) under which worker processes can import ``fn``."""
+    module = fn.__module__
+    if module not in ("__main__", "semfab_user_script"):
+        return module, None
+    file = getattr(sys.modules.get(module), "__file__", None)
+    if file is None:
+        raise UsageError("functions run on workers must live in a module or a script file, "
+                         "not in an interactive session")
+    return module, str(Path(file).resolve())
+
+
 @dataclass
 class Proc:
     """One launched process."""
@@ -101,6 +122,7 @@ class Fabric:
         self.ctx: zmq.Context | None = None
         self.ctl: zmq.Socket | None = None
         self._ready: set[str] = set()
+        self._done: dict[tuple[int, str], dict[str, Any]] = {}
         self._closed = False
 
     # ------------------------------------------------------------------ start
@@ -180,55 +202,60 @@ class Fabric:
     def run(self, fn: Callable[..., Any], *args: Any, timeout_s: float | None = None,
             **kwargs: Any) -> list[Any]:
         """Run ``fn(ep, *args, **kwargs)`` on every worker; results in rank order."""
-        assert self.ctl is not None, "start() the fabric first"
-        module, file = fn.__module__, None
-        if module == "__main__" or module == "semfab_user_script":
-            main = sys.modules.get("__main__")
-            file = getattr(main, "__file__", None) if module == "__main__" else None
-            if module == "semfab_user_script":
-                file = getattr(sys.modules[module], "__file__", None)
-            if file is None:
-                raise UsageError("functions run on workers must live in a module or a script "
-                                 "file, not in an interactive session")
-            file = str(Path(file).resolve())
-        return self.run_ref(module, fn.__qualname__, file, args, kwargs, timeout_s)
+        return self.wait(self.submit(fn, *args, **kwargs), timeout_s)
+
+    def submit(self, fn: Callable[..., Any], *args: Any, nodes: Sequence[str] | None = None,
+               **kwargs: Any) -> Task:
+        """Start ``fn(ep, *args, **kwargs)`` on ``nodes`` (default: every worker) and
+        return at once; :meth:`wait` collects the results. Hosts take tasks too."""
+        module, file = _function_ref(fn)
+        return self.submit_ref(module, fn.__qualname__, file, args, kwargs, nodes)
 
     def run_ref(self, module: str, func: str, file: str | None, args: Sequence[Any] = (),
                 kwargs: dict[str, Any] | None = None, timeout_s: float | None = None
                 ) -> list[Any]:
         """Run a function named by module (or script file) and qualified name."""
-        assert self.ctl is not None
-        task = next(self._task_seq)
-        payload = control.pack("run", task=task, module=module, func=func, file=file,
+        return self.wait(self.submit_ref(module, func, file, args, kwargs), timeout_s)
+
+    def submit_ref(self, module: str, func: str, file: str | None, args: Sequence[Any] = (),
+                   kwargs: dict[str, Any] | None = None,
+                   nodes: Sequence[str] | None = None) -> Task:
+        """Like :meth:`submit` for a function named by module (or file) and name."""
+        assert self.ctl is not None, "start() the fabric first"
+        names = list(nodes) if nodes is not None else [w.name for w in self.topo.workers]
+        unknown = [n for n in names if n not in self.procs or self.procs[n].kind == "switch"]
+        if unknown:
+            raise UsageError(f"cannot run tasks on {', '.join(unknown)}: not a worker or host")
+        task = Task(next(self._task_seq), func, names)
+        payload = control.pack("run", task=task.id, module=module, func=func, file=file,
                                args=pickle.dumps((tuple(args), kwargs or {})))
-        workers = [w.name for w in self.topo.workers]
-        for name in workers:
+        for name in names:
             self.ctl.send_multipart([name.encode(), payload])
-        results: dict[str, Any] = {}
-        errors: dict[str, str] = {}
-        tracebacks: dict[str, str] = {}
+        return task
+
+    def wait(self, task: Task, timeout_s: float | None = None) -> list[Any]:
+        """Results of ``task`` in the order of its nodes; TaskFailed if any raised."""
         limit = timeout_s if timeout_s is not None else max(self.timeout_s * 4, 120.0)
         deadline = time.monotonic() + limit
-        while len(results) + len(errors) < len(workers):
-            pending = sorted(set(workers) - set(results) - set(errors))
+        while any((task.id, n) not in self._done for n in task.nodes):
+            pending = [n for n in task.nodes if (task.id, n) not in self._done]
             try:
-                who, msg = self._recv_ctl(deadline, f"running {func} (waiting for "
+                who, msg = self._recv_ctl(deadline, f"running {task.func} (waiting for "
                                                     f"{', '.join(pending)})")
             except FabricTimeout:
-                raise FabricTimeout(f"task {func} did not finish within {limit:g}s on "
+                raise FabricTimeout(f"task {task.func} did not finish within {limit:g}s on "
                                     f"{', '.join(pending)}") from None
-            if msg.get("t") != "done" or msg.get("task") != task:
-                continue
-            if msg["ok"]:
-                results[who] = pickle.loads(msg["result"])
-            else:
-                errors[who] = msg["error"]
-                tracebacks[who] = msg.get("traceback", "")
+            if msg.get("t") == "done":
+                self._done[(int(msg["task"]), who)] = msg
+        msgs = {n: self._done.pop((task.id, n)) for n in task.nodes}
+        errors = {n: m["error"] for n, m in msgs.items() if not m["ok"]}
         if errors:
             first = sorted(errors)[0]
-            raise TaskFailed(f"{func} failed on {', '.join(sorted(errors))}: {errors[first]}",
-                             tracebacks)
-        return [results[name] for name in workers]
+            raise TaskFailed(
+                f"{task.func} failed on {', '.join(sorted(errors))}: {errors[first]}",
+                {n: msgs[n].get("traceback", "") for n in errors},
+            )
+        return [pickle.loads(msgs[n]["result"]) for n in task.nodes]
 
     # ------------------------------------------------------------------ stop
     def close(self) -> None:

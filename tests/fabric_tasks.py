@@ -47,3 +47,7 @@ def fixed_point_all_paths(ep, count: int) -> dict:
     for path in ("ina", "ina-mem", "host-ps", "host-ring"):
         results[path] = ep.allreduce(x, op="sum", path=path, numerics="fixed").tobytes()
     return results
+
+
+def whoami(ep) -> tuple[str, int]:
+    return ep.name, ep.node_id

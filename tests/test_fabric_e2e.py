@@ -117,3 +117,10 @@ def test_fixed_point_is_bitwise_equal_across_paths_and_close_to_float(fab2: Fabr
     # quantisation (half a step per contribution, steps ~ max/2^29) plus the
     # float32 rounding of the result: well under 2^-22 of the largest value
     assert np.max(np.abs(got - exact)) <= np.max(np.abs(exact)) * 2.0**-22
+
+
+def test_submit_runs_on_hosts_too_and_waits_in_any_order(fab2: Fabric) -> None:
+    t1 = fab2.submit(tasks.whoami, nodes=["host0"])
+    t2 = fab2.submit(tasks.whoami)
+    assert fab2.wait(t2) == [("w0", 0), ("w1", 1)]
+    assert fab2.wait(t1) == [("host0", 2)]
