@@ -99,6 +99,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-c", "--check", type=int, default=1, help="1: count wrong elements")
     p.add_argument("--seed", type=int, default=0, help="input seed")
     p.add_argument("--topology", help="a topology file (default: a star of --workers)")
+    p.add_argument("--link-gbps", type=float, default=0.0,
+                   help="shape every link of the default star to this bandwidth (0: unshaped)")
+    p.add_argument("--link-latency-us", type=float, default=0.0,
+                   help="one-way latency added on every link of the default star")
     p.add_argument("--json", metavar="PATH", help="write results as JSON")
     p.add_argument("--markdown", metavar="PATH", help="write the table as Markdown")
     p.add_argument("--plot", metavar="PATH", help="write busbw against size as PNG")
@@ -126,6 +130,8 @@ def _parse(args: argparse.Namespace) -> tuple[list[int], list[int], list[str]]:
         raise UsageError(f"--dtype {args.dtype!r}: use float32, float16, bfloat16, int32, int64")
     if args.op not in ("sum", "max", "min"):
         raise UsageError(f"--op {args.op!r}: use sum, max or min")
+    if args.link_gbps < 0 or args.link_latency_us < 0:
+        raise UsageError("--link-gbps and --link-latency-us must be >= 0")
     if args.iters < 1 or args.warmup < 0:
         raise UsageError("--iters must be at least 1 and --warmup at least 0")
     item = report.dtype_itemsize(args.dtype)
@@ -137,7 +143,7 @@ def _parse(args: argparse.Namespace) -> tuple[list[int], list[int], list[str]]:
 def run(args: argparse.Namespace) -> int:
     """Entry point of `semfab bench allreduce`."""
     from fabric.launcher import launch
-    from fabric.topology import load
+    from fabric.topology import load, star
 
     sizes, worker_counts, paths = _parse(args)
     ours = [p for p in paths if p in PATHS]
@@ -148,14 +154,14 @@ def run(args: argparse.Namespace) -> int:
     with report.progress(total, "allreduce") as bar:
         for w in worker_counts:
             if ours:
-                topo: Any = load(args.topology) if args.topology else None
+                topo = load(args.topology) if args.topology else star(
+                    w, bandwidth_gbps=args.link_gbps, latency_us=args.link_latency_us)
                 kw: dict[str, Any] = dict(timeout_s=args.timeout)
                 if args.run_dir:
                     kw["run_dir"] = f"{args.run_dir}/w{w}"
-                fab = launch(workers=w, topology=topo, **kw) if topo is None else \
-                    launch(topology=topo, **kw)
+                fab = launch(topology=topo, **kw)
                 with fab:
-                    if topo is not None and len(fab.topo.workers) != w:
+                    if len(fab.topo.workers) != w:
                         raise UsageError(f"--topology has {len(fab.topo.workers)} workers, "
                                          f"--workers asks for {w}")
                     for path in ours:

@@ -45,6 +45,10 @@ RING_FLOW = 3
 DEFAULT_CHUNK_BYTES = {"ina": 256 * 1024, "ina-mem": 4 * 1024 * 1024,
                        "host-ps": 256 * 1024, "host-ring": 256 * 1024}
 DEFAULT_SLOTS = {"ina": 8, "ina-mem": 4, "host-ps": 8}
+#: Memory plane: split a tensor into at least this many chunks (pipelining),
+#: but never below this chunk size (wake-ups cost more than they save).
+MEM_MIN_CHUNKS = 8
+MEM_MIN_CHUNK_BYTES = 256 * 1024
 
 _REDUCE = {"sum": np.add, "max": np.maximum, "min": np.minimum}
 
@@ -173,7 +177,10 @@ def allreduce_ina_mem(ep: Endpoint, x: np.ndarray, out: np.ndarray, op: str, dty
         allreduce_host_ps(ep, x, out, op, dtype)
         return
     sem = ep.sem("ina-mem")
-    E, S, n = st.slot_elems, st.slots, x.size
+    S, n = st.slots, x.size
+    # Large chunks save wake-ups, but a tensor needs several chunks in flight to
+    # pipeline over (shaped) links: at least MEM_MIN_CHUNKS chunks when it can.
+    E = min(st.slot_elems, max(MEM_MIN_CHUNK_BYTES // x.itemsize, -(-n // MEM_MIN_CHUNKS)))
     nch = -(-n // E)
     loc = ep.region_of(out) if out is x else None
     work = out

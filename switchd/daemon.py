@@ -20,7 +20,10 @@ loop keeps running.
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import logging
+import math
 import os
 import signal
 import time
@@ -49,6 +52,7 @@ from switchd.aggregation import (
     ResendResult,
     Stale,
 )
+from switchd.shaper import LinkShaper
 
 log = logging.getLogger("semfab.switchd")
 
@@ -88,6 +92,16 @@ def unwrap_psn(psn: int, last: int) -> int:
     return max(cand, 0)
 
 
+def _wire_bytes(header: Any, size: int) -> int:
+    """Bytes a frame puts on its link: a referenced (memory-plane) frame also
+    moves the ``length`` bytes it names, loaded or stored over that link."""
+    try:
+        _op, flags, _s, _j, _p, _k, _o, length = fr.peek(header)
+    except FrameError:
+        return size
+    return size + length if flags & Flag.REF else size
+
+
 class SwitchDaemon:
     """One switch. ``serve()`` runs until a shutdown message or SIGTERM."""
 
@@ -118,11 +132,31 @@ class SwitchDaemon:
         self._refs: dict[tuple[int, int], dict[int, tuple[int, int]]] = {}
         self._barriers: dict[int, list[bytes]] = {}
         self._kernel: Any = None
+        # link emulation: per attached node, the node->switch and switch->node directions
+        self._ingress: dict[bytes, LinkShaper] = {}
+        self._egress: dict[bytes, LinkShaper] = {}
+        for link in topo.links_of(name):
+            peer = link.other(name).encode()
+            if link.params.shaped or link.params.latency_us > 0:
+                self._ingress[peer] = LinkShaper(link.params)
+                self._egress[peer] = LinkShaper(link.params)
+        self._held: list[tuple[float, int, int, Any]] = []  # (due, seq, kind, item)
+        self._held_seq = itertools.count()
         self._running = True
         self._started = time.monotonic()
 
     # ------------------------------------------------------------------ sending
     def _send(self, ident: bytes, header: Any, payload: Any = None) -> None:
+        shaper = self._egress.get(ident)
+        if shaper is not None:
+            size = len(header) + (memoryview(payload).nbytes if payload is not None else 0)
+            nbytes = _wire_bytes(header, size)
+            due = shaper.schedule(nbytes, time.monotonic())
+            heapq.heappush(self._held, (due, next(self._held_seq), 1, (ident, header, payload)))
+            return
+        self._send_now(ident, header, payload)
+
+    def _send_now(self, ident: bytes, header: Any, payload: Any = None) -> None:
         try:
             if payload is None:
                 self.sock.send_multipart([ident, header])
@@ -168,7 +202,10 @@ class SwitchDaemon:
         parent = os.getppid()
         try:
             while self._running:
-                events = dict(poller.poll(1000))
+                wait_s = self._release_due() if self._held else 1.0
+                # whole milliseconds: a held frame leaves <= 1 ms late, but the link's
+                # own timeline stays exact, so throughput is not lost
+                events = dict(poller.poll(math.ceil(wait_s * 1000)))
                 if self.sock in events:
                     # drain a batch before polling again: one wake-up, many frames
                     for _ in range(256):
@@ -177,6 +214,8 @@ class SwitchDaemon:
                         except zmq.Again:
                             break
                         self._on_frame(parts)
+                if self._held:
+                    self._release_due()
                 if self.ctl is not None and self.ctl in events:
                     msg = control.parse(self.ctl.recv())
                     if msg["t"] == "shutdown":
@@ -204,6 +243,29 @@ class SwitchDaemon:
 
     # ------------------------------------------------------------------ dispatch
     def _on_frame(self, parts: list[zmq.Frame]) -> None:
+        shaper = self._ingress.get(parts[0].bytes)
+        if shaper is not None:
+            nbytes = _wire_bytes(parts[1].buffer, sum(len(p) for p in parts[1:]))
+            due = shaper.schedule(nbytes, time.monotonic())
+            heapq.heappush(self._held, (due, next(self._held_seq), 0, parts))
+            return
+        self._process(parts)
+
+    def _release_due(self) -> float:
+        """Act on every held frame whose time has come; seconds until the next one."""
+        while self._held:
+            due, _, kind, item = self._held[0]
+            now = time.monotonic()
+            if due > now:
+                return due - now
+            heapq.heappop(self._held)
+            if kind == 0:
+                self._process(item)
+            else:
+                self._send_now(*item)
+        return 1.0
+
+    def _process(self, parts: list[zmq.Frame]) -> None:
         c = self.counters
         c.frames_in += 1
         ident = parts[0].bytes

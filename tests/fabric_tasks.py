@@ -51,3 +51,16 @@ def fixed_point_all_paths(ep, count: int) -> dict:
 
 def whoami(ep) -> tuple[str, int]:
     return ep.name, ep.node_id
+
+
+def median_allreduce_s(ep, path: str, count: int, iters: int) -> float:
+    """Median wall time of ``iters`` barrier-separated allreduces."""
+    x = ep.alloc(count, "float32")
+    x[:] = 1.0
+    times = []
+    for _ in range(iters):
+        ep.barrier()
+        t0 = time.perf_counter()
+        ep.allreduce(x, path=path, out=x)
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))

@@ -124,3 +124,15 @@ def test_submit_runs_on_hosts_too_and_waits_in_any_order(fab2: Fabric) -> None:
     t2 = fab2.submit(tasks.whoami)
     assert fab2.wait(t2) == [("w0", 0), ("w1", 1)]
     assert fab2.wait(t1) == [("host0", 2)]
+
+
+def test_shaped_links_reproduce_the_ring_penalty(tmp_path) -> None:
+    """DESIGN.md §9 fidelity: on slow links a ring moves 2(n-1)/n of the tensor
+    each way, in-network reduction moves it once: ring/ina tends to 4/3 at n=3."""
+    topo = star(3, bandwidth_gbps=0.1, mtu=16 * 1024)  # small frames: little store-and-forward
+    with launch(topology=topo, run_dir=tmp_path, timeout_s=30) as fab:
+        ina = max(fab.run(tasks.median_allreduce_s, "ina", 1 << 18, 3))
+        ring = max(fab.run(tasks.median_allreduce_s, "host-ring", 1 << 18, 3))
+    wire = (1 << 20) * 8 / 0.1e9  # one tensor over one link: 84 ms
+    assert ina >= wire  # the shaper really holds frames back
+    assert 1.1 < ring / ina < 1.6
