@@ -20,7 +20,9 @@ the chunk ``S`` places before it came back.
 from __future__ import annotations
 
 import logging
+import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -29,8 +31,9 @@ import numpy as np
 import zmq
 
 from fabric import frame as fr
-from fabric.errors import PeerFailed, UsageError
+from fabric.errors import FabricTimeout, PeerFailed, UsageError
 from fabric.frame import Flag, Op
+from fabric.timers import ChunkTimers
 
 if TYPE_CHECKING:
     from fabric.endpoint import Endpoint
@@ -117,49 +120,124 @@ def allreduce_ina(ep: Endpoint, x: np.ndarray, out: np.ndarray, op: str, dtype: 
     outb = out.view(np.uint8).data
     sock = ep.sock
 
-    def send(i: int) -> None:
+    timers = ChunkTimers(ep.rtt, ep.timeout_s)
+    flags = Flag.CRC if ep.crc else Flag.NONE
+
+    def send(i: int, retx: bool = False) -> None:
         seg = x[i * E : min(n, (i + 1) * E)]
         header = fr.encode_header(Op.REDUCE, src=src, dst=dst, job=job,
-                                  psn=(base + i) & PSN_MASK, dtype=code, msg=msg, payload=seg)
+                                  psn=(base + i) & PSN_MASK, dtype=code, msg=msg, payload=seg,
+                                  flags=flags | (Flag.RETX if retx else 0), crc=ep.crc)
         ep.send(header, seg)
 
+    now = time.monotonic()
     for i in range(min(S, nch)):
         send(i)
+        timers.sent(i, now)
     got = bytearray(nch)
     done = 0
     hdr = memoryview(ep.hdr)
+    # In place, a corrupted result must not overwrite the input we may resend:
+    # with CRC on, receive into a bounce buffer and copy after the check.
+    bounce = memoryview(bytearray(E * item)) if ep.crc else None
     while done < nch:
-        ep.poll(time.monotonic() + ep.timeout_s, f"allreduce ina job {job} chunk {done}/{nch}")
+        _wait_or_retransmit(ep, timers, lambda i: send(i, True), f"allreduce ina job {job}")
+        if not sock.poll(0):
+            continue
         nh = sock.recv_into(ep.hdr)
         more = sock.get(zmq.RCVMORE)
         rop, _fl, _s, rjob, psn, _k, _o, length = fr.peek(hdr[:nh])
         i = (psn - base) & PSN_MASK
-        if rop is Op.RESULT and rjob == job and i < nch and not got[i]:
+        if rop is Op.RESULT and rjob == job:
+            if i >= nch or got[i] or not more:  # a late copy (we resent): drop it
+                if more:
+                    sock.recv(copy=False)
+                ep.duplicates += 1
+                continue
             lo = i * E * item
             target = outb[lo : lo + length]
-            if target.nbytes != length or not more:
+            if target.nbytes != length:
                 raise PeerFailed(f"{ep.name}: RESULT for chunk {i} has {length} B, "
                                  f"expected {min(n - i * E, E) * item} B")
-            nb = sock.recv_into(target)
-            if nb != length:
-                raise PeerFailed(f"{ep.name}: RESULT payload {nb} B != header {length} B")
-            fr.decode(hdr[:nh], target)  # full validation (CRC, dtype multiple)
+            into = target if bounce is None else bounce[:length]
+            nb = sock.recv_into(into)
+            try:
+                if nb != length:
+                    raise fr.FrameError(fr.NackCode.MALFORMED, "truncated RESULT")
+                fr.decode(hdr[:nh], into)  # full validation (CRC, dtype multiple)
+            except fr.FrameError as exc:
+                ep.bad_frames += 1  # counted; the chunk's timer will resend it
+                log.info("%s: dropped a bad RESULT for chunk %d: %s", ep.name, i, exc)
+                continue
+            if bounce is not None:
+                target[:] = into
             got[i] = 1
             done += 1
+            now = time.monotonic()
+            timers.acked(i, now)
             if i + S < nch:
                 send(i + S)
+                timers.sent(i + S, now)
             continue
         payload = sock.recv(copy=False).buffer if more else None
-        f = fr.decode(bytes(hdr[:nh]), payload)
-        if f.op is Op.NACK:
+        try:
+            f = fr.decode(bytes(hdr[:nh]), payload)
+        except fr.FrameError:
+            ep.bad_frames += 1
+            continue
+        if f.op is Op.NACK and f.job == job:
             raise PeerFailed(f"{ep.name}: switch refused chunk {f.psn} of job {f.job}: "
                              f"{f.nack_code.name}")
         ep.stash.append(f)
+    ep.retransmits += timers.retransmits
     sem = ep.sem("ina")
     sem.chunks += nch
     sem.copies += nch * 2  # the switch reduces each chunk into its slot; we recv into out
     sem.crossings += nch * 2  # worker -> switch, switch -> worker
     sem.hops += nch
+
+
+def _wait_or_retransmit(ep: Endpoint, timers: ChunkTimers, resend: Callable[[int], None],
+                        what: str) -> None:
+    """Wait for a frame until the next chunk deadline; resend what expired.
+
+    A chunk without a result ``ep.timeout_s`` after its first send fails the
+    operation, naming the switch.
+    """
+    deadline = timers.next_deadline()
+    if deadline is not None:
+        wait_ms = max(math.ceil((deadline - time.monotonic()) * 1000), 0)
+        if ep.sock.poll(wait_ms):
+            return
+    resend_now, dead = timers.expired(time.monotonic())
+    if dead:
+        raise FabricTimeout(
+            f"{ep.name}: {what}: no result for chunk {dead[0]} from switch "
+            f"{ep.switch_name!r} within {ep.timeout_s:g}s "
+            f"({timers.retransmits} retransmissions); is it running?")
+    for chunk in resend_now:
+        resend(chunk)
+
+
+def _next_frame(ep: Endpoint, timers: ChunkTimers, resend: Callable[[int], None],
+                what: str, job: int) -> fr.Frame | None:
+    """A stashed frame of ``job``, else one from the socket, else None (after
+    handling timers). Bad frames are counted and dropped: their chunk's timer
+    resends it."""
+    for k, f in enumerate(ep.stash):
+        if f.job == job and f.op in (Op.RESULT, Op.NACK):
+            del ep.stash[k]
+            return f
+    _wait_or_retransmit(ep, timers, resend, what)
+    if not ep.sock.poll(0):
+        return None
+    parts = ep.sock.recv_multipart(copy=False)
+    try:
+        return fr.decode(parts[0].buffer, parts[1].buffer if len(parts) > 1 else None)
+    except fr.FrameError as exc:
+        ep.bad_frames += 1
+        log.info("%s: dropped a bad frame: %s", ep.name, exc)
+        return None
 
 
 # ---------------------------------------------------------------------- ina-mem
@@ -198,30 +276,45 @@ def allreduce_ina_mem(ep: Endpoint, x: np.ndarray, out: np.ndarray, op: str, dty
     code = fr.dtype_from_name(dtype)
     item = x.itemsize
 
-    def send(i: int) -> None:
+    timers = ChunkTimers(ep.rtt, ep.timeout_s)
+
+    def send(i: int, retx: bool = False) -> None:
         count = min(n - i * E, E)
         ep.send(fr.encode_header(Op.REDUCE, src=ep.node_id, dst=ep.switch_id, job=st.job,
                                  psn=(base + i) & PSN_MASK, dtype=code, msg=msg, key=key,
-                                 offset=base_off + i * E * item, flags=Flag.REF,
-                                 length=count * item))
+                                 offset=base_off + i * E * item,
+                                 flags=Flag.REF | (Flag.RETX if retx else 0),
+                                 length=count * item, crc=ep.crc))
 
+    now = time.monotonic()
     for i in range(min(S, nch)):
         send(i)
+        timers.sent(i, now)
     got = bytearray(nch)
     done = 0
-
-    def is_result(f: fr.Frame) -> bool:
-        return f.op is Op.RESULT and f.job == st.job and ((f.psn - base) & PSN_MASK) < nch
-
     while done < nch:
-        f = ep.wait_for(is_result, f"allreduce ina-mem job {st.job} chunk {done}/{nch}")
+        f = _next_frame(ep, timers, lambda i: send(i, True), f"allreduce ina-mem job {st.job}",
+                        st.job)
+        if f is None:
+            continue
+        if f.op is Op.NACK and f.job == st.job:
+            raise PeerFailed(f"{ep.name}: switch refused chunk {f.psn} of job {f.job}: "
+                             f"{f.nack_code.name}")
+        if f.op is not Op.RESULT or f.job != st.job:
+            ep.stash.append(f)
+            continue
         i = (f.psn - base) & PSN_MASK
-        if got[i]:
+        if i >= nch or got[i]:  # a late copy of a result we already have
+            ep.duplicates += 1
             continue
         got[i] = 1
         done += 1
+        now = time.monotonic()
+        timers.acked(i, now)
         if i + S < nch:
             send(i + S)
+            timers.sent(i + S, now)
+    ep.retransmits += timers.retransmits
     if work is not out:
         np.copyto(out, work)
         sem.copies += nch

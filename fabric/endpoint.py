@@ -33,6 +33,7 @@ from fabric.errors import FabricTimeout, PeerFailed, UsageError
 from fabric.frame import Op
 from fabric.semantic import SemanticCounts
 from fabric.shm import SharedRegion
+from fabric.timers import RttEstimator
 from fabric.topology import Topology
 
 log = logging.getLogger("semfab.endpoint")
@@ -102,6 +103,11 @@ class Endpoint:
         self.coll_seq = itertools.count(1)
         self.semantics: dict[str, SemanticCounts] = {}
         self.fallbacks: list[str] = []  # reported, never silent
+        self.rtt = RttEstimator()  # aggregation retransmit timeout (RFC 6298)
+        self.crc = False  # CRC32C on data frames (turned on where links corrupt)
+        self.retransmits = 0
+        self.duplicates = 0
+        self.bad_frames = 0
         self.chunk_bytes: dict[str, int] = {}
         self.slots: dict[str, int] = {}
         self.scratch: np.ndarray | None = None  # staging region for ina-mem

@@ -1,0 +1,101 @@
+"""Retransmit timers for aggregation windows (pure: ``now`` is passed in).
+
+A worker with chunks outstanding at the switch keeps one timer per chunk. When
+a chunk's result does not come back in time, the worker sends its
+contribution again (flagged RETX); the switch's contributor bitmap makes the
+copy count once and answers a finished chunk with the kept result
+(docs/AGGREGATION.md). The timeout follows RFC 6298 (SRTT, RTTVAR, Karn's
+rule, exponential backoff), with the constants of fabric.reliability.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fabric.reliability import (
+    DEFAULT_GRANULARITY,
+    DEFAULT_RTO_INITIAL,
+    DEFAULT_RTO_MAX,
+    DEFAULT_RTO_MIN,
+    RTO_ALPHA,
+    RTO_BETA,
+    RTO_K,
+)
+
+
+class RttEstimator:
+    """RFC 6298 §2: smoothed RTT, its variation and the retransmit timeout."""
+
+    def __init__(self, rto_initial: float = DEFAULT_RTO_INITIAL, rto_min: float = DEFAULT_RTO_MIN,
+                 rto_max: float = DEFAULT_RTO_MAX) -> None:
+        self.srtt: float | None = None
+        self.rttvar = 0.0
+        self.rto_min, self.rto_max = rto_min, rto_max
+        self.rto = rto_initial
+
+    def sample(self, rtt: float) -> None:
+        """Feed one RTT measurement (never from a retransmitted frame: Karn)."""
+        if self.srtt is None:  # §2.2: first measurement
+            self.srtt, self.rttvar = rtt, rtt / 2
+        else:  # §2.3
+            self.rttvar = (1 - RTO_BETA) * self.rttvar + RTO_BETA * abs(self.srtt - rtt)
+            self.srtt = (1 - RTO_ALPHA) * self.srtt + RTO_ALPHA * rtt
+        rto = self.srtt + max(DEFAULT_GRANULARITY, RTO_K * self.rttvar)
+        self.rto = min(max(rto, self.rto_min), self.rto_max)
+
+
+@dataclass
+class _Timer:
+    first_sent: float
+    sent: float
+    deadline: float
+    tries: int = 0
+
+
+class ChunkTimers:
+    """One timer per outstanding chunk; gives up ``give_up_s`` after a chunk's first send."""
+
+    def __init__(self, rtt: RttEstimator, give_up_s: float) -> None:
+        self.rtt = rtt
+        self.give_up_s = give_up_s
+        self._timers: dict[int, _Timer] = {}
+        self.retransmits = 0
+
+    def sent(self, chunk: int, now: float) -> None:
+        """Chunk ``chunk`` was sent for the first time at ``now``."""
+        self._timers[chunk] = _Timer(now, now, now + self.rtt.rto)
+
+    def acked(self, chunk: int, now: float) -> bool:
+        """Its result arrived; False if it was not outstanding (a duplicate)."""
+        t = self._timers.pop(chunk, None)
+        if t is None:
+            return False
+        if t.tries == 0:
+            self.rtt.sample(now - t.sent)
+        return True
+
+    def next_deadline(self) -> float | None:
+        """The earliest deadline, or None when nothing is outstanding."""
+        return min((t.deadline for t in self._timers.values()), default=None)
+
+    def expired(self, now: float) -> tuple[list[int], list[int]]:
+        """``(to_resend, given_up)``: chunks whose timer ran out at ``now``.
+
+        Each resend doubles that chunk's timeout (RFC 6298 §5.5 backoff).
+        """
+        resend, dead = [], []
+        for chunk, t in self._timers.items():
+            if t.deadline > now:
+                continue
+            if now - t.first_sent >= self.give_up_s:
+                dead.append(chunk)
+                continue
+            t.tries += 1
+            t.sent = now
+            t.deadline = now + min(self.rtt.rto * (2 ** t.tries), self.rtt.rto_max)
+            resend.append(chunk)
+        self.retransmits += len(resend)
+        return resend, dead
+
+    def __len__(self) -> int:
+        return len(self._timers)

@@ -1,0 +1,55 @@
+"""Aggregation retransmit timers: exact deadlines on a fake clock (RFC 6298)."""
+
+from __future__ import annotations
+
+import pytest
+
+from fabric.timers import ChunkTimers, RttEstimator
+
+
+def test_first_sample_then_smoothing() -> None:
+    est = RttEstimator(rto_initial=0.1, rto_min=0.001, rto_max=2.0)
+    assert est.rto == 0.1
+    est.sample(0.010)  # SRTT = R, RTTVAR = R/2, RTO = R + 4 R/2
+    assert est.srtt == pytest.approx(0.010) and est.rttvar == pytest.approx(0.005)
+    assert est.rto == pytest.approx(0.030)
+    est.sample(0.018)  # RTTVAR = 3/4*5ms + 1/4*8ms; SRTT = 7/8*10 + 1/8*18
+    assert est.rttvar == pytest.approx(0.00575)
+    assert est.srtt == pytest.approx(0.011)
+    assert est.rto == pytest.approx(0.011 + 4 * 0.00575)
+
+
+def test_rto_clamped() -> None:
+    est = RttEstimator(rto_min=0.005, rto_max=0.05)
+    est.sample(1e-6)
+    assert est.rto == 0.005
+    est.sample(10.0)
+    assert est.rto == 0.05
+
+
+def test_backoff_doubles_and_karn_skips_retransmitted_samples() -> None:
+    est = RttEstimator(rto_initial=0.1, rto_min=0.001, rto_max=10.0)
+    t = ChunkTimers(est, give_up_s=5.0)
+    t.sent(0, now=0.0)
+    t.sent(1, now=0.0)
+    assert t.next_deadline() == pytest.approx(0.1)
+    assert t.expired(0.05) == ([], [])
+    assert t.expired(0.1) == ([0, 1], [])
+    assert t.next_deadline() == pytest.approx(0.1 + 0.2)  # doubled
+    assert t.expired(0.31) == ([0, 1], [])
+    assert t.next_deadline() == pytest.approx(0.31 + 0.4)
+    assert t.acked(0, now=0.32)  # retransmitted: Karn, no sample
+    assert est.srtt is None
+    assert not t.acked(0, now=0.33)  # a duplicate result
+    t.sent(2, now=0.4)
+    assert t.acked(2, now=0.41)
+    assert est.srtt == pytest.approx(0.01)
+    assert t.retransmits == 4
+
+
+def test_gives_up_after_the_limit() -> None:
+    t = ChunkTimers(RttEstimator(rto_initial=1.0, rto_max=1.0), give_up_s=2.5)
+    t.sent(7, now=0.0)
+    assert t.expired(1.0) == ([7], [])
+    assert t.expired(2.0) == ([7], [])
+    assert t.expired(3.0) == ([], [7])
