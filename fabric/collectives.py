@@ -186,8 +186,8 @@ def allreduce_ina(ep: Endpoint, x: np.ndarray, out: np.ndarray, op: str, dtype: 
             ep.bad_frames += 1
             continue
         if f.op is Op.NACK and f.job == job:
-            raise PeerFailed(f"{ep.name}: switch refused chunk {f.psn} of job {f.job}: "
-                             f"{f.nack_code.name}")
+            _on_nack(ep, f, base, nch, got, lambda i: send(i, True))
+            continue
         ep.stash.append(f)
     ep.retransmits += timers.retransmits
     sem = ep.sem("ina")
@@ -217,6 +217,23 @@ def _wait_or_retransmit(ep: Endpoint, timers: ChunkTimers, resend: Callable[[int
             f"({timers.retransmits} retransmissions); is it running?")
     for chunk in resend_now:
         resend(chunk)
+
+
+#: NACK codes that mean "your frame was damaged on the way": send it again.
+_RESEND_CODES = frozenset({fr.NackCode.BAD_CHECKSUM, fr.NackCode.MALFORMED})
+
+
+def _on_nack(ep: Endpoint, f: fr.Frame, base: int, nch: int, got: bytearray,
+             resend: Callable[[int], None]) -> None:
+    """A damaged contribution is resent at once; any other refusal fails the call."""
+    i = (f.psn - base) & PSN_MASK
+    if f.nack_code in _RESEND_CODES:
+        if i < nch and not got[i]:
+            resend(i)
+            ep.retransmits += 1
+        return
+    raise PeerFailed(f"{ep.name}: switch refused chunk {f.psn} of job {f.job}: "
+                     f"{f.nack_code.name}")
 
 
 def _next_frame(ep: Endpoint, timers: ChunkTimers, resend: Callable[[int], None],
@@ -298,8 +315,8 @@ def allreduce_ina_mem(ep: Endpoint, x: np.ndarray, out: np.ndarray, op: str, dty
         if f is None:
             continue
         if f.op is Op.NACK and f.job == st.job:
-            raise PeerFailed(f"{ep.name}: switch refused chunk {f.psn} of job {f.job}: "
-                             f"{f.nack_code.name}")
+            _on_nack(ep, f, base, nch, got, lambda i: send(i, True))
+            continue
         if f.op is not Op.RESULT or f.job != st.job:
             ep.stash.append(f)
             continue

@@ -30,7 +30,7 @@ import zmq
 from fabric import control, transport
 from fabric import frame as fr
 from fabric.errors import FabricTimeout, PeerFailed, UsageError
-from fabric.frame import Op
+from fabric.frame import NackCode, Op
 from fabric.semantic import SemanticCounts
 from fabric.shm import SharedRegion
 from fabric.timers import RttEstimator
@@ -43,6 +43,8 @@ PATHS = ("ina", "ina-mem", "host-ps", "host-ring")
 OPS = ("sum", "max", "min")
 DTYPE_NAMES = ("float32", "float16", "bfloat16", "int32", "int64")
 DEFAULT_TIMEOUT_S = 30.0
+#: First resend interval of a control request (doubles up to 1 s).
+CTRL_RETRY_S = 0.05
 
 
 def np_dtype(name: str) -> np.dtype[Any]:
@@ -168,34 +170,49 @@ class Endpoint:
                                  f"job {f.job}: {f.nack_code.name}")
             self.stash.append(f)
 
-    def request(self, t: str, reply: str, dst: int | None = None, **fields: Any) -> dict[str, Any]:
-        """Send a control message to the switch (or ``dst``) and wait for its reply."""
+    def request(self, t: str, reply: str, dst: int | None = None,
+                match: Callable[[dict[str, Any]], bool] | None = None,
+                **fields: Any) -> dict[str, Any]:
+        """Send a control message to the switch (or ``dst``) and wait for its reply.
+
+        Control requests are idempotent, so a lost request or reply is simply
+        sent again (with backoff) until the reply comes or ``timeout_s`` ends.
+        """
         dst = self.switch_id if dst is None else dst
-        self.send(fr.encode(Op.CTRL, src=self.node_id, dst=dst,
-                            payload=control.pack(t, **fields)))
+        frame = fr.encode(Op.CTRL, src=self.node_id, dst=dst, payload=control.pack(t, **fields),
+                          crc=self.crc)
 
-        def is_reply(f: fr.Frame) -> bool:
-            return f.op is Op.CTRL and control.parse(f.payload).get("t") == reply
+        def is_answer(f: fr.Frame) -> bool:
+            if f.op is Op.NACK:
+                return f.src == dst and f.psn == 0 and f.job == 0
+            if f.op is not Op.CTRL:
+                return False
+            m = control.parse(f.payload)
+            return m.get("t") == reply and (match is None or match(m))
 
-        f = self.wait_for(is_reply, f"control request {t!r} to node {dst}")
-        return control.parse(f.payload)
+        deadline = self.deadline()
+        retry = CTRL_RETRY_S
+        while True:
+            self.send(frame)
+            try:
+                f = self.wait_for(is_answer, f"control request {t!r} to node {dst}",
+                                  min(deadline, time.monotonic() + retry))
+            except FabricTimeout:
+                if time.monotonic() >= deadline:
+                    raise
+                retry = min(retry * 2, 1.0)
+                continue
+            if f.op is Op.CTRL:
+                return control.parse(f.payload)
+            if f.nack_code not in (NackCode.BAD_CHECKSUM, NackCode.MALFORMED):
+                raise PeerFailed(f"{self.name}: node {dst} refused control request {t!r}: "
+                                 f"{f.nack_code.name}")
+            # damaged on the way: send it again
 
     def _hello(self) -> None:
-        # DEALER connects asynchronously: repeat hello until the switch answers.
-        deadline = self.deadline()
-        while True:
-            self.send(fr.encode(Op.CTRL, src=self.node_id, dst=self.switch_id,
-                                payload=control.pack("hello", name=self.name)))
-            try:
-                f = self.wait_for(
-                    lambda f: f.op is Op.CTRL and control.parse(f.payload).get("t") == "welcome",
-                    "hello", min(deadline, time.monotonic() + 0.5),
-                )
-                log.debug("%s: welcomed by %s", self.name, control.parse(f.payload)["switch"])
-                return
-            except FabricTimeout:
-                if time.monotonic() > deadline:
-                    raise
+        # The DEALER connects asynchronously and frames may be lost: retry.
+        reply = self.request("hello", "welcome", name=self.name)
+        log.debug("%s: welcomed by %s", self.name, reply.get("switch"))
 
     # ------------------------------------------------------------------ memory
     def alloc(self, count: int, dtype: str = "float32") -> np.ndarray:
@@ -229,16 +246,8 @@ class Endpoint:
     def barrier(self) -> None:
         """Wait until every worker reached this barrier (counted by the switch)."""
         bid = next(self._barrier_seq)
-        self.send(fr.encode(Op.CTRL, src=self.node_id, dst=self.switch_id,
-                            payload=control.pack("barrier", id=bid, n=self.world)))
-
-        def done(f: fr.Frame) -> bool:
-            if f.op is not Op.CTRL:
-                return False
-            m = control.parse(f.payload)
-            return m.get("t") == "barrier_done" and m.get("id") == bid
-
-        self.wait_for(done, f"barrier {bid}")
+        self.request("barrier", "barrier_done", match=lambda m: m.get("id") == bid,
+                     id=bid, n=self.world)
 
     def allreduce(self, x: np.ndarray, op: str = "sum", path: str = "ina",
                   out: np.ndarray | None = None, numerics: str = "float") -> np.ndarray:

@@ -107,6 +107,9 @@ class Fabric:
         timeout_s: float = 30.0,
         start_timeout_s: float = 60.0,
         switch_args: Sequence[str] = (),
+        faults: str | None = None,
+        seed: int = 0,
+        crc: bool | None = None,
         verbose: bool = False,
     ) -> None:
         self.topo = topo
@@ -114,6 +117,10 @@ class Fabric:
         self.timeout_s = timeout_s
         self.start_timeout_s = start_timeout_s
         self.switch_args = list(switch_args)
+        if faults:
+            self.switch_args += ["--faults", faults, "--seed", str(seed)]
+        # CRC on data frames by default wherever frames may be corrupted
+        self.crc = crc if crc is not None else bool(faults and "corrupt" in faults)
         self.verbose = verbose
         self.procs: dict[str, Proc] = {}
         self.sock_dir: Path | None = None
@@ -147,7 +154,8 @@ class Fabric:
                     sys.executable, "-m", "fabric.node", "--name", node.name,
                     "--topology", str(topo_path), "--sock-dir", str(self.sock_dir),
                     "--ctl", ctl_addr, "--run-id", self.run_id,
-                    "--timeout", str(self.timeout_s), *(["-v"] if self.verbose else []),
+                    "--timeout", str(self.timeout_s), *(["--crc"] if self.crc else []),
+                    *(["-v"] if self.verbose else []),
                 ])
             self._wait_ready()
         except BaseException:

@@ -66,6 +66,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run-id", default="run", help="names shared-memory regions of this run")
     p.add_argument("--timeout", type=float, default=30.0,
                    help="seconds any wait on a peer may take before failing")
+    p.add_argument("--crc", action="store_true",
+                   help="put a CRC32C on data frames (use where links corrupt)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -75,6 +77,7 @@ def run(args: argparse.Namespace) -> int:
     ctx = transport.context()
     ep = Endpoint(topo, args.name, args.sock_dir, run_id=args.run_id, timeout_s=args.timeout,
                   ctx=ctx)
+    ep.crc = args.crc
     ctl = transport.dealer(ctx, args.ctl, args.name) if args.ctl else None
     stop = False
 

@@ -20,6 +20,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--memory-mb", type=int, default=256,
                    help="aggregation memory budget in MiB; jobs beyond it are refused")
     p.add_argument("--io-threads", type=int, default=1, help="ZeroMQ I/O threads")
+    p.add_argument("--faults", metavar="SPEC",
+                   help="inject faults on every link, e.g. 'loss=0.01,reorder=0.05:3,"
+                   "corrupt=1e-4' (see docs/RELIABILITY.md); default: each link's `loss`")
+    p.add_argument("--seed", type=int, default=0, help="seed of the fault injectors")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -38,8 +42,16 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"{args.name!r} is a {node.kind}, not a switch")
     if args.memory_mb < 1:
         raise UsageError("--memory-mb must be at least 1")
+    if args.faults is not None:
+        from fabric.faults import FaultSpecError, parse_faults
+
+        try:
+            parse_faults(args.faults)
+        except FaultSpecError as exc:
+            raise UsageError(f"--faults: {exc}") from None
     daemon = SwitchDaemon(topo, args.name, Path(args.sock_dir), ctl_addr=args.ctl,
-                          memory_budget=args.memory_mb * 2**20, io_threads=args.io_threads)
+                          memory_budget=args.memory_mb * 2**20, io_threads=args.io_threads,
+                          faults=args.faults, seed=args.seed)
     daemon.serve()
     return 0
 

@@ -27,6 +27,7 @@ import math
 import os
 import signal
 import time
+from collections import deque
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,7 @@ import zmq
 
 from fabric import control, transport
 from fabric import frame as fr
+from fabric.faults import FaultInjector, FaultSpec, parse_faults
 from fabric.frame import Flag, FrameError, NackCode, Op
 from fabric.memory import AccessError, RegionInfo, RegionTable
 from fabric.shm import SharedRegion
@@ -92,6 +94,31 @@ def unwrap_psn(psn: int, last: int) -> int:
     return max(cand, 0)
 
 
+def _sum_fault_stats(injectors: dict[bytes, FaultInjector]) -> dict[str, int]:
+    total: dict[str, int] = {}
+    for inj in injectors.values():
+        for k, v in asdict(inj.statistics()).items():
+            total[k] = total.get(k, 0) + v
+    return total
+
+
+def _join(header: Any, payload: Any) -> bytes:
+    """One contiguous copy of a message (only where faults must see its bytes)."""
+    return bytes(header) + (bytes(payload) if payload is not None else b"")
+
+
+def _split(blob: bytes, head_len: int) -> tuple[bytes, memoryview | None]:
+    """Back into the two-part form the receivers expect."""
+    view = memoryview(blob)
+    if len(blob) <= head_len:
+        return blob, None
+    return bytes(view[:head_len]), view[head_len:]
+
+
+def _crc_len(blob: bytes) -> int:
+    return fr.CRC_SIZE if len(blob) > 2 and blob[2] & Flag.CRC else 0
+
+
 def _wire_bytes(header: Any, size: int) -> int:
     """Bytes a frame puts on its link: a referenced (memory-plane) frame also
     moves the ``length`` bytes it names, loaded or stored over that link."""
@@ -113,6 +140,8 @@ class SwitchDaemon:
         ctl_addr: str | None = None,
         memory_budget: int = 256 * 2**20,
         io_threads: int = 1,
+        faults: str | None = None,
+        seed: int = 0,
     ) -> None:
         self.topo = topo
         self.name = name
@@ -130,7 +159,8 @@ class SwitchDaemon:
         self._job_last: dict[int, int] = {}
         # memory plane: per (job, chunk) the (key, offset) each member named
         self._refs: dict[tuple[int, int], dict[int, tuple[int, int]]] = {}
-        self._barriers: dict[int, list[bytes]] = {}
+        self._barriers: dict[int, dict[bytes, int]] = {}
+        self._barriers_done: deque[int] = deque(maxlen=1024)
         self._kernel: Any = None
         # link emulation: per attached node, the node->switch and switch->node directions
         self._ingress: dict[bytes, LinkShaper] = {}
@@ -140,19 +170,44 @@ class SwitchDaemon:
             if link.params.shaped or link.params.latency_us > 0:
                 self._ingress[peer] = LinkShaper(link.params)
                 self._egress[peer] = LinkShaper(link.params)
-        self._held: list[tuple[float, int, int, Any]] = []  # (due, seq, kind, item)
+        # fault injection per link direction (seeded): from the link's `loss`, or
+        # every link's spec overridden by --faults
+        self._faults_in: dict[bytes, FaultInjector] = {}
+        self._faults_out: dict[bytes, FaultInjector] = {}
+        for link in topo.links_of(name):
+            peer_name = link.other(name)
+            spec = parse_faults(faults) if faults is not None else (
+                FaultSpec(loss=link.params.loss) if link.params.loss else None)
+            if spec is not None and not spec.clean:
+                peer = peer_name.encode()
+                self._faults_in[peer] = FaultInjector(spec, seed, stream=f"{peer_name}>{name}")
+                self._faults_out[peer] = FaultInjector(spec, seed, stream=f"{name}>{peer_name}")
+        # held frames: (due, seq, kind, item); kind 0 ingress ready, 1 egress ready,
+        # 2 ingress past faults (to shape), 3 egress past faults (to shape)
+        self._held: list[tuple[float, int, int, Any]] = []
         self._held_seq = itertools.count()
+        self._ctrl_crc = False
         self._running = True
         self._started = time.monotonic()
 
     # ------------------------------------------------------------------ sending
     def _send(self, ident: bytes, header: Any, payload: Any = None) -> None:
+        """Send to a node over its link: faults, then shaping, then the socket."""
+        now = time.monotonic()
+        inj = self._faults_out.get(ident)
+        if inj is not None:
+            for at, blob in inj.apply(_join(header, payload), now):
+                head, body = _split(blob, len(header))
+                self._hold(max(at, now), 3, (ident, head, body))
+            return
+        self._shape_out(ident, header, payload, now)
+
+    def _shape_out(self, ident: bytes, header: Any, payload: Any, now: float) -> None:
         shaper = self._egress.get(ident)
         if shaper is not None:
             size = len(header) + (memoryview(payload).nbytes if payload is not None else 0)
-            nbytes = _wire_bytes(header, size)
-            due = shaper.schedule(nbytes, time.monotonic())
-            heapq.heappush(self._held, (due, next(self._held_seq), 1, (ident, header, payload)))
+            self._hold(shaper.schedule(_wire_bytes(header, size), now), 1,
+                       (ident, header, payload))
             return
         self._send_now(ident, header, payload)
 
@@ -185,7 +240,8 @@ class SwitchDaemon:
                                          job=job, msg=msg))
 
     def _ctrl(self, ident: bytes, dst: int, t: str, **fields: Any) -> None:
-        self._send(ident, fr.encode(Op.CTRL, src=self.node.id, dst=dst,
+        # CRC whenever the fabric checks (the requester asked with one)
+        self._send(ident, fr.encode(Op.CTRL, src=self.node.id, dst=dst, crc=self._ctrl_crc,
                                     payload=control.pack(t, **fields)))
 
     # ------------------------------------------------------------------ main loop
@@ -202,7 +258,8 @@ class SwitchDaemon:
         parent = os.getppid()
         try:
             while self._running:
-                wait_s = self._release_due() if self._held else 1.0
+                busy = self._held or self._faults_in
+                wait_s = self._release_due() if busy else 1.0
                 # whole milliseconds: a held frame leaves <= 1 ms late, but the link's
                 # own timeline stays exact, so throughput is not lost
                 events = dict(poller.poll(math.ceil(wait_s * 1000)))
@@ -214,7 +271,7 @@ class SwitchDaemon:
                         except zmq.Again:
                             break
                         self._on_frame(parts)
-                if self._held:
+                if self._held or self._faults_in:
                     self._release_due()
                 if self.ctl is not None and self.ctl in events:
                     msg = control.parse(self.ctl.recv())
@@ -243,42 +300,80 @@ class SwitchDaemon:
 
     # ------------------------------------------------------------------ dispatch
     def _on_frame(self, parts: list[zmq.Frame]) -> None:
-        shaper = self._ingress.get(parts[0].bytes)
-        if shaper is not None:
-            nbytes = _wire_bytes(parts[1].buffer, sum(len(p) for p in parts[1:]))
-            due = shaper.schedule(nbytes, time.monotonic())
-            heapq.heappush(self._held, (due, next(self._held_seq), 0, parts))
+        ident = parts[0].bytes
+        if len(parts) not in (2, 3):
+            self.counters.malformed += 1
+            log.warning("malformed message of %d parts from %r", len(parts), ident)
             return
-        self._process(parts)
+        payload = parts[2] if len(parts) == 3 else None
+        self._ingress_msg(ident, parts[1].buffer, payload, time.monotonic())
+
+    def _ingress_msg(self, ident: bytes, header: Any, payload: Any, now: float) -> None:
+        """The node->switch link: faults, then serialisation and latency."""
+        inj = self._faults_in.get(ident)
+        if inj is not None:
+            for at, blob in inj.apply(_join(header, payload), now):
+                head, body = _split(blob, len(header))
+                self._hold(max(at, now), 2, (ident, head, body))
+            return
+        shaper = self._ingress.get(ident)
+        if shaper is not None:
+            size = len(header) + (len(payload) if payload is not None else 0)
+            due = shaper.schedule(_wire_bytes(header, size), now)
+            self._hold(due, 0, (ident, header, payload))
+            return
+        self._process(ident, header, payload)
+
+    def _hold(self, due: float, kind: int, item: Any) -> None:
+        heapq.heappush(self._held, (due, next(self._held_seq), kind, item))
 
     def _release_due(self) -> float:
         """Act on every held frame whose time has come; seconds until the next one."""
+        now = time.monotonic()
+        for ident, inj in self._faults_in.items():
+            for at, blob in inj.poll(now):  # reordered frames whose hold ran out
+                head, body = _split(blob, fr.HEADER_SIZE + _crc_len(blob))
+                self._hold(at, 2, (ident, head, body))
+        for ident, inj in self._faults_out.items():
+            for at, blob in inj.poll(now):
+                head, body = _split(blob, fr.HEADER_SIZE + _crc_len(blob))
+                self._hold(at, 3, (ident, head, body))
         while self._held:
             due, _, kind, item = self._held[0]
             now = time.monotonic()
             if due > now:
-                return due - now
+                return min(due - now, self._fault_wait(now))
             heapq.heappop(self._held)
             if kind == 0:
-                self._process(item)
-            else:
+                self._process(*item)
+            elif kind == 1:
                 self._send_now(*item)
-        return 1.0
+            elif kind == 2:  # past the faults: now the link's shaping
+                ident, head, body = item
+                shaper = self._ingress.get(ident)
+                if shaper is not None:
+                    size = len(head) + (len(body) if body is not None else 0)
+                    self._hold(shaper.schedule(_wire_bytes(head, size), now), 0, item)
+                else:
+                    self._process(*item)
+            else:
+                ident, head, body = item
+                self._shape_out(ident, head, body, now)
+        return self._fault_wait(time.monotonic())
 
-    def _process(self, parts: list[zmq.Frame]) -> None:
+    def _fault_wait(self, now: float) -> float:
+        deadlines = [d for inj in (*self._faults_in.values(), *self._faults_out.values())
+                     if (d := inj.next_deadline()) is not None]
+        return max(min(deadlines) - now, 0.0) if deadlines else 1.0
+
+    def _process(self, ident: bytes, header: Any, payload: Any) -> None:
         c = self.counters
         c.frames_in += 1
-        ident = parts[0].bytes
-        if len(parts) not in (2, 3):
-            c.malformed += 1
-            log.warning("malformed message of %d parts from %r", len(parts), ident)
-            return
-        header = parts[1].buffer
-        payload = parts[2].buffer if len(parts) == 3 else None
-        c.bytes_in += header.nbytes + (payload.nbytes if payload is not None else 0)
+        body = payload.buffer if isinstance(payload, zmq.Frame) else payload
+        c.bytes_in += len(header) + (len(body) if body is not None else 0)
         try:
             # two parts: header + payload; one part: a contiguous frame
-            f = fr.decode(header, payload)
+            f = fr.decode(header, body)
         except FrameError as exc:
             c.malformed += 1
             try:
@@ -288,12 +383,13 @@ class SwitchDaemon:
             self._nack(ident, src, job, psn, 0, exc.code, str(exc))
             return
         if f.dst != self.node.id or f.flags & Flag.MCAST:
-            self._forward(f, ident, parts)
+            self._forward(f, ident, header, payload)
         elif f.op is Op.REDUCE:
             c.reduce_frames += 1
             self._on_reduce(f, ident)
         elif f.op is Op.CTRL:
             c.ctrl_frames += 1
+            self._ctrl_crc = self._ctrl_crc or bool(f.flags & Flag.CRC)
             try:
                 self._on_ctrl(f, ident, control.parse(f.payload))
             except FrameError as exc:
@@ -303,7 +399,7 @@ class SwitchDaemon:
             self._nack(ident, f.src, f.job, f.psn, f.msg, NackCode.UNSUPPORTED,
                        f"switch does not serve {f.op.name}")
 
-    def _forward(self, f: fr.Frame, ident: bytes, parts: list[zmq.Frame]) -> None:
+    def _forward(self, f: fr.Frame, ident: bytes, header: Any, payload: Any) -> None:
         dst_ident = self._ident.get(f.dst)
         if dst_ident is None:
             self.counters.unroutable += 1
@@ -311,10 +407,8 @@ class SwitchDaemon:
                        f"no node with id {f.dst}")
             return
         self.counters.forwarded += 1
-        if len(parts) == 3:
-            self._send(dst_ident, parts[1].buffer, parts[2])
-        else:
-            self._send(dst_ident, bytes(parts[1].buffer))
+        # header and payload buffers pass through unchanged (payload zero-copy)
+        self._send(dst_ident, bytes(header), payload)
 
     # ------------------------------------------------------------------ aggregation
     def _on_reduce(self, f: fr.Frame, ident: bytes) -> None:
@@ -388,17 +482,18 @@ class SwitchDaemon:
     def _send_results(self, spec: JobSpec, chunk: int, recipients: tuple[int, ...],
                       result: np.ndarray | None, f: fr.Frame) -> None:
         dtype = f.dtype
+        crc = bool(f.flags & Flag.CRC)  # answer in kind: a sender that checks gets checked
         for member in recipients:
             ident = self._ident[member]
             if result is None:
                 header = fr.encode_header(Op.RESULT, src=self.node.id, dst=member, job=spec.job,
                                           psn=chunk & PSN_MASK, dtype=dtype, msg=f.msg,
-                                          flags=Flag.REF, length=f.length)
+                                          flags=Flag.REF, length=f.length, crc=crc)
                 self._send(ident, header)
             else:
                 header = fr.encode_header(Op.RESULT, src=self.node.id, dst=member, job=spec.job,
                                           psn=chunk & PSN_MASK, dtype=dtype, msg=f.msg,
-                                          payload=result)
+                                          payload=result, crc=crc)
                 self._send(ident, header, result)
             self.counters.results_sent += 1
 
@@ -417,13 +512,18 @@ class SwitchDaemon:
         elif t == "region":
             self._register_region(f, ident, msg)
         elif t == "barrier":
+            # idempotent: a resent arrival counts once; a finished barrier answers again
             bid = control.need(msg, "id", int)
             n = control.need(msg, "n", int)
-            waiting = self._barriers.setdefault(bid, [])
-            waiting.append(ident)
+            if bid in self._barriers_done:
+                self._ctrl(ident, f.src, "barrier_done", id=bid)
+                return
+            waiting = self._barriers.setdefault(bid, {})
+            waiting[ident] = f.src
             if len(waiting) >= n:
-                for who in self._barriers.pop(bid):
-                    self._ctrl(who, 0, "barrier_done", id=bid)
+                for who, src in self._barriers.pop(bid).items():
+                    self._ctrl(who, src, "barrier_done", id=bid)
+                self._barriers_done.append(bid)
         elif t == "stats":
             self._ctrl(ident, f.src, "stats", **self.statistics())
         else:
@@ -479,5 +579,9 @@ class SwitchDaemon:
         stats["engine"] = asdict(self.engine.statistics())
         stats["switch"] = self.name
         stats["regions"] = len(self.regions)
+        stats["faults"] = {
+            direction: _sum_fault_stats(injectors)
+            for direction, injectors in (("in", self._faults_in), ("out", self._faults_out))
+        }
         stats["uptime_s"] = time.monotonic() - self._started
         return stats

@@ -64,3 +64,15 @@ def median_allreduce_s(ep, path: str, count: int, iters: int) -> float:
         ep.allreduce(x, path=path, out=x)
         times.append(time.perf_counter() - t0)
     return float(np.median(times))
+
+
+def lossy_allreduce(ep, path: str, count: int, steps: int) -> dict:
+    """Exact results under injected faults; returns the retransmit counters too."""
+    ep.chunk_bytes[path] = 4096
+    out = allreduce_check(ep, path, count, "float32", "sum", 4096, steps)
+    out.update(retransmits=ep.retransmits, duplicates=ep.duplicates, bad=ep.bad_frames)
+    return out
+
+
+def switch_stats(ep) -> dict:
+    return ep.switch_stats()

@@ -136,3 +136,15 @@ def test_shaped_links_reproduce_the_ring_penalty(tmp_path) -> None:
     wire = (1 << 20) * 8 / 0.1e9  # one tensor over one link: 84 ms
     assert ina >= wire  # the shaper really holds frames back
     assert 1.1 < ring / ina < 1.6
+
+
+@pytest.mark.parametrize("faults", ["loss=0.05", "loss=0.02,dup=0.05,reorder=0.1:3,corrupt=0.02"])
+def test_in_network_paths_exact_under_injected_faults(tmp_path, faults: str) -> None:
+    with launch(workers=2, run_dir=tmp_path, timeout_s=20, faults=faults, seed=7) as fab:
+        for path in ("ina", "ina-mem"):
+            res = fab.run(tasks.lossy_allreduce, path, 20_000, 3)
+            assert [r["wrong"] for r in res] == [0, 0], (path, res)
+            assert sum(r["retransmits"] for r in res) > 0  # the faults really bit
+        stats = fab.run(tasks.switch_stats)[0]
+    assert stats["faults"]["in"]["lost"] + stats["faults"]["out"]["lost"] > 0
+    assert stats["engine"]["duplicates"] + stats["engine"]["resends"] > 0
