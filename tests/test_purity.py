@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 PURE = ["fabric.frame", "fabric.memory", "fabric.control", "fabric.semantic",
-        "fabric.hostnode", "fabric.topology", "switchd.aggregation"]
+        "fabric.hostnode", "fabric.topology", "switchd.aggregation",
+        "fabric.reliability", "fabric.faults", "fabric.testing"]
 IO_LIBS = {"zmq", "socket", "asyncio", "selectors", "subprocess", "threading", "time"}
 
 

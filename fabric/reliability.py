@@ -1,0 +1,1069 @@
+"""Per-flow reliable delivery: a sans-IO sender and receiver with pluggable retransmit policies.
+
+This module is pure (DESIGN.md §2): it never reads a clock and never touches a
+socket. Every method that depends on time takes ``now`` (seconds, any epoch,
+monotonic); timers are reported as absolute deadlines by ``get_timer()`` and
+fired by the driver through ``handle_timer(now)``, the way aioquic drives its
+QUIC connection. The full design, the constants and their sources are in
+``docs/RELIABILITY.md``; this docstring is the summary.
+
+Sender (one per flow, per direction)::
+
+    tx = Sender(flow=3, peer="w1", operation="WRITE stream")
+    for t in tx.send(handle, size, now):      # or send_many([(handle, size), ...], now)
+        put_on_wire(t)                        # flags |= t.flags (RETX, ACK_REQ)
+    tx.handle_ack(cum_psn, sack, now)         # -> more Transmits (window opened, fast retransmit)
+    tx.handle_nack(psn, code, now)            # -> Transmits
+    tx.get_timer(); tx.handle_timer(now)      # RTO expiry -> Transmits
+    tx.pop_acked()                            # handles acknowledged since the last call
+
+Receiver::
+
+    rx = Receiver(flow=3)
+    delivered, ack = rx.handle_frame(psn, handle, now, flags=frame.flags)
+    if ack: send(ack.frames(src=me, dst=peer, flow=3))   # ACK (+ NACK for a gap)
+    rx.get_timer(); rx.handle_timer(now)      # delayed ACK
+
+Loss is declared only on (1) a NACK, (2) RTO expiry, or (3) the packet
+threshold: at least ``packet_threshold`` (3) frames *sent after* the frame's
+latest transmission are acknowledged. Reordering by fewer than 3 positions
+therefore never causes a retransmission.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, replace
+from typing import ClassVar, Final, Generic, TypeVar
+
+from fabric.errors import FabricTimeout, PeerFailed, SemfabError
+from fabric.frame import Flag, NackCode, Op, encode_header
+
+__all__ = [
+    "PSN_BITS",
+    "PSN_MOD",
+    "PSN_MASK",
+    "SACK_BITS",
+    "RTO_ALPHA",
+    "RTO_BETA",
+    "RTO_K",
+    "PACKET_THRESHOLD",
+    "RFC6298_RTO_INITIAL",
+    "RFC6298_RTO_MIN",
+    "DEFAULT_RTO_INITIAL",
+    "DEFAULT_RTO_MIN",
+    "DEFAULT_RTO_MAX",
+    "DEFAULT_GRANULARITY",
+    "DEFAULT_MAX_RETRIES",
+    "DEFAULT_WINDOW_FRAMES",
+    "DEFAULT_WINDOW_BYTES",
+    "DEFAULT_ACK_EVERY",
+    "DEFAULT_MAX_ACK_DELAY",
+    "DEFAULT_NACK_INTERVAL",
+    "GAP_NACK_CODE",
+    "SPURIOUS_RTT_FRACTION",
+    "psn_add",
+    "psn_diff",
+    "psn_lt",
+    "Transmit",
+    "Delivered",
+    "Ack",
+    "FlightInfo",
+    "SenderStats",
+    "ReceiverStats",
+    "ReliabilityError",
+    "RetryLimitExceeded",
+    "PeerRefused",
+    "RetransmitPolicy",
+    "SelectiveRepeat",
+    "GoBackN",
+    "POLICIES",
+    "register_policy",
+    "get_policy",
+    "Sender",
+    "Receiver",
+]
+
+H = TypeVar("H")
+
+# ---------------------------------------------------------------------------
+# constants, each with its source
+# ---------------------------------------------------------------------------
+
+#: PSNs are 32-bit and wrap (docs/PROTOCOL.md header field ``psn``). Comparisons
+#: use serial number arithmetic, RFC 1982 §3.2 with SERIAL_BITS = 32.
+PSN_BITS: Final = 32
+PSN_MOD: Final = 1 << PSN_BITS
+PSN_MASK: Final = PSN_MOD - 1
+_HALF: Final = 1 << (PSN_BITS - 1)
+#: An ACK carries a 64-bit SACK bitmap beside the cumulative PSN, as the UET
+#: ACK_CC header does (UEC spec 1.0, PDS ACK; docs/PROTOCOL.md ``ACK``).
+SACK_BITS: Final = 64
+_SACK_MASK: Final = (1 << SACK_BITS) - 1
+
+#: RFC 6298 §2.3: SRTT gain alpha = 1/8.
+RTO_ALPHA: Final = 1 / 8
+#: RFC 6298 §2.3: RTTVAR gain beta = 1/4.
+RTO_BETA: Final = 1 / 4
+#: RFC 6298 §2.2/2.3: RTO = SRTT + max(G, K*RTTVAR) with K = 4.
+RTO_K: Final = 4
+#: RFC 6298 §2.1 initial RTO (1 s) and §2.4 minimum (1 s, "SHOULD"). Kept for
+#: reference: a fabric's RTT is microseconds, so semfab's defaults are lower,
+#: as datacenter stacks do (Linux TCP_RTO_MIN is 200 ms; RDMA NICs and IRN use
+#: sub-millisecond timeouts).
+RFC6298_RTO_INITIAL: Final = 1.0
+RFC6298_RTO_MIN: Final = 1.0
+#: RFC 9002 §6.1.1 kPacketThreshold = 3, the same number as TCP's DupThresh
+#: (RFC 5681 §3.2, RFC 6675 §2): a frame is lost once 3 frames sent after it
+#: have been acknowledged.
+PACKET_THRESHOLD: Final = 3
+
+#: semfab defaults (seconds). The initial RTO applies before the first RTT
+#: sample; the minimum keeps a noisy shared host (Python drivers, ms-scale
+#: scheduling jitter) from firing spurious timeouts; the maximum bounds the
+#: exponential backoff (RFC 6298 §2.5 allows any maximum >= 60 s; a fabric
+#: operation that has not progressed in 2 s is better failed than waited on).
+DEFAULT_RTO_INITIAL: Final = 0.1
+DEFAULT_RTO_MIN: Final = 0.005
+DEFAULT_RTO_MAX: Final = 2.0
+#: RFC 6298 §2 clock granularity G. Callers pass float seconds, so G is tiny.
+DEFAULT_GRANULARITY: Final = 1e-6
+#: Losses (so retransmissions) of one frame before the operation fails. With
+#: the default minimum RTO and doubling this is about 2.5 s of silence
+#: (IB's retry_cnt is at most 7).
+DEFAULT_MAX_RETRIES: Final = 8
+#: Frames in flight. 64 = the SACK bitmap span, so every frame in flight can be
+#: selectively acknowledged (UET SACK bitmap; IRN uses a BDP-sized cap).
+DEFAULT_WINDOW_FRAMES: Final = 64
+DEFAULT_WINDOW_BYTES: Final = 16 * 1024 * 1024
+#: Receiver ACK coalescing: one ACK per 2 in-order frames, as TCP's delayed ACK
+#: (RFC 5681 §4.2 / RFC 1122 "at least every second full-sized segment").
+DEFAULT_ACK_EVERY: Final = 2
+#: Longest a receiver holds an ACK for coalescing (QUIC max_ack_delay, RFC 9000
+#: §13.2.1, scaled from 25 ms to fabric RTTs).
+DEFAULT_MAX_ACK_DELAY: Final = 0.0002
+#: A receiver NACKs one gap at most once per this interval ("once per RTT-ish";
+#: the driver should set it to about one RTT when it knows the RTT).
+DEFAULT_NACK_INTERVAL: Final = 0.002
+#: The frame codec has no sequence-error NACK code; a gap NACK (the PSN named
+#: is missing, the frames after it are buffered or discarded) uses OUT_OF_WINDOW.
+GAP_NACK_CODE: Final = NackCode.OUT_OF_WINDOW
+
+#: A retransmitted frame whose ACK comes back sooner than this fraction of the
+#: smallest RTT ever measured was acknowledged through an earlier copy, so the
+#: retransmission was spurious (an Eifel-like test, RFC 3522, with RTT evidence
+#: instead of timestamps). Half, not all, of min_rtt: retransmissions carry
+#: ACK_REQ and are acknowledged at once, while min_rtt may include ACK delay.
+SPURIOUS_RTT_FRACTION: Final = 0.5
+
+#: NACK codes after which retransmitting the same frame cannot succeed.
+_FATAL_NACKS: Final = frozenset(
+    {NackCode.BAD_KEY, NackCode.PERMISSION, NackCode.UNSUPPORTED, NackCode.UNKNOWN_JOB}
+)
+
+
+# ---------------------------------------------------------------------------
+# serial number arithmetic (RFC 1982)
+# ---------------------------------------------------------------------------
+
+
+def psn_add(psn: int, n: int) -> int:
+    """``psn + n`` modulo 2**32."""
+    return (psn + n) & PSN_MASK
+
+
+def psn_diff(a: int, b: int) -> int:
+    """Signed serial distance ``a - b`` in ``[-2**31, 2**31)`` (RFC 1982 §3.2)."""
+    return ((a - b + _HALF) & PSN_MASK) - _HALF
+
+
+def psn_lt(a: int, b: int) -> bool:
+    """True when ``a`` precedes ``b`` in serial order (undefined at distance 2**31)."""
+    return psn_diff(a, b) < 0
+
+
+def _fmt_seconds(t: float) -> str:
+    return f"{t:.3g} s" if t >= 1 else f"{t * 1e3:.3g} ms"
+
+
+# ---------------------------------------------------------------------------
+# events and statistics
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Transmit(Generic[H]):
+    """One frame the driver must put on the wire now."""
+
+    psn: int
+    handle: H
+    size: int
+    retransmit: bool
+    #: Ask the receiver to ACK at once (UET "AR"): set on retransmissions and on
+    #: the last frame of a burst (queue empty or window full), so the tail of a
+    #: burst is not held by the receiver's ACK coalescing.
+    ack_req: bool = False
+
+    @property
+    def flags(self) -> Flag:
+        """The header flags this transmission adds (``Flag.RETX``, ``Flag.ACK_REQ``)."""
+        f = Flag.NONE
+        if self.retransmit:
+            f |= Flag.RETX
+        if self.ack_req:
+            f |= Flag.ACK_REQ
+        return f
+
+
+@dataclass(frozen=True, slots=True)
+class Delivered(Generic[H]):
+    """A frame handed to the application (exactly once; in PSN order when ordered)."""
+
+    psn: int
+    handle: H
+
+
+@dataclass(frozen=True, slots=True)
+class Ack:
+    """Feedback a receiver wants sent: an ACK, and possibly a NACK for a gap.
+
+    ``cum_psn``: every PSN up to and including it was received. ``sack``: bit i
+    set = PSN ``cum_psn + 1 + i`` received (docs/PROTOCOL.md ``ACK``).
+    ``nack_psn``: when not None, also send a NACK for this (missing) PSN with
+    ``nack_code``.
+    """
+
+    cum_psn: int
+    sack: int
+    nack_psn: int | None = None
+    nack_code: NackCode = GAP_NACK_CODE
+
+    def frames(
+        self, *, src: int, dst: int, flow: int, job: int = 0, crc: bool = False
+    ) -> list[bytes]:
+        """Encode as wire frames: the ACK, then the NACK when there is one."""
+        out = [
+            encode_header(
+                Op.ACK,
+                src=src,
+                dst=dst,
+                job=job,
+                flow=flow,
+                psn=self.cum_psn,
+                key=self.sack & 0xFFFF_FFFF,
+                offset=self.sack >> 32,
+                crc=crc,
+            )
+        ]
+        if self.nack_psn is not None:
+            out.append(
+                encode_header(
+                    Op.NACK,
+                    src=src,
+                    dst=dst,
+                    job=job,
+                    flow=flow,
+                    psn=self.nack_psn,
+                    offset=int(self.nack_code),
+                    crc=crc,
+                )
+            )
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class FlightInfo:
+    """Read-only view of one frame in flight, given to retransmit policies."""
+
+    psn: int
+    acked: bool
+    retransmissions: int
+    last_sent: float
+
+
+@dataclass(frozen=True, slots=True)
+class SenderStats:
+    """Counters of a :class:`Sender` (times in seconds; RTT fields None before a sample).
+
+    ``spurious_retransmits`` counts retransmitted frames whose ACK arrived
+    sooner after the retransmission than half the smallest RTT ever measured:
+    that ACK must have been caused by an earlier copy (an Eifel-like test,
+    RFC 3522, using RTT evidence instead of timestamps; see
+    ``SPURIOUS_RTT_FRACTION``). The receiver's
+    ``duplicate_retransmits`` is the other, receiver-side, measure.
+    """
+
+    sent: int
+    retransmitted: int
+    spurious_retransmits: int
+    lost_declared: int
+    timeouts: int
+    acked: int
+    acks_received: int
+    acks_stale: int
+    acks_invalid: int
+    nacks_received: int
+    nacks_ignored: int
+    srtt: float | None
+    rttvar: float | None
+    rto: float
+    min_rtt: float | None
+    inflight: int
+    queued: int
+
+
+@dataclass(frozen=True, slots=True)
+class ReceiverStats:
+    """Counters of a :class:`Receiver`.
+
+    ``duplicate_retransmits``: duplicates carrying Flag.RETX, i.e. a
+    retransmission of a frame already received (a spurious retransmission,
+    unless the link itself duplicated a retransmission).
+    """
+
+    received: int
+    delivered: int
+    duplicates: int
+    duplicate_retransmits: int
+    out_of_window: int
+    discarded_out_of_order: int
+    acks_sent: int
+    nacks_sent: int
+    buffered: int
+    max_buffered: int
+
+
+# ---------------------------------------------------------------------------
+# errors
+# ---------------------------------------------------------------------------
+
+
+class ReliabilityError(SemfabError):
+    """A flow cannot make progress; the message names peer, flow, PSN and operation."""
+
+    def __init__(self, message: str, *, peer: str, flow: int, psn: int, operation: str) -> None:
+        super().__init__(message)
+        self.peer = peer
+        self.flow = flow
+        self.psn = psn
+        self.operation = operation
+
+
+class RetryLimitExceeded(ReliabilityError, FabricTimeout):
+    """A frame was declared lost ``max_retries`` times and lost once more."""
+
+    def __init__(
+        self,
+        *,
+        peer: str,
+        flow: int,
+        psn: int,
+        operation: str,
+        retransmissions: int,
+        elapsed: float,
+    ) -> None:
+        super().__init__(
+            f"no ACK from {peer} for flow {flow} PSN {psn} ({operation}) after "
+            f"{retransmissions} retransmissions over {_fmt_seconds(elapsed)}",
+            peer=peer,
+            flow=flow,
+            psn=psn,
+            operation=operation,
+        )
+        self.retransmissions = retransmissions
+        self.elapsed = elapsed
+
+
+class PeerRefused(ReliabilityError, PeerFailed):
+    """The peer NACKed a frame with a code that a retransmission cannot fix."""
+
+    def __init__(self, *, peer: str, flow: int, psn: int, operation: str, code: NackCode) -> None:
+        super().__init__(
+            f"{peer} refused flow {flow} PSN {psn} ({operation}): NACK {code.name}",
+            peer=peer,
+            flow=flow,
+            psn=psn,
+            operation=operation,
+        )
+        self.code = code
+
+
+# ---------------------------------------------------------------------------
+# policies
+# ---------------------------------------------------------------------------
+
+
+class RetransmitPolicy(ABC):
+    """What to resend when frames are declared lost.
+
+    The core decides *that* frames are lost (NACK, RTO, packet threshold); a
+    policy decides *which* frames to resend. It receives the lost PSNs and a
+    snapshot of the whole flight in PSN order, and returns PSNs to retransmit
+    (each must be in flight and not yet acknowledged; duplicates are merged).
+    One instance serves one :class:`Sender`, so a policy may keep state.
+
+    ``receiver_buffers`` tells a :class:`Receiver` built with this policy's
+    name whether to keep frames that arrive after a gap (selective repeat) or
+    to discard them (go-back-N).
+    """
+
+    name: ClassVar[str] = ""
+    receiver_buffers: ClassVar[bool] = True
+
+    @abstractmethod
+    def on_loss(self, lost: Sequence[int], flight: Sequence[FlightInfo]) -> Iterable[int]:
+        """PSNs to retransmit after ``lost`` were declared lost by NACK or packet threshold."""
+
+    def on_timeout(self, expired: Sequence[int], flight: Sequence[FlightInfo]) -> Iterable[int]:
+        """PSNs to retransmit after an RTO expiry; ``expired`` timed out. Default: on_loss."""
+        return self.on_loss(expired, flight)
+
+
+class SelectiveRepeat(RetransmitPolicy):
+    """Resend only the lost frames (IRN, SIGCOMM '18; UET SACK-based recovery)."""
+
+    name = "selective"
+    receiver_buffers = True
+
+    def on_loss(self, lost: Sequence[int], flight: Sequence[FlightInfo]) -> Iterable[int]:
+        return lost
+
+
+class GoBackN(RetransmitPolicy):
+    """Resend the first lost frame and every unacknowledged frame after it (RoCE)."""
+
+    name = "gbn"
+    receiver_buffers = False
+
+    def on_loss(self, lost: Sequence[int], flight: Sequence[FlightInfo]) -> Iterable[int]:
+        if not lost:
+            return []
+        first = lost[0]
+        for p in lost:  # serial order, not integer order: PSNs wrap
+            if psn_lt(p, first):
+                first = p
+        return [f.psn for f in flight if not f.acked and not psn_lt(f.psn, first)]
+
+
+#: Policy name -> class. Add one with :func:`register_policy`.
+POLICIES: dict[str, type[RetransmitPolicy]] = {}
+
+
+def register_policy(
+    name: str, cls: type[RetransmitPolicy], *, replace: bool = False
+) -> type[RetransmitPolicy]:
+    """Make ``cls`` available as ``Sender(policy=name)`` / ``Receiver(policy=name)``."""
+    if not isinstance(cls, type) or not issubclass(cls, RetransmitPolicy):
+        raise TypeError(f"policy {name!r}: {cls!r} is not a RetransmitPolicy subclass")
+    if not name or not name.replace("-", "_").isidentifier():
+        raise ValueError(f"policy name {name!r} must be a word like 'selective'")
+    if name in POLICIES and not replace and POLICIES[name] is not cls:
+        raise ValueError(f"policy {name!r} is already registered; pass replace=True")
+    POLICIES[name] = cls
+    return cls
+
+
+def get_policy(name: str) -> type[RetransmitPolicy]:
+    """The policy class registered as ``name``; ValueError naming the valid ones."""
+    try:
+        return POLICIES[name]
+    except KeyError:
+        valid = ", ".join(sorted(POLICIES))
+        raise ValueError(f"unknown retransmit policy {name!r}; valid: {valid}") from None
+
+
+register_policy("selective", SelectiveRepeat)
+register_policy("gbn", GoBackN)
+
+
+# ---------------------------------------------------------------------------
+# sender
+# ---------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _Flight(Generic[H]):
+    psn: int
+    handle: H
+    size: int
+    first_sent: float
+    last_sent: float
+    tx_seq: int  # order of the latest transmission: "sent after" for loss detection
+    retransmissions: int = 0
+    losses: int = 0  # times declared lost itself (not resent as a policy's collateral)
+    acked: bool = False
+
+
+class Sender(Generic[H]):
+    """Reliable sender for one flow.
+
+    The driver gives it frames as ``(handle, size)``: the handle is opaque
+    (what the driver needs to encode the frame again: a message id and chunk
+    index, a memoryview...), ``size`` counts towards ``window_bytes``. It gets
+    back :class:`Transmit` records to put on the wire, as the window allows.
+
+    Window: at most ``window_frames`` PSNs between the oldest unacknowledged
+    and the next to send (the receiver must accept that many) and at most
+    ``window_bytes`` of their sizes, except that one frame is always allowed
+    so a frame larger than ``window_bytes`` cannot deadlock the flow.
+
+    Errors: :class:`RetryLimitExceeded` from ``handle_timer`` / ``handle_ack``
+    / ``handle_nack`` when a frame is declared lost again after
+    ``max_retries`` losses (each loss = one retransmission of it);
+    :class:`PeerRefused` from ``handle_nack`` for a NACK code a retransmission
+    cannot fix. After either, the sender is failed
+    and every further call raises the same error.
+    """
+
+    def __init__(
+        self,
+        flow: int,
+        *,
+        policy: str = "selective",
+        window_frames: int = DEFAULT_WINDOW_FRAMES,
+        window_bytes: int = DEFAULT_WINDOW_BYTES,
+        max_retries: int = DEFAULT_MAX_RETRIES,
+        rto_initial: float = DEFAULT_RTO_INITIAL,
+        rto_min: float = DEFAULT_RTO_MIN,
+        rto_max: float = DEFAULT_RTO_MAX,
+        granularity: float = DEFAULT_GRANULARITY,
+        packet_threshold: int = PACKET_THRESHOLD,
+        first_psn: int = 0,
+        peer: str = "peer",
+        operation: str = "stream",
+    ) -> None:
+        if not 1 <= window_frames < _HALF:
+            raise ValueError(f"window_frames must be in [1, 2**31), got {window_frames}")
+        if window_bytes < 1:
+            raise ValueError(f"window_bytes must be >= 1, got {window_bytes}")
+        if max_retries < 0:
+            raise ValueError(f"max_retries must be >= 0, got {max_retries}")
+        if not 0 < rto_min <= rto_max or not math.isfinite(rto_max):
+            raise ValueError(f"need 0 < rto_min <= rto_max < inf, got {rto_min}, {rto_max}")
+        if not rto_min <= rto_initial <= rto_max:
+            raise ValueError(
+                f"rto_initial {rto_initial} must lie in [rto_min, rto_max] = [{rto_min}, {rto_max}]"
+            )
+        if packet_threshold < 1:
+            raise ValueError(f"packet_threshold must be >= 1, got {packet_threshold}")
+        if not 0 <= first_psn <= PSN_MASK:
+            raise ValueError(f"first_psn must be a 32-bit PSN, got {first_psn}")
+        self.flow = flow
+        self.peer = peer
+        self.operation = operation
+        self.policy: RetransmitPolicy = get_policy(policy)()
+        self.window_frames = window_frames
+        self.window_bytes = window_bytes
+        self.max_retries = max_retries
+        self.rto_min = rto_min
+        self.rto_max = rto_max
+        self.granularity = granularity
+        self.packet_threshold = packet_threshold
+
+        self._una = first_psn  # oldest PSN not cumulatively acknowledged
+        self._nxt = first_psn  # next PSN to assign
+        # PSN -> frame, in PSN order (dict order = insertion order; we only
+        # append at the end and pop from the front).
+        self._flight: dict[int, _Flight[H]] = {}
+        self._span_bytes = 0
+        self._queue: deque[tuple[H, int]] = deque()
+        self._tx_seq = 0
+        self._acked_out: list[H] = []
+        self.error: ReliabilityError | None = None
+
+        self._srtt: float | None = None
+        self._rttvar: float | None = None
+        self._min_rtt: float | None = None
+        self._rto = rto_initial
+
+        self._sent = 0
+        self._retransmitted = 0
+        self._spurious = 0
+        self._lost_declared = 0
+        self._timeouts = 0
+        self._acked = 0
+        self._acks = 0
+        self._acks_stale = 0
+        self._acks_invalid = 0
+        self._nacks = 0
+        self._nacks_ignored = 0
+
+    # -- public API ---------------------------------------------------------
+
+    @property
+    def done(self) -> bool:
+        """True when every frame given to :meth:`send` has been acknowledged."""
+        return not self._queue and not self._flight
+
+    @property
+    def rto(self) -> float:
+        """The current retransmission timeout (backed off after expiries)."""
+        return self._rto
+
+    @property
+    def next_psn(self) -> int:
+        """The PSN the next new frame will get."""
+        return self._nxt
+
+    def send(self, handle: H, size: int, now: float) -> list[Transmit[H]]:
+        """Queue one frame; return the frames the window lets out now."""
+        self._check_alive()
+        if size < 0:
+            raise ValueError(f"frame size must be >= 0, got {size}")
+        self._queue.append((handle, size))
+        return self._pump(now)
+
+    def send_many(self, frames: Iterable[tuple[H, int]], now: float) -> list[Transmit[H]]:
+        """Queue several ``(handle, size)`` frames as one burst.
+
+        Unlike repeated :meth:`send`, only the burst's last frame (or the one
+        that fills the window) asks for an immediate ACK.
+        """
+        self._check_alive()
+        for handle, size in frames:
+            if size < 0:
+                raise ValueError(f"frame size must be >= 0, got {size}")
+            self._queue.append((handle, size))
+        return self._pump(now)
+
+    def handle_ack(self, cum_psn: int, sack: int, now: float) -> list[Transmit[H]]:
+        """Process an ACK: cumulative PSN and 64-bit SACK bitmap (bit i = cum_psn+1+i)."""
+        self._check_alive()
+        self._acks += 1
+        span = len(self._flight)
+        # Distance from the highest PSN we know was received (una - 1).
+        d = psn_diff(cum_psn, psn_add(self._una, -1))
+        if d > span:  # acknowledges PSNs never sent: a corrupted or foreign ACK
+            self._acks_invalid += 1
+            return []
+        newly: list[_Flight[H]] = []
+        if d < 0:
+            # An older ACK overtaken by a newer one; its SACK bits still count
+            # (receivers never renege on buffered frames).
+            self._acks_stale += 1
+        else:
+            for k in range(d):
+                f = self._flight[psn_add(self._una, k)]
+                if not f.acked:
+                    f.acked = True
+                    newly.append(f)
+        bits = sack & _SACK_MASK
+        while bits:
+            low = bits & -bits
+            bits ^= low
+            psn = psn_add(cum_psn, low.bit_length())  # bit i -> cum + 1 + i
+            if 0 <= psn_diff(psn, self._una) < span:
+                f = self._flight[psn]
+                if not f.acked:
+                    f.acked = True
+                    newly.append(f)
+        if newly:
+            self._on_newly_acked(newly, now)
+        lost = self._detect_by_threshold()
+        out = self._retransmit(lost, now, timeout=False) if lost else []
+        out.extend(self._pump(now))
+        return out
+
+    def handle_nack(self, psn: int, code: NackCode | int, now: float) -> list[Transmit[H]]:
+        """Process a NACK for ``psn``.
+
+        Codes a retransmission can fix (OUT_OF_WINDOW, the gap NACK; BAD_CHECKSUM;
+        MALFORMED) declare the frame lost. NO_RESOURCE leaves the frame to the
+        RTO (resending at once would meet the same shortage). Others raise
+        :class:`PeerRefused`. A NACK for a frame retransmitted less than one
+        minimum RTT ago is about an older copy and is ignored.
+        """
+        self._check_alive()
+        self._nacks += 1
+        try:
+            code = NackCode(code)
+        except ValueError:
+            code = NackCode.MALFORMED
+        if code in _FATAL_NACKS:
+            raise self._fail(
+                PeerRefused(
+                    peer=self.peer, flow=self.flow, psn=psn, operation=self.operation, code=code
+                )
+            )
+        f = self._flight.get(psn)
+        if f is None or f.acked or code is NackCode.NO_RESOURCE:
+            self._nacks_ignored += 1
+            return []
+        if f.retransmissions and (self._min_rtt is None or now - f.last_sent < self._min_rtt):
+            # Too soon for this NACK to be about the latest copy.
+            self._nacks_ignored += 1
+            return []
+        return self._retransmit([psn], now, timeout=False)
+
+    def get_timer(self) -> float | None:
+        """Absolute time of the next RTO expiry, or None when nothing is unacknowledged.
+
+        Each unacknowledged frame expires ``rto`` after its latest transmission;
+        this returns the earliest such deadline.
+        """
+        if self.error is not None:
+            return None
+        oldest: float | None = None
+        for f in self._flight.values():
+            if not f.acked and (oldest is None or f.last_sent < oldest):
+                oldest = f.last_sent
+        return None if oldest is None else oldest + self._rto
+
+    def handle_timer(self, now: float) -> list[Transmit[H]]:
+        """Fire the RTO if due: retransmit what the policy says, double the RTO."""
+        self._check_alive()
+        deadline = self.get_timer()
+        if deadline is None or now < deadline:
+            return []
+        rto = self._rto
+        expired = [f.psn for f in self._flight.values() if not f.acked and f.last_sent + rto <= now]
+        self._timeouts += 1
+        # RFC 6298 §5.5: back off the timer (RTO = RTO * 2), bounded by rto_max.
+        # The backed-off value stays until a valid RTT sample (Karn, §5.7).
+        self._rto = min(self._rto * 2, self.rto_max)
+        out = self._retransmit(expired, now, timeout=True)
+        out.extend(self._pump(now))
+        return out
+
+    def pop_acked(self) -> list[H]:
+        """Handles acknowledged since the last call, in the order ACKs covered them."""
+        out, self._acked_out = self._acked_out, []
+        return out
+
+    def statistics(self) -> SenderStats:
+        """A snapshot of the counters and the RTT estimator."""
+        return SenderStats(
+            sent=self._sent,
+            retransmitted=self._retransmitted,
+            spurious_retransmits=self._spurious,
+            lost_declared=self._lost_declared,
+            timeouts=self._timeouts,
+            acked=self._acked,
+            acks_received=self._acks,
+            acks_stale=self._acks_stale,
+            acks_invalid=self._acks_invalid,
+            nacks_received=self._nacks,
+            nacks_ignored=self._nacks_ignored,
+            srtt=self._srtt,
+            rttvar=self._rttvar,
+            rto=self._rto,
+            min_rtt=self._min_rtt,
+            inflight=sum(1 for f in self._flight.values() if not f.acked),
+            queued=len(self._queue),
+        )
+
+    # -- internals ----------------------------------------------------------
+
+    def _check_alive(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    def _fail(self, err: ReliabilityError) -> ReliabilityError:
+        self.error = err
+        return err
+
+    def _pump(self, now: float) -> list[Transmit[H]]:
+        out: list[Transmit[H]] = []
+        while self._queue:
+            span = len(self._flight)
+            if span >= self.window_frames:
+                break
+            handle, size = self._queue[0]
+            if span and self._span_bytes + size > self.window_bytes:
+                break
+            self._queue.popleft()
+            psn = self._nxt
+            self._nxt = psn_add(psn, 1)
+            self._tx_seq += 1
+            self._flight[psn] = _Flight(psn, handle, size, now, now, self._tx_seq)
+            self._span_bytes += size
+            self._sent += 1
+            out.append(Transmit(psn, handle, size, retransmit=False))
+        if out and (not self._queue or len(self._flight) >= self.window_frames):
+            out[-1] = replace(out[-1], ack_req=True)
+        return out
+
+    def _on_newly_acked(self, newly: list[_Flight[H]], now: float) -> None:
+        # Karn's rule (RFC 6298 §3): only never-retransmitted frames give RTT
+        # samples. Take the most recently sent one: its sample holds the least
+        # queueing behind frames the same ACK covers.
+        sample: _Flight[H] | None = None
+        for f in newly:
+            if f.retransmissions == 0 and (sample is None or f.tx_seq > sample.tx_seq):
+                sample = f
+            elif (
+                f.retransmissions
+                and self._min_rtt is not None
+                and now - f.last_sent < SPURIOUS_RTT_FRACTION * self._min_rtt
+            ):
+                # Acked faster than any round trip we ever measured: the ACK
+                # answers an earlier copy, so the last retransmission was spurious.
+                self._spurious += 1
+        if sample is not None:
+            self._update_rtt(now - sample.last_sent)
+        self._acked += len(newly)
+        self._acked_out.extend(f.handle for f in newly)
+        while self._flight:
+            first = self._flight.get(self._una)
+            if first is None or not first.acked:
+                break
+            del self._flight[self._una]
+            self._span_bytes -= first.size
+            self._una = psn_add(self._una, 1)
+
+    def _update_rtt(self, r: float) -> None:
+        r = max(r, 0.0)
+        if self._srtt is None or self._rttvar is None:
+            # RFC 6298 §2.2: first measurement.
+            self._srtt = r
+            self._rttvar = r / 2
+        else:
+            # RFC 6298 §2.3: RTTVAR first, using the old SRTT.
+            self._rttvar = (1 - RTO_BETA) * self._rttvar + RTO_BETA * abs(self._srtt - r)
+            self._srtt = (1 - RTO_ALPHA) * self._srtt + RTO_ALPHA * r
+        self._min_rtt = r if self._min_rtt is None else min(self._min_rtt, r)
+        rto = self._srtt + max(self.granularity, RTO_K * self._rttvar)
+        # RFC 6298 §2.4/2.5 clamps; a new sample also ends any backoff.
+        self._rto = min(max(rto, self.rto_min), self.rto_max)
+
+    def _detect_by_threshold(self) -> list[int]:
+        """PSNs with at least ``packet_threshold`` frames sent after them acknowledged.
+
+        "Sent after" compares the order of *latest transmissions* (like RACK,
+        RFC 8985), so a retransmitted frame is not declared lost again by the
+        same ACKs that declared it lost the first time.
+        """
+        flights = list(self._flight.values())
+        if not any(f.acked for f in flights):
+            return []
+        lost_seq: set[int] = set()
+        count = 0
+        for f in sorted(flights, key=lambda f: f.tx_seq, reverse=True):
+            if f.acked:
+                count += 1
+            elif count >= self.packet_threshold:
+                lost_seq.add(f.tx_seq)
+        return [f.psn for f in flights if f.tx_seq in lost_seq]
+
+    def _retransmit(self, lost: list[int], now: float, *, timeout: bool) -> list[Transmit[H]]:
+        if not lost:
+            return []
+        self._lost_declared += len(lost)
+        for psn in lost:
+            f = self._flight[psn]
+            if f.losses >= self.max_retries:
+                # The retry limit counts the times *this* frame was lost, so a
+                # frame resent only as go-back-N collateral does not exhaust it.
+                raise self._fail(
+                    RetryLimitExceeded(
+                        peer=self.peer,
+                        flow=self.flow,
+                        psn=psn,
+                        operation=self.operation,
+                        retransmissions=f.retransmissions,
+                        elapsed=now - f.first_sent,
+                    )
+                )
+            f.losses += 1
+        view = [
+            FlightInfo(f.psn, f.acked, f.retransmissions, f.last_sent)
+            for f in self._flight.values()
+        ]
+        chosen = self.policy.on_timeout(lost, view) if timeout else self.policy.on_loss(lost, view)
+        out: list[Transmit[H]] = []
+        seen: set[int] = set()
+        for psn in chosen:
+            if psn in seen:
+                continue
+            seen.add(psn)
+            g = self._flight.get(psn)
+            if g is None or g.acked:
+                raise ValueError(
+                    f"retransmit policy {self.policy.name!r} chose PSN {psn}, "
+                    "which is not in flight or already acknowledged"
+                )
+            g.retransmissions += 1
+            g.last_sent = now
+            self._tx_seq += 1
+            g.tx_seq = self._tx_seq
+            self._retransmitted += 1
+            out.append(Transmit(psn, g.handle, g.size, retransmit=True, ack_req=True))
+        return out
+
+
+# ---------------------------------------------------------------------------
+# receiver
+# ---------------------------------------------------------------------------
+
+
+class Receiver(Generic[H]):
+    """Reliable receiver for one flow: exactly-once delivery, ACK/SACK/NACK feedback.
+
+    ``window`` PSNs from the next expected one are accepted; state is bounded by
+    it (at most ``window - 1`` buffered frames and a ``window``-bit bitmap).
+    With a policy whose ``receiver_buffers`` is False (``gbn``) frames after a
+    gap are discarded. ``ordered=False`` delivers each frame on its first
+    arrival (exactly once, any order), e.g. WRITEs to distinct offsets.
+
+    ACK coalescing: an ACK goes out at once on ACK_REQ, on any out-of-order,
+    duplicate or out-of-window frame, and when a frame fills a gap (RFC 5681
+    §4.2); otherwise after ``ack_every`` in-order frames or ``max_ack_delay``
+    after the first unacknowledged one (the timer). A gap NACK for the missing
+    PSN is added when ``packet_threshold`` frames after it are buffered (at
+    once for gbn), at most once per gap per ``nack_interval``.
+    """
+
+    def __init__(
+        self,
+        flow: int,
+        *,
+        policy: str = "selective",
+        ordered: bool = True,
+        window: int = DEFAULT_WINDOW_FRAMES,
+        ack_every: int = DEFAULT_ACK_EVERY,
+        max_ack_delay: float = DEFAULT_MAX_ACK_DELAY,
+        nack_interval: float = DEFAULT_NACK_INTERVAL,
+        packet_threshold: int = PACKET_THRESHOLD,
+        first_psn: int = 0,
+    ) -> None:
+        if not 1 <= window < _HALF:
+            raise ValueError(f"window must be in [1, 2**31), got {window}")
+        if ack_every < 1:
+            raise ValueError(f"ack_every must be >= 1, got {ack_every}")
+        if max_ack_delay < 0 or nack_interval < 0:
+            raise ValueError("max_ack_delay and nack_interval must be >= 0")
+        if packet_threshold < 1:
+            raise ValueError(f"packet_threshold must be >= 1, got {packet_threshold}")
+        if not 0 <= first_psn <= PSN_MASK:
+            raise ValueError(f"first_psn must be a 32-bit PSN, got {first_psn}")
+        self.flow = flow
+        self.buffers = get_policy(policy).receiver_buffers
+        self.ordered = ordered
+        self.window = window
+        self.ack_every = ack_every
+        self.max_ack_delay = max_ack_delay
+        self.nack_interval = nack_interval
+        self.packet_threshold = packet_threshold
+
+        self._nxt = first_psn  # next PSN expected in order
+        self._bits = 0  # bit i: PSN nxt+i received (bit 0 is never set)
+        self._held: dict[int, H] = {}  # ordered mode: buffered out-of-order frames
+        self._pending = 0  # frames since the last ACK
+        self._ack_deadline: float | None = None
+        self._nack_psn: int | None = None
+        self._nack_at = -math.inf
+
+        self._received = 0
+        self._delivered = 0
+        self._duplicates = 0
+        self._dup_retx = 0
+        self._out_of_window = 0
+        self._discarded = 0
+        self._acks_sent = 0
+        self._nacks_sent = 0
+        self._max_buffered = 0
+
+    @property
+    def cum_psn(self) -> int:
+        """Every PSN up to and including this one has been received."""
+        return psn_add(self._nxt, -1)
+
+    def handle_frame(
+        self, psn: int, handle: H, now: float, *, flags: Flag | int = 0
+    ) -> tuple[list[Delivered[H]], Ack | None]:
+        """Take one data frame; return what to deliver and the feedback to send (if any)."""
+        self._received += 1
+        delivered: list[Delivered[H]] = []
+        immediate = bool(flags & Flag.ACK_REQ)
+        want_nack = False
+        counts = True  # counts towards ack_every
+        d = psn_diff(psn, self._nxt)
+        if d < 0 or (0 < d < self.window and (self._bits >> d) & 1):
+            self._duplicates += 1
+            if flags & Flag.RETX:
+                self._dup_retx += 1
+            immediate = True  # our ACK may have been lost: repeat it now
+        elif d >= self.window:
+            self._out_of_window += 1
+            immediate = True
+        elif d == 0:
+            delivered.append(Delivered(psn, handle))
+            filled_gap = self._bits != 0
+            self._advance(delivered)
+            immediate = immediate or filled_gap
+        elif not self.buffers:
+            # go-back-N: drop what follows a gap; NACK the missing PSN
+            # (like a RoCE PSN-sequence-error NAK) and stay quiet otherwise.
+            self._discarded += 1
+            counts = False
+            want_nack = True
+        else:
+            self._bits |= 1 << d
+            if self.ordered:
+                self._held[psn] = handle
+                self._max_buffered = max(self._max_buffered, len(self._held))
+            else:
+                delivered.append(Delivered(psn, handle))
+            immediate = True  # a gap: the sender's SACK loss detection needs it
+            want_nack = self._bits.bit_count() >= self.packet_threshold
+        self._delivered += len(delivered)
+        nack: int | None = None
+        if want_nack and (self._nack_psn != self._nxt or now - self._nack_at >= self.nack_interval):
+            nack = self._nxt
+            self._nack_psn, self._nack_at = nack, now
+            self._nacks_sent += 1
+        if counts:
+            self._pending += 1
+        if immediate or nack is not None or self._pending >= self.ack_every:
+            return delivered, self._make_ack(nack)
+        if self._pending and self._ack_deadline is None:
+            self._ack_deadline = now + self.max_ack_delay
+        return delivered, None
+
+    def get_timer(self) -> float | None:
+        """Deadline of the delayed ACK, or None."""
+        return self._ack_deadline
+
+    def handle_timer(self, now: float) -> Ack | None:
+        """Send the delayed ACK if it is due."""
+        if self._ack_deadline is None or now < self._ack_deadline:
+            return None
+        return self._make_ack(None)
+
+    def make_ack(self) -> Ack:
+        """The current ACK, on demand (e.g. to answer a probe)."""
+        return self._make_ack(None)
+
+    def statistics(self) -> ReceiverStats:
+        """A snapshot of the counters."""
+        return ReceiverStats(
+            received=self._received,
+            delivered=self._delivered,
+            duplicates=self._duplicates,
+            duplicate_retransmits=self._dup_retx,
+            out_of_window=self._out_of_window,
+            discarded_out_of_order=self._discarded,
+            acks_sent=self._acks_sent,
+            nacks_sent=self._nacks_sent,
+            buffered=self._bits.bit_count(),
+            max_buffered=self._max_buffered,
+        )
+
+    def _advance(self, delivered: list[Delivered[H]]) -> None:
+        """The expected frame arrived: move on over every buffered frame after it."""
+        self._nxt = psn_add(self._nxt, 1)
+        self._bits >>= 1
+        while self._bits & 1:
+            if self.ordered:
+                delivered.append(Delivered(self._nxt, self._held.pop(self._nxt)))
+            self._nxt = psn_add(self._nxt, 1)
+            self._bits >>= 1
+
+    def _make_ack(self, nack: int | None) -> Ack:
+        self._pending = 0
+        self._ack_deadline = None
+        self._acks_sent += 1
+        return Ack(self.cum_psn, self._bits & _SACK_MASK, nack)
