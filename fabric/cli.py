@@ -86,6 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
                      "beside msgpack", "bench.frames")
     _add_lazy_parser(bsub, "allreduce", "allreduce on every path (ina, ina-mem, host-ps, "
                      "host-ring) and the peers (gloo, MPI), nccl-tests style", "bench.allreduce")
+    _add_lazy_parser(bsub, "loss", "goodput and retransmissions under injected loss: "
+                     "selective repeat vs go-back-N (p2p) and in-network allreduce",
+                     "bench.loss")
     bench.set_defaults(func=_default_bench)
 
     _add_lazy_parser(sub, "launch", "start a fabric (switches, host, workers); run a function "

@@ -174,7 +174,8 @@ def allreduce_ina(ep: Endpoint, x: np.ndarray, out: np.ndarray, op: str, dtype: 
             got[i] = 1
             done += 1
             now = time.monotonic()
-            timers.acked(i, now)
+            for lost in timers.acked(i, now)[1]:
+                send(lost, True)
             if i + S < nch:
                 send(i + S)
                 timers.sent(i + S, now)
@@ -327,7 +328,8 @@ def allreduce_ina_mem(ep: Endpoint, x: np.ndarray, out: np.ndarray, op: str, dty
         got[i] = 1
         done += 1
         now = time.monotonic()
-        timers.acked(i, now)
+        for lost in timers.acked(i, now)[1]:
+            send(lost, True)
         if i + S < nch:
             send(i + S)
             timers.sent(i + S, now)

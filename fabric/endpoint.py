@@ -43,6 +43,8 @@ PATHS = ("ina", "ina-mem", "host-ps", "host-ring")
 OPS = ("sum", "max", "min")
 DTYPE_NAMES = ("float32", "float16", "bfloat16", "int32", "int64")
 DEFAULT_TIMEOUT_S = 30.0
+#: Floor of the aggregation retransmit timeout (seconds).
+AGG_RTO_MIN_S = 0.02
 #: First resend interval of a control request (doubles up to 1 s).
 CTRL_RETRY_S = 0.05
 
@@ -105,7 +107,9 @@ class Endpoint:
         self.coll_seq = itertools.count(1)
         self.semantics: dict[str, SemanticCounts] = {}
         self.fallbacks: list[str] = []  # reported, never silent
-        self.rtt = RttEstimator()  # aggregation retransmit timeout (RFC 6298)
+        # aggregation retransmit timeout (RFC 6298); the floor keeps Python's
+        # scheduling stalls on a shared host from looking like loss
+        self.rtt = RttEstimator(rto_min=AGG_RTO_MIN_S)
         self.crc = False  # CRC32C on data frames (turned on where links corrupt)
         self.retransmits = 0
         self.duplicates = 0

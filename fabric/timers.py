@@ -17,6 +17,7 @@ from fabric.reliability import (
     DEFAULT_RTO_INITIAL,
     DEFAULT_RTO_MAX,
     DEFAULT_RTO_MIN,
+    PACKET_THRESHOLD,
     RTO_ALPHA,
     RTO_BETA,
     RTO_K,
@@ -49,30 +50,60 @@ class _Timer:
     first_sent: float
     sent: float
     deadline: float
+    order: int  # send order of the latest transmission
     tries: int = 0
+    overtaken: int = 0  # results of chunks sent after it that came back first
 
 
 class ChunkTimers:
     """One timer per outstanding chunk; gives up ``give_up_s`` after a chunk's first send."""
 
-    def __init__(self, rtt: RttEstimator, give_up_s: float) -> None:
+    def __init__(self, rtt: RttEstimator, give_up_s: float,
+                 packet_threshold: int = PACKET_THRESHOLD) -> None:
         self.rtt = rtt
         self.give_up_s = give_up_s
+        self.packet_threshold = packet_threshold
         self._timers: dict[int, _Timer] = {}
+        self._order = 0
         self.retransmits = 0
+        self.fast_retransmits = 0
 
     def sent(self, chunk: int, now: float) -> None:
         """Chunk ``chunk`` was sent for the first time at ``now``."""
-        self._timers[chunk] = _Timer(now, now, now + self.rtt.rto)
+        self._order += 1
+        self._timers[chunk] = _Timer(now, now, now + self.rtt.rto, self._order)
 
-    def acked(self, chunk: int, now: float) -> bool:
-        """Its result arrived; False if it was not outstanding (a duplicate)."""
+    def acked(self, chunk: int, now: float) -> tuple[bool, list[int]]:
+        """Its result arrived: ``(was_outstanding, to_resend_now)``.
+
+        Results come back in completion order, so a chunk overtaken by
+        ``packet_threshold`` results of chunks sent after it was lost on the
+        way (its contribution or its result): resend it now rather than wait
+        for its timer (RFC 9002 §6.1.1 packet threshold, as for frames).
+        """
         t = self._timers.pop(chunk, None)
         if t is None:
-            return False
+            return False, []
         if t.tries == 0:
             self.rtt.sample(now - t.sent)
-        return True
+        resend = []
+        for other, u in self._timers.items():
+            if u.order < t.order:
+                u.overtaken += 1
+                if u.overtaken >= self.packet_threshold:
+                    self._resent(u, now)
+                    resend.append(other)
+        self.fast_retransmits += len(resend)
+        self.retransmits += len(resend)
+        return True, resend
+
+    def _resent(self, t: _Timer, now: float) -> None:
+        self._order += 1
+        t.tries += 1
+        t.sent = now
+        t.order = self._order
+        t.overtaken = 0
+        t.deadline = now + min(self.rtt.rto * (2 ** t.tries), self.rtt.rto_max)
 
     def next_deadline(self) -> float | None:
         """The earliest deadline, or None when nothing is outstanding."""
@@ -90,9 +121,7 @@ class ChunkTimers:
             if now - t.first_sent >= self.give_up_s:
                 dead.append(chunk)
                 continue
-            t.tries += 1
-            t.sent = now
-            t.deadline = now + min(self.rtt.rto * (2 ** t.tries), self.rtt.rto_max)
+            self._resent(t, now)
             resend.append(chunk)
         self.retransmits += len(resend)
         return resend, dead

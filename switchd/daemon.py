@@ -82,6 +82,7 @@ class SwitchCounters:
     reduce_seconds: float = 0.0
     jobs_refused: int = 0
     nack_codes: dict[str, int] = field(default_factory=dict)
+    fault_lost: dict[str, int] = field(default_factory=dict)  # injected losses by opcode
 
 
 def unwrap_psn(psn: int, last: int) -> int:
@@ -196,7 +197,11 @@ class SwitchDaemon:
         now = time.monotonic()
         inj = self._faults_out.get(ident)
         if inj is not None:
-            for at, blob in inj.apply(_join(header, payload), now):
+            lost_before = inj.statistics().lost
+            arrivals = inj.apply(_join(header, payload), now)
+            if inj.statistics().lost != lost_before:
+                self._count_lost(header)
+            for at, blob in arrivals:
                 head, body = _split(blob, len(header))
                 self._hold(max(at, now), 3, (ident, head, body))
             return
@@ -312,7 +317,11 @@ class SwitchDaemon:
         """The node->switch link: faults, then serialisation and latency."""
         inj = self._faults_in.get(ident)
         if inj is not None:
-            for at, blob in inj.apply(_join(header, payload), now):
+            lost_before = inj.statistics().lost
+            arrivals = inj.apply(_join(header, payload), now)
+            if inj.statistics().lost != lost_before:
+                self._count_lost(header)
+            for at, blob in arrivals:
                 head, body = _split(blob, len(header))
                 self._hold(max(at, now), 2, (ident, head, body))
             return
@@ -323,6 +332,15 @@ class SwitchDaemon:
             self._hold(due, 0, (ident, header, payload))
             return
         self._process(ident, header, payload)
+
+    def _count_lost(self, header: Any) -> None:
+        """Frames the injectors dropped, by opcode (ground truth for `semfab bench loss`)."""
+        try:
+            name = fr.peek(header)[0].name
+        except FrameError:
+            name = "MALFORMED"
+        lost = self.counters.fault_lost
+        lost[name] = lost.get(name, 0) + 1
 
     def _hold(self, due: float, kind: int, item: Any) -> None:
         heapq.heappush(self._held, (due, next(self._held_seq), kind, item))

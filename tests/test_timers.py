@@ -38,11 +38,11 @@ def test_backoff_doubles_and_karn_skips_retransmitted_samples() -> None:
     assert t.next_deadline() == pytest.approx(0.1 + 0.2)  # doubled
     assert t.expired(0.31) == ([0, 1], [])
     assert t.next_deadline() == pytest.approx(0.31 + 0.4)
-    assert t.acked(0, now=0.32)  # retransmitted: Karn, no sample
+    assert t.acked(0, now=0.32) == (True, [])  # retransmitted: Karn, no sample
     assert est.srtt is None
-    assert not t.acked(0, now=0.33)  # a duplicate result
+    assert t.acked(0, now=0.33) == (False, [])  # a duplicate result
     t.sent(2, now=0.4)
-    assert t.acked(2, now=0.41)
+    assert t.acked(2, now=0.41)[0]
     assert est.srtt == pytest.approx(0.01)
     assert t.retransmits == 4
 
@@ -53,3 +53,16 @@ def test_gives_up_after_the_limit() -> None:
     assert t.expired(1.0) == ([7], [])
     assert t.expired(2.0) == ([7], [])
     assert t.expired(3.0) == ([], [7])
+
+
+def test_a_chunk_overtaken_by_three_later_results_is_resent_at_once() -> None:
+    t = ChunkTimers(RttEstimator(rto_initial=1.0), give_up_s=10.0)
+    for c in range(5):
+        t.sent(c, now=0.0)
+    assert t.acked(1, now=0.01) == (True, [])
+    assert t.acked(2, now=0.02) == (True, [])
+    assert t.acked(3, now=0.03) == (True, [0])  # three later results: chunk 0 was lost
+    rto = t.rtt.rto
+    assert t.fast_retransmits == 1
+    assert t.acked(4, now=0.04) == (True, [])  # 0 was just resent: its count restarts
+    assert t.next_deadline() == pytest.approx(0.03 + 2 * rto)  # backed off once
