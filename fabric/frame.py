@@ -165,6 +165,13 @@ class NackCode(IntEnum):
 _OP_VALUES = frozenset(int(o) for o in Op)
 _DTYPE_VALUES = frozenset(int(d) for d in DType)
 _NACK_VALUES = frozenset(int(c) for c in NackCode)
+# Lookup tables: constructing enum members per frame costs microseconds.
+_OP_BY_VALUE = {int(o): o for o in Op}
+_DTYPE_BY_VALUE = {int(d): d for d in DType}
+_FLAGS_BY_VALUE = [Flag(i) for i in range(256)]
+_SIZE_BY_VALUE = {int(d): n for d, n in DTYPE_SIZES.items()}
+_F_REF, _F_CRC = int(Flag.REF), int(Flag.CRC)
+_VT_BASE = (VERSION << 4) | HEADER_TYPE_BASE
 # Opcodes that never carry data bytes: their length must be 0 (ACK/NACK) or
 # name remote memory (READ, which must say so with Flag.REF).
 _NO_DATA_OPS = frozenset({Op.ACK, Op.NACK})
@@ -242,20 +249,20 @@ def _check_fields(
     """Local validation shared by the encoders (the format's own rules)."""
     if op not in _OP_VALUES:
         raise LocalFrameError(f"unknown opcode {op}")
-    if dtype not in _DTYPE_VALUES:
+    size = _SIZE_BY_VALUE.get(dtype)
+    if size is None:
         raise LocalFrameError(f"unknown dtype code {dtype}")
-    if op in _NO_DATA_OPS and (length or inline_len):
+    if (op == Op.ACK or op == Op.NACK) and (length or inline_len):
         raise LocalFrameError(f"{Op(op).name} frames carry no payload")
-    if op == Op.READ and not flags & Flag.REF:
+    if op == Op.READ and not flags & _F_REF:
         raise LocalFrameError("READ frames name remote memory: set Flag.REF")
-    if flags & Flag.REF and inline_len:
+    if flags & _F_REF and inline_len:
         raise LocalFrameError("a referenced frame (Flag.REF) carries no inline payload")
-    if length % DTYPE_SIZES[DType(dtype)]:
+    if length % size:
         raise LocalFrameError(
-            f"length {length} is not a multiple of the {DType(dtype).name} size "
-            f"{DTYPE_SIZES[DType(dtype)]}"
+            f"length {length} is not a multiple of the {DType(dtype).name} size {size}"
         )
-    if op in _ATOMIC_OPS and length != DTYPE_SIZES[DType(dtype)]:
+    if (op == Op.ATOMIC_ADD or op == Op.FETCH_ADD) and length != size:
         raise LocalFrameError(f"{Op(op).name} carries exactly one element")
 
 
@@ -286,20 +293,21 @@ def encode_header(
     if pview.ndim != 1 or pview.itemsize != 1:
         pview = pview.cast("B")  # numpy arrays and typed views count in bytes
     inline_len = pview.nbytes
-    if op == Op.READ and not flags & Flag.REF:
+    flags = int(flags) | (_F_CRC if crc else 0)
+    op, dtype = int(op), int(dtype)
+    if op == Op.READ and not flags & _F_REF:
         raise LocalFrameError("READ frames name remote memory: set Flag.REF")
     if length is None:
         length = inline_len
-    elif not flags & Flag.REF and length != inline_len:
+    elif not flags & _F_REF and length != inline_len:
         raise LocalFrameError(f"length {length} does not match the payload ({inline_len} B)")
-    flags = int(flags) | (Flag.CRC if crc else 0)
-    _check_fields(int(op), flags, int(dtype), length, inline_len)
+    _check_fields(op, flags, dtype, length, inline_len)
     try:
         header = _HEADER.pack(
-            (VERSION << 4) | HEADER_TYPE_BASE,
-            int(op),
+            _VT_BASE,
+            op,
             flags,
-            int(dtype),
+            dtype,
             src,
             dst,
             job,
@@ -312,7 +320,7 @@ def encode_header(
         )
     except struct.error as exc:
         raise LocalFrameError(f"a field is out of range for its width: {exc}") from None
-    if flags & Flag.CRC:
+    if flags & _F_CRC:
         value = _crc32c.crc32c(header)
         if inline_len:
             value = _crc32c.crc32c(pview, value)
@@ -400,24 +408,27 @@ def decode(buf: bytes | bytearray | memoryview, payload: object = None) -> Frame
     (vt, op, flags, dtype, src, dst, job, flow, psn, key, offset, length, msg) = (
         _HEADER.unpack_from(view)
     )
-    version, htype = vt >> 4, vt & 0x0F
-    if version != VERSION:
-        raise FrameError(
-            NackCode.UNSUPPORTED, f"unsupported version {version}; this end speaks {VERSION}"
-        )
-    if htype != HEADER_TYPE_BASE:
+    if vt != _VT_BASE:
+        version, htype = vt >> 4, vt & 0x0F
+        if version != VERSION:
+            raise FrameError(
+                NackCode.UNSUPPORTED, f"unsupported version {version}; this end speaks {VERSION}"
+            )
         raise FrameError(NackCode.UNSUPPORTED, f"unknown header type {htype}")
-    if op not in _OP_VALUES:
+    opc = _OP_BY_VALUE.get(op)
+    if opc is None:
         raise FrameError(NackCode.MALFORMED, f"unknown opcode {op}")
-    if dtype not in _DTYPE_VALUES:
+    dt = _DTYPE_BY_VALUE.get(dtype)
+    if dt is None:
         raise FrameError(NackCode.MALFORMED, f"unknown dtype code {dtype}")
     pos = HEADER_SIZE
-    if flags & Flag.CRC:
+    has_crc = flags & _F_CRC
+    if has_crc:
         if size < pos + CRC_SIZE:
             raise FrameError(NackCode.MALFORMED, "CRC flag set but the CRC32C field is missing")
         (crc_value,) = _CRC.unpack_from(view, pos)
         pos += CRC_SIZE
-    referenced = bool(flags & Flag.REF)
+    referenced = flags & _F_REF
     if payload is None:
         body = view[pos:]
     else:
@@ -442,22 +453,23 @@ def decode(buf: bytes | bytearray | memoryview, payload: object = None) -> Frame
             NackCode.MALFORMED,
             f"payload length field says {length} B but {body.nbytes} B follow",
         )
-    dt = DType(dtype)
-    opc = Op(op)
-    if length % DTYPE_SIZES[dt]:
+    esize = _SIZE_BY_VALUE[dtype]
+    if length % esize:
         raise FrameError(
             NackCode.MALFORMED,
-            f"length {length} is not a multiple of the {dt.name} element size {DTYPE_SIZES[dt]}",
+            f"length {length} is not a multiple of the {dt.name} element size {esize}",
         )
-    if opc in _NO_DATA_OPS and length:
-        raise FrameError(NackCode.MALFORMED, f"{opc.name} frame with length {length}; expected 0")
-    if opc is Op.READ and not referenced:
+    if op >= Op.ATOMIC_ADD:  # the rarely used opcodes: ATOMIC_ADD .. CTRL
+        if (opc is Op.ACK or opc is Op.NACK) and length:
+            raise FrameError(NackCode.MALFORMED, f"{opc.name} frame with length {length}; "
+                             "expected 0")
+        if (opc is Op.ATOMIC_ADD or opc is Op.FETCH_ADD) and length != esize:
+            raise FrameError(NackCode.MALFORMED, f"{opc.name} must carry exactly one {dt.name}")
+        if opc is Op.NACK and offset not in _NACK_VALUES:
+            raise FrameError(NackCode.MALFORMED, f"NACK with unknown code {offset}")
+    elif opc is Op.READ and not referenced:
         raise FrameError(NackCode.MALFORMED, "READ frame without the REF flag")
-    if opc in _ATOMIC_OPS and length != DTYPE_SIZES[dt]:
-        raise FrameError(NackCode.MALFORMED, f"{opc.name} must carry exactly one {dt.name}")
-    if opc is Op.NACK and offset not in _NACK_VALUES:
-        raise FrameError(NackCode.MALFORMED, f"NACK with unknown code {offset}")
-    if flags & Flag.CRC:
+    if has_crc:
         computed = _crc32c.crc32c(view[:HEADER_SIZE])
         if body.nbytes:
             computed = _crc32c.crc32c(body, computed)
@@ -467,7 +479,8 @@ def decode(buf: bytes | bytearray | memoryview, payload: object = None) -> Frame
                 f"CRC32C mismatch: frame says {crc_value:#010x}, computed {computed:#010x}",
             )
     return Frame(
-        opc, Flag(flags), dt, src, dst, job, flow, psn, key, offset, length, msg, body, version
+        opc, _FLAGS_BY_VALUE[flags], dt, src, dst, job, flow, psn, key, offset, length, msg,
+        body, VERSION,
     )
 
 
@@ -484,8 +497,9 @@ def peek(buf: bytes | bytearray | memoryview) -> tuple[Op, Flag, int, int, int, 
     (vt, op, flags, _dt, src, _dst, job, _flow, psn, key, offset, length, _msg) = (
         _HEADER.unpack_from(view)
     )
-    if vt != (VERSION << 4) | HEADER_TYPE_BASE:
+    if vt != _VT_BASE:
         raise FrameError(NackCode.UNSUPPORTED, f"unsupported version/type byte {vt:#04x}")
-    if op not in _OP_VALUES:
+    opc = _OP_BY_VALUE.get(op)
+    if opc is None:
         raise FrameError(NackCode.MALFORMED, f"unknown opcode {op}")
-    return Op(op), Flag(flags), src, job, psn, key, offset, length
+    return opc, _FLAGS_BY_VALUE[flags], src, job, psn, key, offset, length
