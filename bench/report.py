@@ -1,0 +1,718 @@
+"""Reporting helpers shared by every semfab benchmark.
+
+Everything a benchmark needs to turn timings into the nccl-tests style output
+the project promises (DESIGN.md section 7): size parsing and sweeps, the bus
+bandwidth rule, latency percentiles, one result row type for allreduce, a
+Markdown table with the nccl-tests footer, JSON with the environment, a PNG
+plot and a progress bar that stays out of the way when output is redirected.
+
+This module is cheap to import: matplotlib, rich, zmq and mpi4py are imported
+only inside the functions that need them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime as _dt
+import functools
+import importlib.metadata
+import importlib.util
+import json
+import math
+import os
+import platform
+import re
+import socket
+import subprocess
+import sys
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+__all__ = [
+    "AllreduceRow",
+    "GB",
+    "busbw_factor",
+    "dtype_itemsize",
+    "environment",
+    "format_allreduce_table",
+    "format_size",
+    "latency_stats",
+    "parse_size",
+    "plot_busbw",
+    "progress",
+    "size_range",
+    "write_json",
+    "write_markdown",
+]
+
+#: nccl-tests (and this project) count bandwidth in decimal gigabytes.
+GB = 1e9
+
+_REPO_ROOT = Path(__file__).resolve().parent.parent
+
+# Distribution names whose versions every result file records.  Values are
+# distribution names for importlib.metadata (not import names).
+_VERSIONED = {
+    "semfab": "semfab",
+    "numpy": "numpy",
+    "numba": "numba",
+    "pyzmq": "pyzmq",
+    "msgpack": "msgpack",
+    "ml_dtypes": "ml_dtypes",
+    "torch": "torch",
+    "mpi4py": "mpi4py",
+}
+
+
+# --------------------------------------------------------------------------
+# Environment
+# --------------------------------------------------------------------------
+
+
+def _dist_version(name: str) -> str | None:
+    """Installed version of a distribution, or None; never imports it."""
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _cpu_model() -> str:
+    """CPU model name from /proc/cpuinfo (Linux) or platform as fallback."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as fh:
+            for line in fh:
+                if line.lower().startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"
+
+
+def _libzmq_version() -> str | None:
+    """Version of the libzmq that pyzmq links (pyzmq itself is cheap to import)."""
+    if importlib.util.find_spec("zmq") is None:
+        return None
+    try:
+        import zmq
+
+        return str(zmq.zmq_version())
+    except Exception:  # a broken install must not break a benchmark report
+        return None
+
+
+@functools.lru_cache(maxsize=1)
+def _mpi_library_version() -> str | None:
+    """First line of MPI_Get_library_version() as mpi4py sees it.
+
+    Importing ``mpi4py.MPI`` normally calls MPI_Init, which must not happen in
+    a benchmark parent process (it can start a singleton runtime). So unless
+    the caller already imported it, ask a short-lived interpreter that sets
+    ``mpi4py.rc.initialize = False`` (the call is legal before MPI_Init).
+    """
+    if importlib.util.find_spec("mpi4py") is None:
+        return None
+    mod = sys.modules.get("mpi4py.MPI")
+    if mod is not None:
+        try:
+            return str(mod.Get_library_version()).strip("\x00 \n").splitlines()[0]
+        except Exception:
+            return None
+    code = (
+        "import mpi4py; mpi4py.rc.initialize = False; mpi4py.rc.finalize = False\n"
+        "from mpi4py import MPI\n"
+        "print(MPI.Get_library_version().strip('\\x00 \\n').splitlines()[0])"
+    )
+    try:
+        out = subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            timeout=20,
+            check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    line = out.stdout.strip("\x00 \n")  # Open MPI pads the string with a NUL
+    return line or None
+
+
+def _git_info(root: Path) -> dict[str, Any]:
+    """Commit and dirty flag of the repository at ``root``, empty when unknown."""
+    if not (root / ".git").exists():
+        return {}
+    try:
+        head = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+            check=False,
+        )
+        if head.returncode != 0:
+            return {}
+        status = subprocess.run(
+            ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+            check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return {}
+    info: dict[str, Any] = {"git_commit": head.stdout.strip()}
+    if status.returncode == 0:
+        info["git_dirty"] = bool(status.stdout.strip())
+    return info
+
+
+def environment() -> dict[str, Any]:
+    """Describe the machine and software a result was measured with.
+
+    Cheap: packages are looked up through their metadata, except pyzmq (to
+    get the libzmq version) and mpi4py (asked in a subprocess, see
+    :func:`_mpi_library_version`). torch is never imported here.
+    """
+    env: dict[str, Any] = {
+        "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+        "hostname": socket.gethostname(),
+        "platform": platform.platform(),
+        "cpu": _cpu_model(),
+        "logical_cores": os.cpu_count(),
+        "python": f"{platform.python_implementation()} {platform.python_version()}",
+    }
+    versions: dict[str, str | None] = {
+        key: _dist_version(dist) for key, dist in _VERSIONED.items()
+    }
+    versions["libzmq"] = _libzmq_version() if versions["pyzmq"] else None
+    versions["mpi_library"] = _mpi_library_version() if versions["mpi4py"] else None
+    # Absent packages are left out rather than listed as null: shorter JSON,
+    # and "not there" is still unambiguous.
+    env["versions"] = {k: v for k, v in versions.items() if v is not None}
+    env.update(_git_info(_REPO_ROOT))
+    return env
+
+
+# --------------------------------------------------------------------------
+# Sizes and bandwidth arithmetic
+# --------------------------------------------------------------------------
+
+_SIZE_RE = re.compile(r"^\s*(\d+)\s*([kmgt]?)(i?b)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_size(text: str | int) -> int:
+    """Parse a byte count the way nccl-tests' ``-b``/``-e`` flags do.
+
+    Suffixes are binary: ``"4K"`` is 4096, ``"64M"`` is 64 MiB, ``"1G"`` is
+    1 GiB; ``"4096"`` is plain bytes. ``KB``/``KiB`` spellings and lower case
+    are accepted too. Anything else raises ValueError naming the input.
+    """
+    if isinstance(text, bool):  # bool is an int subclass; True bytes is a bug
+        raise ValueError(f"invalid size {text!r}")
+    if isinstance(text, int):
+        if text < 0:
+            raise ValueError(f"invalid size {text!r}: must not be negative")
+        return text
+    match = _SIZE_RE.match(str(text))
+    if match is None:
+        raise ValueError(
+            f"invalid size {text!r}: expected a whole number of bytes with an optional "
+            "binary suffix K, M, G or T (e.g. 4096, 4K, 64M, 1G)"
+        )
+    return int(match.group(1)) * _UNITS[match.group(2).lower()]
+
+
+def format_size(nbytes: int) -> str:
+    """Short binary label for a byte count: 4096 -> '4K', 3 MiB -> '3M', 1000 -> '1000'."""
+    for suffix, unit in (("T", 1 << 40), ("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if nbytes >= unit and nbytes % unit == 0:
+            return f"{nbytes // unit}{suffix}"
+    return str(nbytes)
+
+
+def size_range(begin: int | str, end: int | str, factor: float = 2) -> list[int]:
+    """Sizes from ``begin`` to ``end`` inclusive, multiplying by ``factor``.
+
+    Like nccl-tests ``-b begin -e end -f factor``: the sweep stops at the last
+    size not above ``end``. Sizes may be given as strings ("4K").
+    """
+    lo, hi = parse_size(begin), parse_size(end)
+    if lo <= 0:
+        raise ValueError(f"size_range: begin must be > 0, got {begin!r}")
+    if hi < lo:
+        raise ValueError(f"size_range: end {end!r} is smaller than begin {begin!r}")
+    if not factor > 1:
+        raise ValueError(f"size_range: factor must be > 1, got {factor!r}")
+    sizes: list[int] = []
+    size = lo
+    while size <= hi:
+        sizes.append(size)
+        nxt = int(size * factor)
+        # A float factor close to 1 could round back to the same size forever.
+        size = nxt if nxt > size else size + 1
+    return sizes
+
+
+_COLLECTIVE_ALIASES = {
+    "allreduce": "allreduce",
+    "allgather": "allgather",
+    "reducescatter": "reducescatter",
+    "alltoall": "alltoall",
+    "broadcast": "broadcast",
+    "bcast": "broadcast",
+    "reduce": "reduce",
+}
+
+
+def busbw_factor(collective: str, n: int) -> float:
+    """Bus bandwidth factor of nccl-tests' PERFORMANCE.md.
+
+    ``busbw = algbw * factor``: allreduce 2(n-1)/n; allgather, reducescatter
+    and alltoall (n-1)/n; broadcast and reduce 1. Names are matched without
+    case, ``_`` or ``-`` ("all_reduce", "reduce-scatter").
+    """
+    if n < 1:
+        raise ValueError(f"busbw_factor: need at least one rank, got n={n}")
+    key = _COLLECTIVE_ALIASES.get(re.sub(r"[_\-\s]", "", collective.lower()))
+    if key == "allreduce":
+        return 2.0 * (n - 1) / n
+    if key in ("allgather", "reducescatter", "alltoall"):
+        return (n - 1) / n
+    if key in ("broadcast", "reduce"):
+        return 1.0
+    raise ValueError(
+        f"busbw_factor: unknown collective {collective!r}; known: "
+        + ", ".join(sorted(set(_COLLECTIVE_ALIASES.values())))
+    )
+
+
+def latency_stats(samples_us: Iterable[float]) -> dict[str, float]:
+    """min, p50, p90, p99, p99.9, max and mean of latency samples (microseconds).
+
+    Percentiles use NumPy's default linear interpolation, so they are defined
+    for any non-empty sample, also a short one.
+    """
+    arr = np.asarray(list(samples_us), dtype=np.float64)
+    if arr.size == 0:
+        raise ValueError("latency_stats: no samples")
+    p50, p90, p99, p999 = np.percentile(arr, [50, 90, 99, 99.9], method="linear")
+    return {
+        "min": float(arr.min()),
+        "p50": float(p50),
+        "p90": float(p90),
+        "p99": float(p99),
+        "p99.9": float(p999),
+        "max": float(arr.max()),
+        "mean": float(arr.mean()),
+    }
+
+
+def dtype_itemsize(dtype: str) -> int:
+    """Bytes per element of a dtype name, including ml_dtypes names like bfloat16."""
+    try:
+        return int(np.dtype(dtype).itemsize)
+    except TypeError:
+        pass
+    if importlib.util.find_spec("ml_dtypes") is not None:
+        import ml_dtypes
+
+        extra = getattr(ml_dtypes, str(dtype), None)
+        if extra is not None:
+            return int(np.dtype(extra).itemsize)
+    raise ValueError(f"unknown dtype {dtype!r}")
+
+
+# --------------------------------------------------------------------------
+# Result rows
+# --------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class AllreduceRow:
+    """One (path, workers, size) result of an allreduce benchmark.
+
+    A row with ``time_us is None`` did not run; its ``note`` says why
+    (e.g. ``"unavailable: mpi4py is not installed ..."``). Semantic-distance
+    counters (copies, encodes, crossings, hops) are per chunk and None when the
+    path cannot know them (the real-library peers).
+    """
+
+    path: str
+    workers: int
+    size_bytes: int
+    count: int
+    dtype: str
+    redop: str = "sum"
+    time_us: float | None = None
+    algbw_gbps: float | None = None
+    busbw_gbps: float | None = None
+    wrong: int = -1
+    p50_us: float | None = None
+    p99_us: float | None = None
+    min_us: float | None = None
+    max_us: float | None = None
+    copies: int | None = None
+    encodes: int | None = None
+    crossings: int | None = None
+    hops: int | None = None
+    chunks: int | None = None
+    note: str = ""
+
+    @property
+    def ran(self) -> bool:
+        """True when the row carries a measurement (False: see ``note``)."""
+        return self.time_us is not None
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict; the nccl-style keys first, then the extra fields."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_samples(
+        cls,
+        path: str,
+        workers: int,
+        size_bytes: int,
+        dtype: str,
+        redop: str,
+        samples_us: Sequence[float],
+        wrong: int,
+        *,
+        copies: int | None = None,
+        encodes: int | None = None,
+        crossings: int | None = None,
+        hops: int | None = None,
+        chunks: int | None = None,
+        note: str = "",
+        collective: str = "allreduce",
+    ) -> AllreduceRow:
+        """Build a row from per-iteration times (already max-over-ranks).
+
+        ``time_us`` is the median; algbw = size / time (GB = 1e9);
+        busbw = algbw * :func:`busbw_factor`.
+        """
+        stats = latency_stats(samples_us)
+        time_us = stats["p50"]
+        algbw = size_bytes / time_us / 1e3 if time_us > 0 else math.inf  # B/us -> GB/s
+        return cls(
+            path=path,
+            workers=workers,
+            size_bytes=size_bytes,
+            count=size_bytes // dtype_itemsize(dtype),
+            dtype=dtype,
+            redop=redop,
+            time_us=time_us,
+            algbw_gbps=algbw,
+            busbw_gbps=algbw * busbw_factor(collective, workers),
+            wrong=int(wrong),
+            p50_us=stats["p50"],
+            p99_us=stats["p99"],
+            min_us=stats["min"],
+            max_us=stats["max"],
+            copies=copies,
+            encodes=encodes,
+            crossings=crossings,
+            hops=hops,
+            chunks=chunks,
+            note=note,
+        )
+
+    @classmethod
+    def unavailable(
+        cls,
+        path: str,
+        workers: int,
+        size_bytes: int,
+        dtype: str,
+        note: str,
+        redop: str = "sum",
+    ) -> AllreduceRow:
+        """A row that records why a path did not run (never a silent skip)."""
+        try:
+            count = size_bytes // dtype_itemsize(dtype)
+        except ValueError:
+            count = 0
+        return cls(
+            path=path, workers=workers, size_bytes=size_bytes, count=count, dtype=dtype,
+            redop=redop, note=note,
+        )
+
+
+# --------------------------------------------------------------------------
+# Markdown table
+# --------------------------------------------------------------------------
+
+
+def _fmt_time(us: float | None) -> str:
+    if us is None:
+        return "—"
+    return f"{us:.1f}" if us >= 100 else f"{us:.2f}"
+
+
+def _fmt_bw(gbps: float | None) -> str:
+    if gbps is None:
+        return "—"
+    # nccl-tests prints two decimals; below 1 GB/s a third keeps small sizes readable.
+    return f"{gbps:.2f}" if gbps >= 1 else f"{gbps:.3f}"
+
+
+def _fmt_counters(row: AllreduceRow) -> str:
+    parts = (row.copies, row.encodes, row.crossings, row.hops)
+    if all(p is None for p in parts):
+        return "—"
+    return "/".join("?" if p is None else str(p) for p in parts)
+
+
+def _fmt_wrong(row: AllreduceRow) -> str:
+    if not row.ran:
+        return "—"
+    return "N/A" if row.wrong < 0 else str(row.wrong)
+
+
+def _groups(rows: Iterable[AllreduceRow]) -> dict[tuple[str, int], list[AllreduceRow]]:
+    """Rows keyed by (path, workers), in order of first appearance."""
+    groups: dict[tuple[str, int], list[AllreduceRow]] = {}
+    for row in rows:
+        groups.setdefault((row.path, row.workers), []).append(row)
+    return groups
+
+
+def format_allreduce_table(rows: Iterable[AllreduceRow]) -> str:
+    """Markdown tables in the nccl-tests spirit, one per (path, workers).
+
+    Each table lists the sizes in increasing order; a row that did not run
+    shows dashes and its note. Under each table, in a text block so that the
+    ``#`` lines are not read as Markdown headings, come the nccl-tests footer
+    lines ``# Out of bounds values : OK|FAILED`` and ``# Avg bus bandwidth``.
+    """
+    header = [
+        "size(B)", "count", "type", "redop", "time(us)", "algbw(GB/s)", "busbw(GB/s)",
+        "#wrong", "p50(us)", "p99(us)", "copies/encodes/crossings/hops",
+    ]
+    out: list[str] = []
+    for (path, workers), group in _groups(rows).items():
+        group = sorted(group, key=lambda r: r.size_bytes)
+        with_note = any(r.note for r in group)
+        cols = header + (["note"] if with_note else [])
+        out.append(f"### {path} — {workers} worker{'s' if workers != 1 else ''}")
+        out.append("")
+        out.append("| " + " | ".join(cols) + " |")
+        out.append("|" + "|".join("---:" if c not in ("type", "redop", "note") else "---"
+                                  for c in cols) + "|")
+        for r in group:
+            cells = [
+                str(r.size_bytes), str(r.count), r.dtype, r.redop, _fmt_time(r.time_us),
+                _fmt_bw(r.algbw_gbps), _fmt_bw(r.busbw_gbps), _fmt_wrong(r),
+                _fmt_time(r.p50_us), _fmt_time(r.p99_us), _fmt_counters(r),
+            ]
+            if with_note:
+                cells.append(r.note.replace("|", "\\|").replace("\n", " "))
+            out.append("| " + " | ".join(cells) + " |")
+        ran = [r for r in group if r.ran and r.busbw_gbps is not None]
+        failed = any(r.wrong > 0 for r in group)
+        avg = (
+            f"{sum(r.busbw_gbps for r in ran if r.busbw_gbps is not None) / len(ran):.4g}"
+            if ran else "N/A (no size ran)"
+        )
+        out.append("")
+        out.append("```text")
+        out.append(f"# Out of bounds values : {'FAILED' if failed else 'OK'}")
+        out.append(f"# Avg bus bandwidth    : {avg}")
+        out.append("```")
+        out.append("")
+    return "\n".join(out).rstrip("\n") + "\n"
+
+
+# --------------------------------------------------------------------------
+# Files
+# --------------------------------------------------------------------------
+
+
+def _jsonable(value: Any) -> Any:
+    """Turn NaN/inf into None and NumPy scalars/arrays and dataclasses into JSON types."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        to_dict = getattr(value, "to_dict", None)
+        return _jsonable(to_dict() if callable(to_dict) else dataclasses.asdict(value))
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, np.ndarray):
+        return [_jsonable(v) for v in value.tolist()]
+    if isinstance(value, np.generic):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None  # strict JSON has no NaN/Infinity
+    if isinstance(value, Path):
+        return str(value)
+    return value
+
+
+def write_json(
+    path: str | Path,
+    kind: str,
+    results: Sequence[dict[str, Any] | Any],
+    extra: dict[str, Any] | None = None,
+) -> Path:
+    """Write ``{"env": environment(), "kind": kind, "results": [...]}`` (+ ``extra``).
+
+    ``extra`` keys are added at the top level (e.g. the sweep parameters); they
+    may not replace env, kind or results. Rows may be dicts or dataclasses
+    (:class:`AllreduceRow`). The output is strict JSON (NaN becomes null).
+    """
+    doc: dict[str, Any] = {"env": environment(), "kind": kind, "results": list(results)}
+    for key, value in (extra or {}).items():
+        if key in doc:
+            raise ValueError(f"write_json: extra key {key!r} would replace a reserved key")
+        doc[key] = value
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(_jsonable(doc), indent=2, allow_nan=False)
+    out.write_text(text + "\n", encoding="utf-8")
+    return out
+
+
+def write_markdown(path: str | Path, text: str) -> Path:
+    """Write Markdown text (ending in a newline), creating parent folders."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text if text.endswith("\n") else text + "\n", encoding="utf-8")
+    return out
+
+
+# --------------------------------------------------------------------------
+# Plot
+# --------------------------------------------------------------------------
+
+
+def plot_busbw(rows: Iterable[AllreduceRow], path: str | Path, title: str) -> Path:
+    """PNG of bus bandwidth against size (log2 x axis), one line per (path, workers).
+
+    Rows that did not run are not plotted; the (path, workers) groups that
+    had any are listed under the plot with their first note, so a missing
+    line is explained rather than silently absent.
+    """
+    # The object-oriented API with the Agg canvas never touches pyplot's
+    # global backend, so it is safe in any process (headless, threads, tests).
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import FuncFormatter
+
+    fig = Figure(figsize=(8, 5), dpi=110)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
+    missing: list[str] = []
+    plotted = 0
+    for (name, workers), group in _groups(rows).items():
+        ran = sorted((r for r in group if r.ran and r.busbw_gbps is not None),
+                     key=lambda r: r.size_bytes)
+        skipped = [r for r in group if not r.ran]
+        if skipped:
+            note = skipped[0].note or "did not run"
+            if len(note) > 90:
+                note = note[:87] + "..."
+            missing.append(f"{name} ×{workers}: {note}")
+        if ran:
+            ax.plot([r.size_bytes for r in ran], [r.busbw_gbps or 0.0 for r in ran],
+                    marker="o", label=f"{name} ×{workers}")
+            plotted += 1
+    ax.set_xscale("log", base=2)
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _pos: format_size(int(round(x)))))
+    ax.set_xlabel("message size (bytes)")
+    ax.set_ylabel("bus bandwidth (GB/s, GB = 1e9)")
+    ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+    if plotted:
+        ax.legend(loc="best", fontsize="small")
+    else:
+        ax.text(0.5, 0.5, "no path ran", ha="center", va="center", transform=ax.transAxes)
+    if missing:
+        text = "not plotted:\n" + "\n".join(missing)
+        fig.text(0.01, 0.01, text, fontsize="x-small", va="bottom", ha="left", wrap=True)
+        fig.subplots_adjust(bottom=0.14 + 0.035 * len(missing))
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, format="png")
+    return out
+
+
+# --------------------------------------------------------------------------
+# Progress
+# --------------------------------------------------------------------------
+
+
+class ProgressTask(Protocol):
+    """What :func:`progress` yields."""
+
+    def advance(self, steps: float = 1) -> None:
+        """Mark ``steps`` units of work done."""
+
+    def describe(self, description: str) -> None:
+        """Change the text shown beside the bar."""
+
+
+class _SilentTask:
+    """No-op stand-in used when no bar should be drawn."""
+
+    def advance(self, steps: float = 1) -> None:
+        pass
+
+    def describe(self, description: str) -> None:
+        pass
+
+
+class _RichTask:
+    """Adapter from a rich Progress task to :class:`ProgressTask`."""
+
+    def __init__(self, bar: Any, task_id: Any) -> None:
+        self._bar = bar
+        self._task_id = task_id
+
+    def advance(self, steps: float = 1) -> None:
+        self._bar.advance(self._task_id, steps)
+
+    def describe(self, description: str) -> None:
+        self._bar.update(self._task_id, description=description)
+
+
+def _progress_enabled() -> bool:
+    if os.environ.get("SEMFAB_NO_PROGRESS", "") not in ("", "0"):
+        return False
+    try:
+        return sys.stdout.isatty()
+    except (AttributeError, ValueError):  # replaced or closed stdout
+        return False
+
+
+@contextlib.contextmanager
+def progress(total: float, description: str) -> Iterator[ProgressTask]:
+    """A progress bar for ``total`` units of work, as a context manager.
+
+    Silent when stdout is not a terminal (CI logs, redirected JSON) or when
+    ``SEMFAB_NO_PROGRESS=1``. The bar is transient: it disappears when done
+    so it never interleaves with the tables printed afterwards.
+    """
+    if not _progress_enabled():
+        yield _SilentTask()
+        return
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+    )
+
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        transient=True,
+    ) as bar:
+        yield _RichTask(bar, bar.add_task(description, total=total))
