@@ -12,10 +12,11 @@ so both peers follow one timing convention (written down in docs/PEERS.md):
   call with ``time.perf_counter_ns``;
 * an iteration's time is the maximum over ranks (gathered after the loop);
   the row reports the median (``time_us``), p50, p99, min and max;
-* inputs are ``kernels.reference.make_tensor(rank, step, count, dtype)`` with
-  ``step`` the iteration index (warmup included); with ``check`` every element
-  of every rank's result of every timed iteration is compared with
-  ``expected_allreduce`` and the wrong elements are summed over ranks.
+* inputs are ``kernels.reference.make_tensor(rank, step, count, dtype)``
+  (generated fast by ``kernels.checking``) with ``step`` the iteration index
+  (warmup included); with ``check`` every element of every rank's result of
+  the last iteration is compared with the exact expected allreduce (as
+  nccl-tests checks after its timed loop) and wrong elements are summed.
 
 Nothing here imports torch or mpi4py: they are imported only in the rank
 processes, so a machine without them still gets rows that say why.
@@ -190,7 +191,8 @@ def worker_loop(comm: PeerComm, args: argparse.Namespace) -> None:
     timed iteration), "wrong" (-1 when not checked)}``. A line is written as
     soon as its size is done, so a later failure keeps the earlier sizes.
     """
-    from kernels.reference import count_wrong, expected_allreduce, make_tensor
+    from kernels.checking import expected_allreduce, make_input
+    from kernels.reference import count_wrong
 
     if comm.world != args.world:
         # The classic cause: mpi4py loaded a different MPI than the launcher's,
@@ -206,7 +208,7 @@ def worker_loop(comm: PeerComm, args: argparse.Namespace) -> None:
         times_ns: list[int] = []
         wrong = 0
         for step in range(args.warmup + args.iters):
-            x = make_tensor(comm.rank, step, count, args.dtype)
+            x = make_input(comm.rank, step, count, args.dtype)
             handle = comm.prepare(x)
             comm.barrier()
             t0 = time.perf_counter_ns()
@@ -215,7 +217,8 @@ def worker_loop(comm: PeerComm, args: argparse.Namespace) -> None:
             if step < args.warmup:
                 continue
             times_ns.append(t1 - t0)
-            if args.check:
+            if args.check and step == args.warmup + args.iters - 1:
+                # nccl-tests style: every element of the last iteration's result
                 expected = expected_allreduce(comm.world, step, count, args.dtype, args.op)
                 wrong += int(count_wrong(comm.result(handle), expected))
         gathered = comm.gather_times(times_ns)
