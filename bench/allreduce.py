@@ -31,8 +31,8 @@ log = logging.getLogger("semfab.bench.allreduce")
 PEERS = ("gloo", "mpi")
 ALL_PATHS = (*PATHS, *PEERS)
 #: The quick default (`semfab bench`): under two minutes on a 2-core machine.
-QUICK = dict(begin="4K", end="16M", factor=4, workers="2",
-             paths=",".join(ALL_PATHS), warmup=2, iters=5)
+QUICK = dict(begin="4K", end="16M", factor=4, workers="2,4",
+             paths=",".join(ALL_PATHS), warmup=3, iters=10)
 
 
 def measure_on_worker(ep: Any, path: str, sizes: list[int], dtype: str, op: str, warmup: int,

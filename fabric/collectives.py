@@ -189,7 +189,7 @@ def allreduce_ina(ep: Endpoint, x: np.ndarray, out: np.ndarray, op: str, dtype: 
         if f.op is Op.NACK and f.job == job:
             _on_nack(ep, f, base, nch, got, lambda i: send(i, True))
             continue
-        ep.stash.append(f)
+        ep.defer(f)
     ep.retransmits += timers.retransmits
     sem = ep.sem("ina")
     sem.chunks += nch
@@ -319,7 +319,7 @@ def allreduce_ina_mem(ep: Endpoint, x: np.ndarray, out: np.ndarray, op: str, dty
             _on_nack(ep, f, base, nch, got, lambda i: send(i, True))
             continue
         if f.op is not Op.RESULT or f.job != st.job:
-            ep.stash.append(f)
+            ep.defer(f)
             continue
         i = (f.psn - base) & PSN_MASK
         if i >= nch or got[i]:  # a late copy of a result we already have

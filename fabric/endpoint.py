@@ -43,6 +43,8 @@ PATHS = ("ina", "ina-mem", "host-ps", "host-ring")
 OPS = ("sum", "max", "min")
 DTYPE_NAMES = ("float32", "float16", "bfloat16", "int32", "int64")
 DEFAULT_TIMEOUT_S = 30.0
+#: Control message types that answer a request (see :meth:`Endpoint.defer`).
+CTRL_REPLIES = frozenset({"welcome", "barrier_done", "job_reply", "region_reply", "stats"})
 #: Floor of the aggregation retransmit timeout (seconds).
 AGG_RTO_MIN_S = 0.02
 #: First resend interval of a control request (doubles up to 1 s).
@@ -114,6 +116,7 @@ class Endpoint:
         self.retransmits = 0
         self.duplicates = 0
         self.bad_frames = 0
+        self.stale_replies = 0
         self.chunk_bytes: dict[str, int] = {}
         self.slots: dict[str, int] = {}
         self.scratch: np.ndarray | None = None  # staging region for ina-mem
@@ -172,7 +175,25 @@ class Endpoint:
             if f.op is Op.NACK:
                 raise PeerFailed(f"{self.name}: {what}: node {f.src} refused frame {f.psn} of "
                                  f"job {f.job}: {f.nack_code.name}")
-            self.stash.append(f)
+            self.defer(f)
+
+    def defer(self, f: fr.Frame) -> None:
+        """Keep a frame for a later wait, unless it is a stale control reply.
+
+        Control replies are awaited only by :meth:`request`, one at a time, which
+        takes its own before anything is deferred; a reply that reaches here
+        answers a request already answered (a retry crossed the reply), so
+        keeping it would only grow the stash.
+        """
+        if f.op is Op.CTRL:
+            try:
+                if control.parse(f.payload).get("t") in CTRL_REPLIES:
+                    self.stale_replies += 1
+                    return
+            except fr.FrameError:
+                self.bad_frames += 1
+                return
+        self.stash.append(f)
 
     def request(self, t: str, reply: str, dst: int | None = None,
                 match: Callable[[dict[str, Any]], bool] | None = None,

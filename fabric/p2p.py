@@ -79,7 +79,7 @@ def stream_send(ep: Endpoint, dst_rank: int, data: np.ndarray, *, policy: str = 
         f = _recv(ep)
         if f is None or f.flow != flow or f.src != dst:
             if f is not None:
-                ep.stash.append(f)
+                ep.defer(f)
             continue
         now = time.monotonic()
         if f.op is Op.ACK:
@@ -121,7 +121,7 @@ def stream_recv(ep: Endpoint, src_rank: int, out: np.ndarray, *, policy: str = "
         f = _recv(ep)
         if f is None or f.flow != flow or f.src != src:
             if f is not None:
-                ep.stash.append(f)
+                ep.defer(f)
             continue
         last_heard = time.monotonic()
         if f.op is Op.ACK and f.psn == _FIN:
