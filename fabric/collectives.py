@@ -137,12 +137,16 @@ def allreduce_ina(ep: Endpoint, x: np.ndarray, out: np.ndarray, op: str, dtype: 
     got = bytearray(nch)
     done = 0
     hdr = memoryview(ep.hdr)
+    what = f"allreduce ina job {job}"
+
+    def resend(i: int) -> None:
+        send(i, True)
+
     # In place, a corrupted result must not overwrite the input we may resend:
     # with CRC on, receive into a bounce buffer and copy after the check.
     bounce = memoryview(bytearray(E * item)) if ep.crc else None
     while done < nch:
-        _wait_or_retransmit(ep, timers, lambda i: send(i, True), f"allreduce ina job {job}")
-        if not sock.poll(0):
+        if not _wait_or_retransmit(ep, timers, resend, what):
             continue
         nh = sock.recv_into(ep.hdr)
         more = sock.get(zmq.RCVMORE)
@@ -199,8 +203,9 @@ def allreduce_ina(ep: Endpoint, x: np.ndarray, out: np.ndarray, op: str, dtype: 
 
 
 def _wait_or_retransmit(ep: Endpoint, timers: ChunkTimers, resend: Callable[[int], None],
-                        what: str) -> None:
-    """Wait for a frame until the next chunk deadline; resend what expired.
+                        what: str) -> bool:
+    """Wait for a frame until the next chunk deadline; True when one is ready,
+    else resend what expired and return False.
 
     A chunk without a result ``ep.timeout_s`` after its first send fails the
     operation, naming the switch.
@@ -209,7 +214,7 @@ def _wait_or_retransmit(ep: Endpoint, timers: ChunkTimers, resend: Callable[[int
     if deadline is not None:
         wait_ms = max(math.ceil((deadline - time.monotonic()) * 1000), 0)
         if ep.sock.poll(wait_ms):
-            return
+            return True
     resend_now, dead = timers.expired(time.monotonic())
     if dead:
         raise FabricTimeout(
@@ -218,6 +223,7 @@ def _wait_or_retransmit(ep: Endpoint, timers: ChunkTimers, resend: Callable[[int
             f"({timers.retransmits} retransmissions); is it running?")
     for chunk in resend_now:
         resend(chunk)
+    return False
 
 
 #: NACK codes that mean "your frame was damaged on the way": send it again.
@@ -246,8 +252,7 @@ def _next_frame(ep: Endpoint, timers: ChunkTimers, resend: Callable[[int], None]
         if f.job == job and f.op in (Op.RESULT, Op.NACK):
             del ep.stash[k]
             return f
-    _wait_or_retransmit(ep, timers, resend, what)
-    if not ep.sock.poll(0):
+    if not _wait_or_retransmit(ep, timers, resend, what):
         return None
     parts = ep.sock.recv_multipart(copy=False)
     try:
