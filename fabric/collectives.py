@@ -31,6 +31,7 @@ import numpy as np
 import zmq
 
 from fabric import frame as fr
+from fabric import transport
 from fabric.errors import FabricTimeout, PeerFailed, UsageError
 from fabric.frame import Flag, Op
 from fabric.timers import ChunkTimers
@@ -213,7 +214,7 @@ def _wait_or_retransmit(ep: Endpoint, timers: ChunkTimers, resend: Callable[[int
     deadline = timers.next_deadline()
     if deadline is not None:
         wait_ms = max(math.ceil((deadline - time.monotonic()) * 1000), 0)
-        if ep.sock.poll(wait_ms):
+        if transport.spin_poll(ep.sock, wait_ms):
             return True
     resend_now, dead = timers.expired(time.monotonic())
     if dead:

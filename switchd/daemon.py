@@ -267,7 +267,11 @@ class SwitchDaemon:
                 wait_s = self._release_due() if busy else 1.0
                 # whole milliseconds: a held frame leaves <= 1 ms late, but the link's
                 # own timeline stays exact, so throughput is not lost
-                events = dict(poller.poll(math.ceil(wait_s * 1000)))
+                # optionally spin before blocking (transport.SPIN_S, off by default)
+                if transport.spin(self.sock, min(transport.SPIN_S, wait_s)):
+                    events: dict[Any, int] = {self.sock: zmq.POLLIN}
+                else:
+                    events = dict(poller.poll(math.ceil(wait_s * 1000)))
                 if self.sock in events:
                     # drain a batch before polling again: one wake-up, many frames
                     for _ in range(256):
