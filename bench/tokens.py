@@ -178,8 +178,8 @@ class StrategyRun:
 
     key: tuple[str, str, str]
     levels: dict[int, list[tuple[list[Any], int, int]]] = field(default_factory=dict)
-    timelines: dict[int, dict[str, Any]] = field(default_factory=dict)
-    generated: dict[int, list[int]] = field(default_factory=dict)
+    timelines: dict[tuple[int, int], dict[str, Any]] = field(default_factory=dict)
+    generated: dict[tuple[int, int], list[int]] = field(default_factory=dict)
     steps: list[np.ndarray] = field(default_factory=list)
     sem: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
     detok_samples: list[np.ndarray] = field(default_factory=list)
@@ -190,6 +190,15 @@ def _add_sem(into: dict[str, dict[str, float]], layer: str, counts: dict[str, fl
     d = into.setdefault(layer, {})
     for k in ("copies", "encodes", "crossings", "hops"):
         d[k] = d.get(k, 0.0) + float(counts.get(k, 0.0))
+
+
+def _count_client(into: dict[str, dict[str, float]], clients: list[Any], at: str) -> None:
+    """The client's share of semantic distance: one JSON parse (and copy) per event,
+    and one detokenization per token when it detokenizes."""
+    events = sum(len(cr.t_events) for cr in clients)
+    _add_sem(into, "presentation", {"encodes": events, "copies": events})
+    if at == "client":
+        _add_sem(into, "interpretation", {"encodes": sum(len(cr.token_ids) for cr in clients)})
 
 
 def _run_strategy(fab: Any, run: StrategyRun, opts: Options, assets_dir: str,
@@ -211,8 +220,11 @@ def _run_strategy(fab: Any, run: StrategyRun, opts: Options, assets_dir: str,
     chain = ServingChain(cfg, fabric=fab, timeout_s=30.0).start()
     client_sem: dict[str, dict[str, float]] = {}
     try:
-        # warm-up: one short request (connection setup, first-call costs)
-        asyncio.run(_level(chain.url, a.endpoint, 1, _prompts(1, a.seed + 999), 8, factory))
+        # warm-up: one short request (connection setup, first-call costs); its tokens
+        # count in the semantic-distance totals like every other request's
+        warm, _, _ = asyncio.run(_level(chain.url, a.endpoint, 1, _prompts(1, a.seed + 999),
+                                        8, factory))
+        _count_client(client_sem, warm, at)
         for c in opts.concurrency:
             bar.describe(f"{label} c={c}" + (f" rep {rep + 1}" if a.repeat > 1 else ""))
             n = opts.num_prompts or max(c, 2)
@@ -220,22 +232,19 @@ def _run_strategy(fab: Any, run: StrategyRun, opts: Options, assets_dir: str,
             clients, t0, t1 = asyncio.run(_level(chain.url, a.endpoint, c, prompts,
                                                  opts.tokens, factory))
             run.levels.setdefault(c, []).append((clients, t0, t1))
-            events = sum(len(cr.t_events) for cr in clients)
-            _add_sem(client_sem, "presentation", {"encodes": events, "copies": events})
-            if at == "client":
-                toks = sum(len(cr.token_ids) for cr in clients)
-                _add_sem(client_sem, "interpretation", {"encodes": toks})
+            _count_client(client_sem, clients, at)
             bar.advance()
     finally:
         results = chain.stop()
     host = results["host"]
-    run.timelines.update(host["timelines"])
+    session = chain.cfg.session  # rids restart with every chain: key by (session, rid)
+    run.timelines.update({(session, int(r)): tl for r, tl in host["timelines"].items()})
     run.detok_samples.append(host["detok_samples"])
     run.counters.append(host["counters"])
     for layer, counts in host["sem"].items():
         _add_sem(run.sem.setdefault("host", {}), layer, counts)
     for w in results["workers"]:
-        run.generated.update({int(k): list(v) for k, v in w["generated"].items()})
+        run.generated.update({(session, int(k)): list(v) for k, v in w["generated"].items()})
         run.steps.append(w["steps"])
         _add_sem(run.sem.setdefault("worker", {}), "transport", w["sem"])
     if "relay" in results:
@@ -260,10 +269,10 @@ def _rows(runs: list[StrategyRun], opts: Options, tokenizer: Any,
             clients = [cr for r in reps for cr in r[0]]
             t_start = min(r[1] for r in reps)
             duration = sum(r[2] - r[1] for r in reps)
-            rids = {cr.rid for cr in clients}
+            keys = {cr.key for cr in clients}
             li = LevelInput(transport, detok, at, c, clients, t_start, t_start + duration,
-                            {r: run.timelines[r] for r in rids if r in run.timelines},
-                            {r: run.generated[r] for r in rids if r in run.generated},
+                            {k: run.timelines[k] for k in keys if k in run.timelines},
+                            {k: run.generated[k] for k in keys if k in run.generated},
                             _steps_in(steps, reps),
                             extra={"workers": opts.args.workers, "tokens": opts.tokens,
                                    "step_ms": opts.args.step_ms,
@@ -436,8 +445,8 @@ def write_trace(runs: list[StrategyRun], path: str | Path, per_level: int) -> Pa
     chunks: list[tuple[int, str, list[dict[str, Any]], dict[int, Any]]] = []
     for run in runs:
         for c, reps in run.levels.items():
-            clients = [cr for cr in reps[0][0][:per_level] if cr.rid is not None]
-            tls = [run.timelines[cr.rid] for cr in clients if cr.rid in run.timelines]
+            clients = [cr for cr in reps[0][0][:per_level] if cr.key in run.timelines]
+            tls = [run.timelines[k] for k in (cr.key for cr in clients) if k is not None]
             if tls:
                 t, dm, at = run.key
                 label = f"{t}+{dm}" + ("" if at == "host" else "@client") + f" c={c}"

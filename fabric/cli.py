@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import signal
 import sys
 from collections.abc import Callable, Sequence
 
@@ -25,14 +26,18 @@ benchmark in-network reduction against host-staged paths and real libraries.
 
 EPILOG = """\
 quick start:
-  semfab bench                      quick default allreduce comparison (2 workers)
+  semfab bench                      quick default allreduce comparison (2 and 4 workers)
   semfab bench allreduce -b 4K -e 64M -f 4 --workers 2,4 --json out.json --plot out.png
   semfab launch --workers 4 --run examples/allreduce_paths.py:work
+  semfab bench loss --loss 0,0.01,0.05 --policy selective,gbn
+  semfab serve                      OpenAI-compatible token stream over the fabric
+  semfab bench tokens --concurrency 1,8 --transport direct,host-staged
   semfab info                       kernel backends, GPU, library versions
   semfab bench frames --json f.json frame codec cost beside msgpack
   semfab topo check FILE.toml       validate a topology file
 
-docs: README.md, docs/PROTOCOL.md, docs/TOPOLOGY.md, docs/AGGREGATION.md
+docs: README.md, docs/ARCHITECTURE.md, docs/PROTOCOL.md, docs/TOPOLOGY.md,
+      docs/AGGREGATION.md, docs/RELIABILITY.md, docs/SERVING.md, docs/PEERS.md
 """
 
 
@@ -89,7 +94,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_lazy_parser(bsub, "loss", "goodput and retransmissions under injected loss: "
                      "selective repeat vs go-back-N (p2p) and in-network allreduce",
                      "bench.loss")
+    _add_lazy_parser(bsub, "tokens", "the token delivery chain, layer by layer: TTFT, TPOT, ITL, "
+                     "E2EL, per-layer breakdown, semantic distance per token", "bench.tokens")
     bench.set_defaults(func=_default_bench)
+    _add_lazy_parser(sub, "serve", "bring the token chain up: generator workers, the fabric, "
+                     "detokenizer and an OpenAI-compatible streaming endpoint",
+                     "fabric.serving.cli")
 
     _add_lazy_parser(sub, "launch", "start a fabric (switches, host, workers); run a function "
                      "on every worker or keep it up until Ctrl-C", "fabric.launch_cli")
@@ -129,6 +139,10 @@ def _default_bench(args: argparse.Namespace) -> int:
     return allreduce.run(allreduce.quick_args())
 
 
+def _on_sigterm(*_: object) -> None:
+    raise KeyboardInterrupt
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -137,6 +151,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         from fabric import topology
 
         return (topology.check_main if argv[1] == "check" else topology.gen_main)(argv[2:])
+    # SIGTERM (a job scheduler, `timeout`) unwinds like Ctrl-C, so every
+    # launched process and socket folder is cleaned up
+    signal.signal(signal.SIGTERM, _on_sigterm)
     parser = build_parser()
     args = parser.parse_args(argv)
     level = logging.WARNING - 10 * min(args.verbose, 2)

@@ -1,0 +1,89 @@
+"""`semfab serve`: the whole token delivery chain behind an OpenAI-compatible URL.
+
+Launches a fabric on this machine (switch, generator workers, host0, and
+host1 as the relay for ``--transport host-staged``), starts the chain's tasks,
+prints the URL and serves until Ctrl-C, which stops everything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from fabric.serving.config import DETOK_AT, DETOK_MODES, DETOKENIZERS, TRANSPORTS
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Flags of `semfab serve` (defaults from :class:`ServeConfig`)."""
+    p.add_argument("--workers", type=int, default=1, help="generator workers (GPUs)")
+    p.add_argument("--transport", default="direct", choices=TRANSPORTS,
+                   help="how token ids reach the host")
+    p.add_argument("--detok", default="immediate", choices=DETOK_MODES,
+                   help="detokenize every token, or in batches")
+    p.add_argument("--detok-at", default="host", choices=DETOK_AT,
+                   help="host: stream text; client: stream token ids (the client decodes)")
+    p.add_argument("--detokenizer", default="hf", choices=DETOKENIZERS,
+                   help="incremental detokenizer implementation")
+    p.add_argument("--batch-tokens", type=int, default=8, help="batched: every K tokens ...")
+    p.add_argument("--batch-ms", type=float, default=20.0, help="... or after T ms")
+    p.add_argument("--step-ms", type=float, default=10.0, help="decode step time")
+    p.add_argument("--prefill-ms", type=float, default=20.0,
+                   help="time of a step that admits new requests")
+    p.add_argument("--max-batch", type=int, default=64, help="sequences per worker")
+    p.add_argument("--backend", default="auto", help="kernel backend of the toy decoder")
+    p.add_argument("--temperature", type=float, default=1.0,
+                   help="default sampling temperature")
+    p.add_argument("--model", default="semfab-toy", help="model name to serve")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=int, default=0, help="port (0: any free port)")
+    p.add_argument("--record", action="store_true",
+                   help="keep per-token timelines (memory grows with traffic)")
+    p.add_argument("--run-dir", help="folder for the fabric's logs (default: runs/<stamp>)")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Serve until Ctrl-C; 0 on a clean stop, 1 if the host task failed."""
+    from fabric.serving.config import ServeConfig
+    from fabric.serving.runner import ServingChain
+
+    if args.workers < 1:
+        from fabric.errors import UsageError
+
+        raise UsageError("--workers must be >= 1")
+    cfg = ServeConfig(
+        transport=args.transport, detok=args.detok, detok_at=args.detok_at,
+        detokenizer=args.detokenizer, batch_tokens=args.batch_tokens, batch_ms=args.batch_ms,
+        step_ms=args.step_ms, prefill_ms=args.prefill_ms, max_batch=args.max_batch,
+        backend=args.backend, temperature=args.temperature, model=args.model, host=args.host,
+        port=args.port, record=args.record,
+    ).check()
+    chain = ServingChain(cfg, workers=args.workers, run_dir=args.run_dir)
+    try:
+        chain.start()
+        print(f"semfab serve: {cfg.label()} on {args.workers} worker(s), model {cfg.model!r}")
+        print(f"  OpenAI base URL: {chain.url}/v1")
+        print(f"  try: curl -N {chain.url}/v1/completions -H 'Content-Type: application/json' "
+              f"-d '{{\"model\": \"{cfg.model}\", \"prompt\": \"Hello\", \"max_tokens\": 32, "
+              f"\"stream\": true}}'")
+        assert chain.fab is not None
+        print(f"  logs: {chain.fab.run_dir}    stop: Ctrl-C", flush=True)
+        while not chain.wait_host(1.0):
+            pass
+        print("semfab serve: the host task ended", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("\nsemfab serve: stopping", file=sys.stderr)
+        return 0
+    finally:
+        chain.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m fabric.serving.cli ...`."""
+    p = argparse.ArgumentParser(prog="semfab serve", description=__doc__)
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

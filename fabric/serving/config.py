@@ -1,0 +1,105 @@
+"""Settings of one serving chain: the strategy under test and the toy model (pure).
+
+A :class:`ServeConfig` is built on the launcher side, checked once with
+:meth:`ServeConfig.check`, and sent (pickled) to every task of the chain, so
+the generator, the relay and the host always agree on the strategy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from fabric.errors import UsageError
+
+#: How token ids travel from the generator to the host.
+#: ``direct``: a memory-semantic WRITE of fixed 32-byte records into a token
+#: ring registered on the host (no serialisation). ``host-staged``: a staging
+#: copy, a msgpack message, a relay process on a second host node that
+#: decodes and re-encodes it, then the front-end host.
+TRANSPORTS = ("direct", "host-staged")
+#: When text is made: per token, or every ``batch_tokens`` tokens / ``batch_ms``.
+DETOK_MODES = ("immediate", "batched")
+#: Where text is made: on the host (OpenAI-compatible text) or near the client
+#: (the host streams token ids; the client detokenizes).
+DETOK_AT = ("host", "client")
+#: Incremental detokenizer implementation (both built on the HF tokenizer):
+#: ``hf`` is tokenizers' own DecodeStream; ``table`` a byte table + UTF-8 decoder.
+DETOKENIZERS = ("hf", "table")
+
+#: Model name served on /v1/models.
+DEFAULT_MODEL = "semfab-toy"
+
+
+@dataclass
+class ServeConfig:
+    """Everything the tasks of one chain need to agree on."""
+
+    transport: str = "direct"
+    detok: str = "immediate"
+    detok_at: str = "host"
+    detokenizer: str = "hf"
+    batch_tokens: int = 8  # batched detok: flush every k tokens...
+    batch_ms: float = 20.0  # ...or when the oldest pending token is this old
+    # generation
+    step_ms: float = 10.0  # one decode step of the stand-in model
+    prefill_ms: float = 20.0  # a step that admits new requests takes this long...
+    prefill_ms_per_token: float = 0.0  # ...plus this per prompt token
+    max_batch: int = 64  # sequences per worker
+    backend: str = "auto"  # kernels backend of the toy decoder
+    kernel_threads: int = 1  # numba threads per worker (one "GPU" per process)
+    toy_vocab: int = 512
+    toy_dim: int = 64
+    temperature: float = 1.0
+    seed: int = 0
+    # presentation
+    model: str = DEFAULT_MODEL
+    host: str = "127.0.0.1"
+    port: int = 0  # 0: any free port
+    max_tokens_limit: int = 4096
+    max_queue: int = 1024  # open requests before the server answers 429
+    token_timeout_s: float = 30.0  # a stream with no token for this long fails
+    fast_write: bool = True  # write SSE events from the token callback (see http.py)
+    # plumbing, filled in by the runner
+    ring_slots: int = 4096  # token ring records per worker (direct)
+    record: bool = False  # keep per-token timelines and generated ids (bench, tests)
+    session: int = 0
+    assets_dir: str = ""
+    ready_file: str = ""
+    secret: str = ""
+    relay: str = "host1"  # relay node of host-staged
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def check(self) -> ServeConfig:
+        """Raise UsageError naming the first bad setting; return self."""
+        for name, valid in (("transport", TRANSPORTS), ("detok", DETOK_MODES),
+                            ("detok_at", DETOK_AT), ("detokenizer", DETOKENIZERS)):
+            value = getattr(self, name)
+            if value not in valid:
+                raise UsageError(f"unknown {name.replace('_', '-')} {value!r}; "
+                                 f"choose one of {', '.join(valid)}")
+        if self.batch_tokens < 1:
+            raise UsageError("batch-tokens must be >= 1")
+        if self.batch_ms <= 0:
+            raise UsageError("batch-ms must be > 0")
+        if self.step_ms < 0 or self.prefill_ms < 0 or self.prefill_ms_per_token < 0:
+            raise UsageError("step and prefill times must be >= 0")
+        if not 1 <= self.max_batch <= 4096:
+            raise UsageError("max-batch must be 1..4096")
+        if self.toy_vocab < 2 or self.toy_dim < 1:
+            raise UsageError("toy model needs vocab >= 2 and dim >= 1")
+        if not 0 <= self.port <= 65535:
+            raise UsageError(f"port {self.port} is not 0..65535")
+        if self.ring_slots < self.max_batch:
+            raise UsageError("ring-slots must hold at least one step (>= max-batch)")
+        return self
+
+    def label(self) -> str:
+        """Short strategy name, e.g. ``direct+immediate`` or ``host-staged+batched@client``."""
+        text = f"{self.transport}+{self.detok}"
+        return text if self.detok_at == "host" else f"{text}@client"
+
+    def replace(self, **changes: Any) -> ServeConfig:
+        """A copy with some fields changed."""
+        return dataclasses.replace(self, **changes)

@@ -1,0 +1,1 @@
+"""Training text of the toy tokenizer (see README.txt); a package so wheels ship it."""

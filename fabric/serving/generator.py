@@ -1,0 +1,456 @@
+"""Fabric tasks of the generation and transport layers: the generator and the relay.
+
+:func:`generate` runs on a worker node, which stands in for a GPU. It keeps a
+batch of sequences (continuous batching: requests join and leave between
+steps) and runs the toy decoder on them; each step takes the configured step
+time, of which the real kernel arithmetic is a part (a step that admits new
+requests is a prefill step and takes ``prefill_ms``). At the end of each step
+the new token of every sequence leaves the "device":
+
+* ``direct``: the step's records are written, as one memory-semantic WRITE
+  frame (two when the ring wraps), at the worker's offset of the host's token
+  ring. No serialisation: a record is 32 fixed bytes.
+* ``host-staged``: the ids are copied to host objects (the staging copy),
+  packed into a msgpack message and sent to the relay node, which decodes,
+  stamps and re-encodes it for the front-end host (:func:`relay`).
+
+Semantic distance is counted where it happens (per token): the generator and
+relay return their counts; the host adds its own.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from collections import deque
+from typing import Any
+
+import numpy as np
+import zmq
+
+from fabric import control
+from fabric import frame as fr
+from fabric.frame import FrameError, Op
+from fabric.semantic import SemanticCounts
+from fabric.serving import records as rec
+from fabric.serving.config import ServeConfig
+
+log = logging.getLogger("semfab.serving.generator")
+
+now_ns = time.perf_counter_ns  # CLOCK_MONOTONIC: comparable across processes of one host
+#: The prefill kernel runs over at most this many trailing prompt tokens.
+PREFILL_KERNEL_TOKENS = 256
+#: Step statistics kept (oldest dropped) so a long `semfab serve` stays bounded.
+MAX_STEP_LOG = 200_000
+
+
+class _Stop(Exception):
+    """The host (or a signal) asked the task to end."""
+
+
+class _Batch:
+    """The running sequences, as arrays of one row per sequence (swap-remove)."""
+
+    def __init__(self, cap: int, dim: int) -> None:
+        self.cap = cap
+        self.n = 0
+        self.rid = np.zeros(cap, np.uint32)
+        self.index = np.zeros(cap, np.int64)  # index of the next token to emit
+        self.max_tokens = np.zeros(cap, np.int64)
+        self.toy = np.zeros(cap, np.int32)  # last toy token (decoder input)
+        self.hidden = np.zeros((cap, dim), np.float32)
+        self.pos = np.zeros(cap, np.int32)
+        self.cursor = np.zeros(cap, np.int64)
+        self.temp = np.zeros(cap, np.float64)
+        self.fresh = np.zeros(cap, bool)  # admitted this step: needs prefill
+        self.prompts: list[list[int]] = [[] for _ in range(cap)]
+
+    def add(self, rid: int, prompt: list[int], max_tokens: int, temp: float, cursor: int) -> None:
+        j = self.n
+        self.rid[j] = rid
+        self.index[j] = 0
+        self.max_tokens[j] = max_tokens
+        self.hidden[j] = 0.0
+        self.pos[j] = 0
+        self.cursor[j] = cursor
+        self.temp[j] = temp
+        self.fresh[j] = True
+        self.prompts[j] = prompt or [0]
+        self.n += 1
+
+    def remove(self, j: int) -> None:
+        last = self.n - 1
+        if j != last:
+            for a in (self.rid, self.index, self.max_tokens, self.toy, self.hidden, self.pos,
+                      self.cursor, self.temp, self.fresh):
+                a[j] = a[last]
+            self.prompts[j] = self.prompts[last]
+        self.n -= 1
+
+    def find(self, rid: int) -> int | None:
+        hits = np.flatnonzero(self.rid[: self.n] == rid)
+        return int(hits[0]) if hits.size else None
+
+
+class Generator:
+    """One worker's generation loop (driven by :func:`generate`)."""
+
+    def __init__(self, ep: Any, cfg: ServeConfig) -> None:
+        from fabric.serving.assets import CorpusWalk
+        from kernels import ToyDecoder, get_backend
+
+        self.ep = ep
+        self.cfg = cfg
+        self.backend = get_backend(cfg.backend)
+        if self.backend.name == "numba-cpu":
+            import numba
+
+            # one "GPU" per process: leave the other cores to the rest of the chain
+            limit = int(getattr(numba.config, "NUMBA_NUM_THREADS", 1))
+            numba.set_num_threads(max(1, min(cfg.kernel_threads, limit)))
+        self.weights = ToyDecoder(cfg.toy_vocab, cfg.toy_dim, cfg.seed)
+        self.walk = CorpusWalk.load(cfg.assets_dir)
+        self.batch = _Batch(cfg.max_batch, cfg.toy_dim)
+        self.pending: deque[dict[str, Any]] = deque()
+        self.host_id: int = ep.topo.node("host0").id
+        self.session = cfg.session
+        self.job = cfg.session & 0xFFFF
+        self.out = np.zeros(cfg.max_batch, rec.RECORD_DTYPE)  # the step's records
+        self.out_bytes = self.out.view(np.uint8)
+        self.ring_key = 0
+        self.ring_base = 0
+        self.ring_slots = cfg.ring_slots
+        self.sent_records = 0
+        self.psn = 0
+        self.relay_id = 0
+        self.hops = 0
+        self.sem = SemanticCounts()
+        self.generated: dict[int, list[int]] = {}
+        self.aborted: list[int] = []
+        # (t_gen, target ns, actual ns, rows, prefill) per step
+        self.steps: deque[tuple[int, int, int, int, bool]] = deque(maxlen=MAX_STEP_LOG)
+        self.tokens = 0
+        self.stop = False
+        self.configured = False
+        self._parent = os.getppid()
+
+    # ------------------------------------------------------------------ control
+    def warm_up(self) -> None:
+        """Compile / warm the kernel before the chain reports ready."""
+        w = self.weights
+        for b in (1, self.batch.cap):
+            self.backend.decoder_step(w, np.zeros(b, np.int32), w.init_hidden(b),
+                                      np.zeros(b, np.int32), 1.0, 0)
+
+    def _ctrl(self, t: str, **fields: Any) -> None:
+        self.ep.send(fr.encode(Op.CTRL, src=self.ep.node_id, dst=self.host_id,
+                               payload=control.pack(t, session=self.session, **fields)))
+
+    def poll_control(self, timeout_ms: int) -> None:
+        """Handle every control frame waiting (wait up to ``timeout_ms`` for the first)."""
+        sock = self.ep.sock
+        if timeout_ms and not sock.poll(timeout_ms):
+            return
+        while True:
+            try:
+                parts = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            try:
+                f = fr.decode(parts[0].buffer, parts[1].buffer if len(parts) > 1 else None)
+                if f.op is not Op.CTRL:
+                    continue  # nothing else is addressed to a generator
+                msg = control.parse(f.payload)
+            except FrameError as exc:
+                log.warning("%s: refused a frame: %s", self.ep.name, exc)
+                continue
+            if msg.get("session") != self.session:
+                continue  # a leftover of an earlier chain on this fabric
+            self.on_control(msg)
+
+    def on_control(self, msg: dict[str, Any]) -> None:
+        t = msg["t"]
+        if t == rec.ADD:
+            self.pending.append(msg)
+        elif t == rec.ABORT:
+            rid = int(msg["rid"])
+            j = self.batch.find(rid)
+            if j is not None:
+                self.batch.remove(j)
+                self.aborted.append(rid)
+            else:
+                before = len(self.pending)
+                self.pending = deque(m for m in self.pending if m["rid"] != rid)
+                if len(self.pending) != before:
+                    self.aborted.append(rid)
+        elif t == rec.CONFIG:
+            self.configured = True
+            self.ring_key = int(msg["ring_key"])
+            self.ring_base = int(msg["ring_base"])
+            self.ring_slots = int(msg["ring_slots"])
+            self.relay_id = int(msg.get("relay_id", 0))
+            dst = self.relay_id if self.cfg.transport == "host-staged" else self.host_id
+            self.hops = len(self.ep.topo.route(self.ep.name, self.ep.topo.by_id(dst).name))
+            self._ctrl(rec.READY, worker=self.ep.name)
+        elif t == rec.STOP:
+            self.stop = True
+
+    # ------------------------------------------------------------------ loop
+    def run(self) -> None:
+        """Serve until the host says stop (or the launcher goes away)."""
+        cfg = self.cfg
+        next_start = 0  # steps keep a fixed cadence while the batch is busy
+        while not self.stop:
+            if self.batch.n == 0 and not self.pending:
+                self.poll_control(100)
+                if os.getppid() != self._parent:
+                    log.warning("%s: launcher went away", self.ep.name)
+                    return
+                next_start = 0
+                continue
+            self.poll_control(0)
+            if self.stop:
+                return
+            t0 = now_ns()
+            if next_start and 0 <= t0 - next_start < int(cfg.step_ms * 1e6):
+                t0 = next_start  # emitting the last step's tokens is part of this step
+            fresh = self._admit()
+            if self.batch.n == 0:
+                continue
+            self._kernel()
+            if fresh:
+                prompt_len = sum(len(p) for p in self.batch.prompts[: self.batch.n])
+                target = cfg.prefill_ms + cfg.prefill_ms_per_token * prompt_len
+            else:
+                target = cfg.step_ms
+            target_ns = int(target * 1e6)
+            rest = t0 + target_ns - now_ns()
+            if rest > 0:
+                time.sleep(rest / 1e9)
+            t_gen = now_ns()
+            next_start = t0 + target_ns
+            self.steps.append((t_gen, target_ns, t_gen - t0, self.batch.n, fresh))
+            self._emit(t_gen)
+
+    def _admit(self) -> bool:
+        b = self.batch
+        fresh = False
+        while self.pending and b.n < b.cap:
+            m = self.pending.popleft()
+            temp = self.cfg.temperature if m.get("temperature") is None else m["temperature"]
+            b.add(int(m["rid"]), list(m["prompt"]), int(m["max_tokens"]), float(temp),
+                  int(m["start"]))
+            if self.cfg.record:
+                self.generated[int(m["rid"])] = []
+            fresh = True
+        return fresh
+
+    def _step_rows(self, rows: np.ndarray) -> None:
+        """One decoder step for ``rows`` (grouped by temperature: one kernel call each)."""
+        b = self.batch
+        temps = b.temp[rows]
+        for t in np.unique(temps):
+            r = rows[temps == t]
+            toks, hid = self.backend.decoder_step(self.weights, b.toy[r], b.hidden[r], b.pos[r],
+                                                  float(t), self.cfg.seed)
+            b.toy[r] = toks
+            b.hidden[r] = hid
+            b.pos[r] += 1
+
+    def _kernel(self) -> None:
+        b = self.batch
+        n = b.n
+        fresh = np.flatnonzero(b.fresh[:n])
+        for j in fresh:  # prefill: the prompt's toy ids through the decoder
+            prompt = b.prompts[j][-PREFILL_KERNEL_TOKENS:]
+            toy = np.asarray(prompt, np.int64) % self.cfg.toy_vocab
+            for tok in toy:
+                b.toy[j] = tok
+                self._step_rows(np.array([j]))
+            b.fresh[j] = False
+            b.prompts[j] = []
+        running = np.setdiff1d(np.arange(n), fresh, assume_unique=True)
+        if running.size:
+            self._step_rows(running)
+
+    def _emit(self, t_gen: int) -> None:
+        b = self.batch
+        n = b.n
+        ids = self.walk.step(b.toy[:n], b.cursor[:n])
+        out = self.out
+        out["rid"][:n] = b.rid[:n]
+        out["index"][:n] = b.index[:n]
+        out["token"][:n] = ids
+        last = b.index[:n] + 1 >= b.max_tokens[:n]
+        out["flags"][:n] = np.where(last, rec.LAST, 0)
+        out["t_gen"][:n] = t_gen
+        self.sem.chunks += n
+        if self.cfg.transport == "direct":
+            self._send_direct(n)
+        else:
+            self._send_staged(n)
+        if self.cfg.record:
+            for rid, tok in zip(b.rid[:n].tolist(), ids.tolist(), strict=True):
+                self.generated[rid].append(tok)
+        self.tokens += n
+        b.index[:n] += 1
+        for j in sorted(np.flatnonzero(last).tolist(), reverse=True):
+            b.remove(j)
+
+    def _send_direct(self, n: int) -> None:
+        """WRITE the step's records into the host's token ring (no serialisation)."""
+        slot = self.sent_records % self.ring_slots
+        first = min(n, self.ring_slots - slot)
+        self.out["t_sent"][:n] = now_ns()
+        self.sem.copies += n  # the sampler's ids stored as records in the send buffer
+        for lo, hi, s in ((0, first, slot), (first, n, 0)):
+            if hi <= lo:
+                continue
+            payload = self.out_bytes[lo * rec.RECORD_SIZE: hi * rec.RECORD_SIZE]
+            header = fr.encode_header(
+                Op.WRITE, src=self.ep.node_id, dst=self.host_id, job=self.job,
+                flow=rec.TOKEN_FLOW, psn=self.psn & 0xFFFF_FFFF, key=self.ring_key,
+                offset=self.ring_base + s * rec.RECORD_SIZE, payload=payload)
+            self.psn += 1
+            sock = self.ep.sock
+            sock.send(header, zmq.SNDMORE)
+            sock.send(payload, copy=True)  # the buffer is reused next step
+        self.sent_records += n
+        self.sem.crossings += n  # worker -> switch
+        self.sem.hops += n * self.hops
+
+    def _send_staged(self, n: int) -> None:
+        """Staging copy, msgpack, and off to the relay process."""
+        o = self.out[:n]
+        cols = [o["rid"].tolist(), o["index"].tolist(), o["token"].tolist(),
+                o["flags"].tolist(), o["t_gen"].tolist()]  # device -> host staging copy
+        self.sem.copies += n
+        t_sent = now_ns()
+        rows = [[r, i, t, f, g, t_sent] for r, i, t, f, g in zip(*cols, strict=True)]
+        body = rec.pack_staged(self.session, self.psn, self.ep.node_id, rows)
+        self.sem.encodes += n
+        self.sem.copies += n  # packing copies every record into the message
+        header = fr.encode_header(Op.WRITE, src=self.ep.node_id, dst=self.relay_id,
+                                  job=self.job, flow=rec.STAGED_FLOW,
+                                  psn=self.psn & 0xFFFF_FFFF, payload=body)
+        self.psn += 1
+        self.ep.send(header, body)
+        self.sem.crossings += n
+        self.sem.hops += n * self.hops
+
+    def result(self) -> dict[str, Any]:
+        """What the task returns to the launcher."""
+        steps = np.array(self.steps, dtype=np.int64).reshape(-1, 5)
+        return {
+            "node": self.ep.name, "tokens": self.tokens, "aborted": self.aborted,
+            "generated": self.generated, "sem": self.sem.__dict__.copy(),
+            "steps": steps, "backend": self.backend.name,
+        }
+
+
+def _wait_config(g: Generator, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not g.configured and not g.stop:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{g.ep.name}: no configuration from host0 within {timeout_s:g}s")
+        g.poll_control(100)
+
+
+def generate(ep: Any, cfg: ServeConfig) -> dict[str, Any]:
+    """Worker task: generate tokens for the host's requests until it says stop."""
+    g = Generator(ep, cfg)
+    g.warm_up()
+    previous = signal.getsignal(signal.SIGTERM)
+
+    def on_term(*_: object) -> None:
+        g.stop = True
+
+    signal.signal(signal.SIGTERM, on_term)
+    try:
+        _wait_config(g, max(cfg.token_timeout_s, 30.0))
+        g.run()
+    except Exception as exc:
+        try:  # tell the host, so its streams fail now rather than time out
+            g._ctrl(rec.FAIL, worker=ep.name, error=f"{type(exc).__name__}: {exc}")
+        except Exception:  # the socket itself may be what failed
+            pass
+        raise
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    return g.result()
+
+
+def relay(ep: Any, cfg: ServeConfig) -> dict[str, Any]:
+    """Host-staged relay task: decode each staged message, stamp it, re-encode it onward.
+
+    Stands for the CPU process a host-staged design puts between the engine
+    and the front end (an output/IPC process): it really pays for a receive,
+    a msgpack decode, an encode and a send per message.
+    """
+    host_id = ep.topo.node("host0").id
+    sem = SemanticCounts()
+    stop = False
+    messages = 0
+    psn = 0
+    parent = os.getppid()
+    previous = signal.getsignal(signal.SIGTERM)
+
+    def on_term(*_: object) -> None:
+        nonlocal stop
+        stop = True
+
+    signal.signal(signal.SIGTERM, on_term)
+    sock = ep.sock
+    out_hops = len(ep.topo.route(ep.name, "host0"))
+    try:
+        while not stop:
+            if not sock.poll(100):
+                if os.getppid() != parent:
+                    break
+                continue
+            while True:
+                try:
+                    parts = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                t_in = now_ns()
+                try:
+                    f = fr.decode(parts[0].buffer, parts[1].buffer if len(parts) > 1 else None)
+                    if f.op is Op.WRITE and f.flow == rec.STAGED_FLOW:
+                        msg = rec.unpack_staged(f.payload)
+                        if msg["s"] != cfg.session:
+                            continue
+                        n = len(msg["r"])
+                        sem.chunks += n
+                        sem.crossings += n  # switch -> relay
+                        sem.encodes += n  # unpack
+                        sem.copies += n  # unpack copies the records out of the message
+                        msg["ri"] = t_in
+                        msg["ro"] = now_ns()
+                        body = rec.repack_staged(msg)
+                        sem.encodes += n
+                        sem.copies += n
+                        ep.send(fr.encode_header(Op.WRITE, src=ep.node_id, dst=host_id,
+                                                 job=f.job, flow=rec.STAGED_FLOW,
+                                                 psn=psn & 0xFFFF_FFFF, payload=body), body)
+                        psn += 1
+                        messages += 1
+                        sem.crossings += n  # relay -> switch
+                        sem.hops += n * out_hops
+                    elif f.op is Op.CTRL:
+                        m = control.parse(f.payload)
+                        if m.get("session") != cfg.session:
+                            continue
+                        if m["t"] == rec.PING:
+                            ep.send(fr.encode(Op.CTRL, src=ep.node_id, dst=f.src,
+                                              payload=control.pack(rec.PONG,
+                                                                   session=cfg.session)))
+                        elif m["t"] == rec.STOP:
+                            stop = True
+                except FrameError as exc:
+                    log.warning("relay: refused a frame: %s", exc)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    return {"node": ep.name, "messages": messages, "sem": sem.__dict__.copy()}

@@ -1,0 +1,661 @@
+"""The host task: token NIC, detokenizer and OpenAI-compatible HTTP server in one loop.
+
+:func:`serve` runs on the host node ``host0`` for the life of the chain. One
+asyncio loop owns three jobs:
+
+* **transport (receive side)**: the host's fabric socket is watched by the
+  loop. ``direct`` frames are WRITEs into the token ring: the header is read
+  into a fixed buffer, the region key and bounds are checked, and the payload
+  is received straight into the ring slot (one copy, no parsing); the records
+  are then read in place. ``host-staged`` frames carry msgpack messages from
+  the relay, which are decoded.
+* **interpretation**: each token is fed to its sequence's incremental
+  detokenizer, at once (``immediate``) or when its batch is due (``batched``);
+  or, with ``detok_at=client``, its id is passed on untouched.
+* **presentation**: each HTTP request has a stream; its handler formats the
+  new text as OpenAI chunks and writes them as server-sent events.
+
+Every token gets a timestamp at each layer boundary (generated, left the
+device, relay in/out, arrived, detokenized, written), kept when
+``cfg.record`` is set and returned with the task's result.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import logging
+import os
+import signal
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import zmq
+
+from fabric import control
+from fabric import frame as fr
+from fabric.frame import FrameError, Op
+from fabric.memory import AccessError, RegionInfo, RegionTable
+from fabric.semantic import SemanticCounts
+from fabric.serving import api
+from fabric.serving import records as rec
+from fabric.serving.config import ServeConfig
+from fabric.serving.detok import BatchPolicy, Detokenizer, byte_table, make_detokenizer
+
+log = logging.getLogger("semfab.serving.host")
+
+now_ns = time.perf_counter_ns  # CLOCK_MONOTONIC: comparable across processes of one host
+LAYERS = ("transport", "interpretation", "presentation")
+#: Receive buffer of header parts and one-part frames (control messages).
+HDR_BUF = 64 * 1024
+#: Detokenizer call timings kept (most recent).
+MAX_DETOK_SAMPLES = 200_000
+#: Timelines kept at most (oldest dropped) so a long `semfab serve --record` stays bounded.
+MAX_TIMELINES = 20_000
+#: Timeline columns (int64 ns, 0 = did not happen; ``chunk`` is the SSE event index).
+COLUMNS = ("token", "t_gen", "t_sent", "t_ri", "t_ro", "t_arrive", "t_detok", "t_write",
+           "chunk")
+#: One timeline row per token: the first six are set together when it arrives.
+TIMELINE_DTYPE = np.dtype([(c, "<i8") for c in COLUMNS])
+
+
+@dataclass
+class Event:
+    """Something a stream's handler must send: text (or ids) for some tokens, or the end."""
+
+    text: str
+    first: int  # tokens [first, last) are delivered by this event
+    last: int
+    ids: list[int] | None = None  # detok near the client: the ids themselves
+    finish: str | None = None
+    error: api.ApiError | None = None
+
+
+@dataclass
+class Stream:
+    """One request in flight."""
+
+    rid: int
+    worker: int  # node id of its generator
+    req: api.GenRequest
+    prompt_tokens: int
+    response_id: str
+    created: int
+    detok: Detokenizer | None  # None: detokenized near the client
+    policy: BatchPolicy
+    t_req: int
+    events: deque[Event] = field(default_factory=deque)
+    waiter: asyncio.Future[None] | None = None
+    received: int = 0  # tokens arrived
+    unsent: int = 0  # first token not yet covered by an event
+    pending: list[int] = field(default_factory=list)  # batched: ids waiting for a flush
+    pending_since: int = 0
+    timer: asyncio.TimerHandle | None = None
+    done: bool = False  # the generator will send nothing more
+    delivered: bool = False  # the whole response reached the client's socket
+    tl: np.ndarray | None = None  # timeline rows, TIMELINE_DTYPE (cfg.record)
+    ids: list[int] = field(default_factory=list)
+
+    sink: Callable[[Event], bool] | None = None  # writes an event at once (fast path)
+    last_activity: int = 0  # ns: the last event handed to the client
+
+    def push(self, ev: Event) -> None:
+        """Queue ``ev`` for the handler (or write it now through the sink)."""
+        if self.sink is not None and not self.events and ev.error is None and self.sink(ev):
+            return
+        self.events.append(ev)
+        self.wake()
+
+    def wake(self) -> None:
+        """Wake the handler if it waits."""
+        w = self.waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+
+@dataclass
+class HostCounters:
+    """Live counters (``GET /semfab/stats``)."""
+
+    requests: int = 0
+    completed: int = 0
+    aborted: int = 0
+    rejected: int = 0
+    tokens: int = 0
+    frames: int = 0
+    stray_tokens: int = 0  # for a sequence the host no longer has (aborted)
+    duplicate_tokens: int = 0
+    gap_tokens: int = 0  # a token index skipped: tokens lost
+    reordered_frames: int = 0
+    lost_frames: int = 0
+    refused_frames: int = 0
+    nacks: int = 0
+    detok_ns: int = 0  # time spent inside the detokenizer
+    detok_calls: int = 0
+    detok_inconsistent: int = 0
+
+
+class TokenHost:
+    """The host's side of the chain (see the module docstring)."""
+
+    def __init__(self, ep: Any, cfg: ServeConfig) -> None:
+        from fabric.serving.assets import CorpusWalk, load_tokenizer
+
+        self.ep = ep
+        self.cfg = cfg
+        self.loop = asyncio.get_running_loop()
+        self.tokenizer = load_tokenizer(cfg.assets_dir)
+        self.table = byte_table(self.tokenizer) if cfg.detokenizer == "table" else None
+        self.vocab = self.tokenizer.get_vocab_size()
+        self.walk = CorpusWalk.load(cfg.assets_dir)
+        self.policy = BatchPolicy.of(cfg.detok, cfg.batch_tokens, cfg.batch_ms)
+        self.models = (cfg.model,)
+        self.created = int(time.time())
+        self.workers = [w.id for w in ep.topo.workers]
+        self.worker_names = {w.id: w.name for w in ep.topo.workers}
+        self.load = dict.fromkeys(self.workers, 0)
+        self.dead: dict[int, str] = {}
+        self.streams: dict[int, Stream] = {}
+        self.rids = itertools.count(1)
+        self.counters = HostCounters()
+        self.sem = {layer: SemanticCounts() for layer in LAYERS}
+        self.timelines: dict[int, dict[str, Any]] = {}
+        # (ns, tokens) of recent detokenizer calls: the interpretation cost itself
+        self.detok_samples: deque[tuple[int, int]] = deque(maxlen=MAX_DETOK_SAMPLES)
+        self.closing = False
+        self.stopped: asyncio.Future[None] = self.loop.create_future()
+        self.relay_id = ep.topo.node(cfg.relay).id if cfg.transport == "host-staged" else 0
+        self._ready_workers: set[int] = set()
+        self._relay_ready = False
+        # header parts (and small one-part frames: control messages) land here
+        self._hdr = bytearray(HDR_BUF)
+        self._held: list[tuple[Stream, Event]] | None = None  # events of the frame in hand
+        self._psn: dict[int, int] = {}  # next frame (or message) number per sender
+        self._job = cfg.session & 0xFFFF
+        self.ring: np.ndarray | None = None
+        self.ring_key = 0
+        self.regions = RegionTable()
+        self._ring_bounds: dict[int, tuple[int, int]] = {}
+
+    # ------------------------------------------------------------------ start
+    async def start(self, timeout_s: float = 120.0) -> None:
+        """Token ring, socket watch, worker configuration, relay handshake."""
+        cfg = self.cfg
+        size = len(self.workers) * cfg.ring_slots * rec.RECORD_SIZE
+        if cfg.transport == "direct":
+            ring = self.ep.alloc(size // 8, "int64")  # registered "host memory"
+            found = self.ep.region_of(ring)
+            assert found is not None
+            self.ring_key = found[0]
+            self.ring = ring.view(np.uint8)
+            self.regions.add(RegionInfo(self.ring_key, self.ep.node_id, size, "token-ring",
+                                        frozenset(self.workers)))
+        sock = self.ep.sock
+        self.loop.add_reader(sock.getsockopt(zmq.FD), self._drain)
+        for i, w in enumerate(self.workers):
+            base = i * cfg.ring_slots * rec.RECORD_SIZE
+            self._ring_bounds[w] = (base, base + cfg.ring_slots * rec.RECORD_SIZE)
+            self._send_ctrl(w, rec.CONFIG, ring_key=self.ring_key, ring_base=base,
+                            ring_slots=cfg.ring_slots, relay_id=self.relay_id)
+        deadline = time.monotonic() + timeout_s
+        while len(self._ready_workers) < len(self.workers) or (
+                self.relay_id and not self._relay_ready):
+            if time.monotonic() > deadline:
+                missing = [self.worker_names[w] for w in self.workers
+                           if w not in self._ready_workers]
+                if self.relay_id and not self._relay_ready:
+                    missing.append(cfg.relay)
+                raise TimeoutError(f"host0: not ready within {timeout_s:g}s: "
+                                   f"no answer from {', '.join(missing)}")
+            if self.relay_id and not self._relay_ready:
+                self._send_ctrl(self.relay_id, rec.PING)
+            await asyncio.sleep(0.05)
+            self._drain()
+
+    def _send_ctrl(self, dst: int, t: str, **fields: Any) -> None:
+        self.ep.send(fr.encode(Op.CTRL, src=self.ep.node_id, dst=dst,
+                               payload=control.pack(t, session=self.cfg.session, **fields)))
+        self.loop.call_soon(self._drain)  # a send can swallow the socket's read edge
+
+    # ------------------------------------------------------------------ fabric receive
+    def _drain(self) -> None:
+        """Handle every frame waiting on the fabric socket (edge-triggered FD)."""
+        sock = self.ep.sock
+        try:
+            while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                self._recv_one(sock)
+        except zmq.ZMQError as exc:  # the socket is closing
+            log.debug("fabric socket: %s", exc)
+
+    def _recv_one(self, sock: zmq.Socket) -> None:
+        t_arrive = now_ns()
+        hdr = self._hdr
+        nb = sock.recv_into(hdr, flags=zmq.NOBLOCK)
+        more = sock.getsockopt(zmq.RCVMORE)
+        if nb > len(hdr):
+            if more:
+                sock.recv_into(bytearray(), flags=zmq.NOBLOCK)
+            self.counters.refused_frames += 1
+            log.warning("host0: refused a %d B one-part frame (limit %d B)", nb, len(hdr))
+            return
+        try:
+            op, _flags, src, job, psn, key, offset, length = fr.peek(memoryview(hdr)[:nb])
+            if op is Op.WRITE and key and key == self.ring_key and more:
+                self._on_ring_write(sock, src, job, psn, offset, length, t_arrive)
+                return
+            payload = sock.recv(zmq.NOBLOCK, copy=False).buffer if more else None
+            f = fr.decode(bytes(memoryview(hdr)[:nb]), payload)
+        except (FrameError, AccessError) as exc:
+            self.counters.refused_frames += 1
+            log.warning("host0: refused a frame: %s", exc)
+            return
+        self.counters.frames += 1
+        if f.op is Op.WRITE and f.flow == rec.STAGED_FLOW:
+            self._on_staged(f, t_arrive)
+        elif f.op is Op.CTRL:
+            self._on_ctrl(f)
+        elif f.op is Op.NACK:
+            self.counters.nacks += 1
+            log.warning("host0: NACK %s from node %d", f.nack_code.name, f.src)
+
+    def _on_ring_write(self, sock: zmq.Socket, src: int, job: int, psn: int, offset: int,
+                       length: int, t_arrive: int) -> None:
+        """direct: receive the payload straight into the ring, then read the records."""
+        assert self.ring is not None
+        try:
+            self.regions.check(self.ring_key, offset, length, src)
+            lo, hi = self._ring_bounds.get(src, (0, 0))
+            if not lo <= offset <= offset + length <= hi or length % rec.RECORD_SIZE:
+                raise AccessError(fr.NackCode.PERMISSION,
+                                  f"node {src} wrote [{offset}, {offset + length}) outside its "
+                                  f"part of the token ring")
+        except AccessError as exc:
+            sock.recv_into(bytearray(), flags=zmq.NOBLOCK)  # discard the payload
+            self.counters.refused_frames += 1
+            self.ep.send(fr.encode_nack(src=self.ep.node_id, dst=src, flow=rec.TOKEN_FLOW,
+                                        psn=psn, code=exc.code))
+            log.warning("host0: refused a token write: %s", exc)
+            return
+        view = self.ring[offset: offset + length]
+        got = sock.recv_into(view.data, flags=zmq.NOBLOCK)  # the one copy: wire -> ring slot
+        if got != length or job != self._job:
+            self.counters.refused_frames += 1
+            return
+        self.counters.frames += 1
+        self._check_psn(src, psn)
+        n = length // rec.RECORD_SIZE
+        s = self.sem["transport"]
+        s.chunks += n
+        s.copies += n
+        s.crossings += n  # switch -> host
+        # r = (rid, index, token, flags, pad, t_gen, t_sent), read in place
+        self._held = []
+        try:
+            for r in rec.iter_records(memoryview(view.data)):
+                self._on_token(r[0], r[1], r[2], r[3], r[5], r[6], 0, 0, t_arrive)
+        finally:
+            self._release_held()
+
+    def _check_psn(self, src: int, psn: int) -> None:
+        want = self._psn.get(src, 0)
+        if psn != want & 0xFFFF_FFFF:
+            if (psn - want) & 0xFFFF_FFFF < 0x8000_0000:
+                self.counters.lost_frames += (psn - want) & 0xFFFF_FFFF
+            else:
+                self.counters.reordered_frames += 1
+                return
+        self._psn[src] = psn + 1
+
+    def _on_staged(self, f: fr.Frame, t_arrive: int) -> None:
+        try:
+            msg = rec.unpack_staged(f.payload)
+        except FrameError as exc:
+            self.counters.refused_frames += 1
+            log.warning("host0: refused a staged message: %s", exc)
+            return
+        if msg["s"] != self.cfg.session:
+            return
+        rows = msg["r"]
+        n = len(rows)
+        s = self.sem["transport"]
+        s.chunks += n
+        s.crossings += n  # switch -> host
+        s.encodes += n  # unpack
+        s.copies += n  # unpack copies the records out of the message
+        self._check_psn(int(msg.get("w", f.src)) | 0x10000, int(msg["q"]))
+        ri, ro = int(msg.get("ri", 0)), int(msg.get("ro", 0))
+        self._held = []
+        try:
+            for r in rows:
+                self._on_token(r[0], r[1], r[2], r[3], r[4], r[5], ri, ro, t_arrive)
+        finally:
+            self._release_held()
+
+    def _on_ctrl(self, f: fr.Frame) -> None:
+        try:
+            msg = control.parse(f.payload)
+        except FrameError as exc:
+            log.warning("host0: bad control message: %s", exc)
+            return
+        if msg.get("session") != self.cfg.session:
+            return
+        t = msg["t"]
+        if t == rec.READY:
+            self._ready_workers.add(f.src)
+        elif t == rec.PONG:
+            self._relay_ready = True
+        elif t == rec.FAIL:
+            self._worker_failed(f.src, str(msg.get("error", "unknown error")))
+
+    def _worker_failed(self, worker: int, error: str) -> None:
+        name = self.worker_names.get(worker, str(worker))
+        self.dead[worker] = error
+        log.error("host0: generator %s failed: %s", name, error)
+        for st in list(self.streams.values()):
+            if st.worker == worker and not st.done:
+                self._fail(st, api.ApiError(500, f"generator {name} failed: {error}",
+                                            type_="server_error", code="generator_failed"))
+
+    # ------------------------------------------------------------------ interpretation
+    def _on_token(self, rid: int, idx: int, tok: int, flags: int, t_gen: int, t_sent: int,
+                  t_ri: int, t_ro: int, t_arrive: int) -> None:
+        st = self.streams.get(rid)
+        if st is None or st.done:
+            self.counters.stray_tokens += 1
+            return
+        if idx != st.received:
+            if idx < st.received:
+                self.counters.duplicate_tokens += 1
+                return
+            self.counters.gap_tokens += idx - st.received  # lost on the way: not hidden
+            st.received = idx
+        self.counters.tokens += 1
+        st.ids.append(tok)
+        tl = st.tl
+        if tl is not None and idx < tl.size:
+            tl[idx] = (tok, t_gen, t_sent, t_ri, t_ro, t_arrive, 0, 0, 0)
+        st.received = idx + 1
+        last = bool(flags & rec.LAST) or st.received >= st.req.max_tokens
+        st.pending.append(tok)
+        if len(st.pending) == 1:
+            st.pending_since = t_arrive
+        if self.policy.due(len(st.pending), st.pending_since, t_arrive, last):
+            self._flush(st, last)
+        elif st.timer is None:
+            when = self.policy.deadline(st.pending_since)
+            if when is not None:
+                st.timer = self.loop.call_later(max(when - now_ns(), 0) / 1e9,
+                                                self._on_timer, st)
+
+    def _hand_over(self, st: Stream, ev: Event) -> None:
+        """Give ``ev`` to presentation; inside a frame, after every token is interpreted.
+
+        A frame carries one token for each of many streams: detokenizing them
+        all before writing any keeps the interpretation layer's time its own
+        (the writes are presentation's).
+        """
+        if self._held is not None:
+            self._held.append((st, ev))
+        else:
+            st.push(ev)
+
+    def _release_held(self) -> None:
+        held, self._held = self._held, None
+        for st, ev in held or ():
+            st.push(ev)
+
+    def _on_timer(self, st: Stream) -> None:
+        st.timer = None
+        if st.pending and not st.done:
+            self._flush(st, False)
+
+    def _flush(self, st: Stream, last: bool) -> None:
+        """Detokenize the pending ids and hand the new text to the stream's handler.
+
+        Near the client, the ids themselves are handed over (same batching).
+        """
+        if st.timer is not None:
+            st.timer.cancel()
+            st.timer = None
+        ids = st.pending
+        st.pending = []
+        d = st.detok
+        if d is None:
+            self._hand_over(st, Event("", st.unsent, st.received, ids=ids,
+                          finish="length" if last else None))
+            st.unsent = st.received
+            if last:
+                self._finished(st)
+            return
+        r0 = d.released
+        t0 = now_ns()
+        text = d.feed(ids)
+        if last:
+            text += d.finish()
+            if getattr(d, "consistent", True) is False:
+                self.counters.detok_inconsistent += 1
+        t1 = now_ns()
+        self.counters.detok_ns += t1 - t0
+        self.counters.detok_calls += 1
+        self.detok_samples.append((t1 - t0, len(ids)))
+        s = self.sem["interpretation"]
+        s.chunks += len(ids)
+        s.encodes += len(ids)  # ids -> UTF-8 text
+        r1 = d.released
+        if st.tl is not None and r1 > r0:
+            st.tl["t_detok"][r0:r1] = t1
+        if text or last:
+            self._hand_over(st, Event(text, st.unsent, r1 if not last else st.received,
+                          finish="length" if last else None))
+            st.unsent = r1 if not last else st.received
+        if last:
+            self._finished(st)
+
+    def _finished(self, st: Stream) -> None:
+        st.done = True
+        self.load[st.worker] = max(0, self.load[st.worker] - 1)
+
+    def _fail(self, st: Stream, err: api.ApiError) -> None:
+        if not st.done:
+            self._finished(st)
+        st.push(Event("", st.unsent, st.unsent, error=err))
+
+    # ------------------------------------------------------------------ requests
+    def open(self, req: api.GenRequest) -> Stream:
+        """Admit a request: choose a generator, send it the sequence, return its stream."""
+        if self.closing:
+            raise api.ApiError(503, "The server is shutting down", type_="server_error",
+                               code="shutting_down")
+        if len(self.streams) >= self.cfg.max_queue:
+            self.counters.rejected += 1
+            raise api.ApiError(429, f"Too many requests in flight ({self.cfg.max_queue})",
+                               type_="rate_limit_error", code="rate_limit_exceeded")
+        alive = [w for w in self.workers if w not in self.dead]
+        if not alive:
+            raise api.ApiError(503, "No generator is running", type_="server_error")
+        t_req = now_ns()
+        if req.prompt_ids is not None:
+            prompt_ids = req.prompt_ids
+            if max(prompt_ids) >= self.vocab:
+                raise api.ApiError(400, f"prompt token ids must be below {self.vocab}",
+                                   "prompt")
+        else:
+            prompt_ids = self.tokenizer.encode(req.prompt or "").ids
+        worker = min(alive, key=lambda w: self.load[w])
+        rid = next(self.rids)
+        to_client = req.detokenize is False or (self.cfg.detok_at == "client"
+                                                and req.detokenize is not True)
+        detok = None if to_client else make_detokenizer(self.cfg.detokenizer, self.tokenizer,
+                                                        self.table)
+        prefix = "chatcmpl" if req.kind == "chat" else "cmpl"
+        st = Stream(rid, worker, req, len(prompt_ids), f"{prefix}-{self.cfg.session:x}-{rid}",
+                    int(time.time()), detok, self.policy, t_req)
+        if self.cfg.record:
+            st.tl = np.zeros(req.max_tokens, TIMELINE_DTYPE)
+        self.streams[rid] = st
+        self.load[worker] += 1
+        self.counters.requests += 1
+        toy = [int(t) % self.cfg.toy_vocab for t in prompt_ids[-256:]] or [0]
+        self._send_ctrl(worker, rec.ADD, rid=rid, prompt=toy, max_tokens=req.max_tokens,
+                        temperature=req.temperature, start=self.walk.start_for(prompt_ids))
+        return st
+
+    def close_stream(self, st: Stream, completed: bool) -> None:
+        """The handler is done with ``st``: keep its timeline, free the generator's row."""
+        if st.timer is not None:
+            st.timer.cancel()
+            st.timer = None
+        if not completed and not st.done:
+            if st.worker not in self.dead:
+                self._send_ctrl(st.worker, rec.ABORT, rid=st.rid)
+            self._finished(st)
+        if completed:
+            self.counters.completed += 1
+        else:
+            self.counters.aborted += 1
+        self.streams.pop(st.rid, None)
+        if st.tl is not None:
+            if len(self.timelines) >= MAX_TIMELINES:
+                self.timelines.pop(next(iter(self.timelines)))
+            self.timelines[st.rid] = {
+                "rid": st.rid, "id": st.response_id, "worker": self.worker_names[st.worker],
+                "kind": st.req.kind, "completed": completed, "t_req": st.t_req,
+                "received": st.received, "prompt_tokens": st.prompt_tokens,
+                "client_detok": st.detok is None,
+                **{c: st.tl[c][: st.received].copy() for c in COLUMNS},
+            }
+
+    async def next_events(self, st: Stream, timeout_s: float) -> list[Event]:
+        """Wait for the stream's next queued events (or a wake-up: maybe none).
+
+        Fails the stream when nothing at all happened for ``timeout_s``
+        (events written by the fast path count as activity).
+        """
+        while not st.events:
+            st.waiter = self.loop.create_future()
+            try:
+                await asyncio.wait_for(st.waiter, timeout_s)
+                break
+            except TimeoutError:
+                idle = (now_ns() - max(st.last_activity, st.t_req)) / 1e9
+                if idle >= timeout_s:
+                    self._fail(st, api.ApiError(504, f"no token within {timeout_s:g}s",
+                                                type_="server_error", code="timeout"))
+            finally:
+                st.waiter = None
+        out = list(st.events)
+        st.events.clear()
+        return out
+
+    def stamp_written(self, st: Stream, ev: Event, chunk: int, t: int) -> None:
+        """Presentation bookkeeping once an event's bytes are handed to the socket."""
+        n = ev.last - ev.first
+        s = self.sem["presentation"]
+        s.chunks += n
+        s.encodes += n  # the text (or ids) JSON-encoded into the chunk
+        s.copies += n  # the chunk string encoded to bytes
+        s.crossings += n  # host -> client process
+        st.last_activity = t
+        if st.tl is not None and n > 0:
+            st.tl["t_write"][ev.first: ev.last] = t
+            st.tl["chunk"][ev.first: ev.last] = chunk
+
+    # ------------------------------------------------------------------ stop
+    def request_stop(self) -> None:
+        """Ask :func:`serve` to shut down (idempotent; safe from signal handlers)."""
+        if not self.stopped.done():
+            self.stopped.set_result(None)
+
+    async def shutdown(self) -> None:
+        """Fail open streams, stop the generators and the relay."""
+        self.closing = True
+        for st in list(self.streams.values()):
+            self._fail(st, api.ApiError(503, "The server is shutting down",
+                                        type_="server_error", code="shutting_down"))
+        for w in self.workers:
+            self._send_ctrl(w, rec.STOP)
+        if self.relay_id:
+            self._send_ctrl(self.relay_id, rec.STOP)
+        await asyncio.sleep(0)
+
+    def stats(self) -> dict[str, Any]:
+        """Counters for ``GET /semfab/stats`` and the task result."""
+        c = self.counters.__dict__.copy()
+        c["open_streams"] = len(self.streams)
+        c["load"] = {self.worker_names[w]: n for w, n in self.load.items()}
+        c["dead"] = {self.worker_names[w]: e for w, e in self.dead.items()}
+        c["strategy"] = self.cfg.label()
+        c["detok_us_per_call"] = (c["detok_ns"] / c["detok_calls"] / 1e3
+                                  if c["detok_calls"] else None)
+        return c
+
+    def result(self) -> dict[str, Any]:
+        """The task's result."""
+        return {"node": self.ep.name, "counters": self.stats(),
+                "sem": {k: v.__dict__.copy() for k, v in self.sem.items()},
+                "timelines": self.timelines,
+                "detok_samples": np.array(self.detok_samples, dtype=np.int64).reshape(-1, 2)}
+
+
+async def _serve(ep: Any, cfg: ServeConfig) -> dict[str, Any]:
+    from aiohttp import web
+
+    from fabric.serving.http import make_app
+
+    host = TokenHost(ep, cfg)
+    loop = host.loop
+    with contextlib.suppress(NotImplementedError, RuntimeError):
+        loop.add_signal_handler(signal.SIGTERM, host.request_stop)
+    parent = os.getppid()
+
+    async def watchdog() -> None:
+        while not host.stopped.done():
+            await asyncio.sleep(0.5)
+            if os.getppid() != parent:
+                log.warning("host0: launcher went away")
+                host.request_stop()
+
+    dog = loop.create_task(watchdog())
+    url = ""
+    runner = web.AppRunner(make_app(host), access_log=None, handle_signals=False,
+                           shutdown_timeout=1.0)
+    try:
+        await host.start()
+        await runner.setup()
+        site = web.TCPSite(runner, cfg.host, cfg.port, reuse_address=True)
+        await site.start()
+        addr = runner.addresses[0]
+        url = f"http://{addr[0]}:{addr[1]}"
+        if cfg.ready_file:
+            tmp = Path(cfg.ready_file + ".tmp")
+            tmp.write_text(json.dumps({"url": url, "pid": os.getpid()}))
+            os.replace(tmp, cfg.ready_file)  # atomic: the launcher never reads half a file
+        log.info("host0: serving %s at %s", cfg.label(), url)
+        await host.stopped
+        await host.shutdown()
+    finally:
+        dog.cancel()
+        await runner.cleanup()
+        with contextlib.suppress(Exception):
+            loop.remove_reader(ep.sock.getsockopt(zmq.FD))
+        with contextlib.suppress(Exception):
+            loop.remove_signal_handler(signal.SIGTERM)
+    out = host.result()
+    out["url"] = url
+    return out
+
+
+def serve(ep: Any, cfg: ServeConfig) -> dict[str, Any]:
+    """Host task: run the chain's host side until shut down; return counters and timelines."""
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        return asyncio.run(_serve(ep, cfg))
+    finally:
+        signal.signal(signal.SIGTERM, previous)  # the node's own handler, for after the task
