@@ -27,6 +27,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run-dir", help="folder for logs (default: ./runs/<stamp>)")
     p.add_argument("--timeout", type=float, default=30.0,
                    help="seconds any single wait on a peer may take")
+    p.add_argument("--loss", type=float, default=None,
+                   help="drop each frame on every link with this probability (seeded)")
+    p.add_argument("--faults", metavar="SPEC",
+                   help="faults on every link, e.g. 'loss=0.01,reorder=0.05:2,dup=0.001,"
+                   "corrupt=1e-4,delay=50us:10us' (docs/RELIABILITY.md)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the fault injectors")
     p.add_argument("--duration", type=float, default=0,
                    help="without --run: stay up this many seconds (0 = until Ctrl-C)")
 
@@ -57,7 +63,19 @@ def run(args: argparse.Namespace) -> int:
     ref = _split_ref(args.run) if args.run else None
     if args.topology and not Path(args.topology).is_file():
         raise UsageError(f"topology file {args.topology} not found")
-    kw: dict[str, Any] = dict(timeout_s=args.timeout)
+    faults = args.faults
+    if args.loss is not None:
+        if not 0 <= args.loss < 1:
+            raise UsageError("--loss must be in [0, 1)")
+        faults = f"loss={args.loss}" + (f",{faults}" if faults else "")
+    if faults:
+        from fabric.faults import FaultSpecError, parse_faults
+
+        try:
+            parse_faults(faults)
+        except FaultSpecError as exc:
+            raise UsageError(f"--faults: {exc}") from None
+    kw: dict[str, Any] = dict(timeout_s=args.timeout, faults=faults, seed=args.seed)
     if args.run_dir:
         kw["run_dir"] = args.run_dir
     t0 = time.monotonic()
