@@ -92,6 +92,7 @@ class Endpoint:
         self.host_id = topo.hosts[0].id if topo.hosts else None
         link = topo.link_between(name, self.switch_name)
         self.mtu = link.params.mtu if link is not None else 256 * 1024
+        self.link_shaped = link is not None and (link.params.shaped or link.params.latency_us > 0)
         self.timeout_s = timeout_s
         self.run_id = run_id
         self._own_ctx = ctx is None
