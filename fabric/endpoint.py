@@ -118,6 +118,7 @@ class Endpoint:
         self.duplicates = 0
         self.bad_frames = 0
         self.stale_replies = 0
+        self.streams: dict[int, int] = {}  # p2p stream ids per peer (fabric.p2p)
         self.chunk_bytes: dict[str, int] = {}
         self.slots: dict[str, int] = {}
         self.scratch: np.ndarray | None = None  # staging region for ina-mem

@@ -47,6 +47,17 @@ def _recv(ep: Endpoint) -> fr.Frame | None:
         return None
 
 
+def _stream_id(ep: Endpoint, peer: int) -> int:
+    """The next stream id between this node and ``peer`` (both ends count alike).
+
+    It travels in the ``job`` field of every frame of the stream, so a late
+    retransmission or FIN of an earlier stream can never be taken for this one.
+    """
+    sid = ep.streams.get(peer, 0) + 1
+    ep.streams[peer] = sid
+    return sid & 0xFFFF
+
+
 def stream_send(ep: Endpoint, dst_rank: int, data: np.ndarray, *, policy: str = "selective",
                 frame_bytes: int = 64 * 1024, flow: int = P2P_FLOW,
                 window_frames: int = 64) -> dict[str, Any]:
@@ -56,6 +67,7 @@ def stream_send(ep: Endpoint, dst_rank: int, data: np.ndarray, *, policy: str = 
         raise UsageError(f"dst_rank must be another worker's rank, got {dst_rank}")
     buf = data.reshape(-1).view(np.uint8)
     dst = ep.worker_ids[dst_rank]
+    sid = _stream_id(ep, dst)
     nframes = max(-(-buf.nbytes // frame_bytes), 1)
     peer = ep.topo.by_id(dst).name
     sender: Sender[int] = Sender(flow, policy=policy, window_frames=window_frames,
@@ -65,9 +77,9 @@ def stream_send(ep: Endpoint, dst_rank: int, data: np.ndarray, *, policy: str = 
         for t in transmits:
             off = t.handle * frame_bytes
             part = buf[off : off + frame_bytes]
-            ep.send(fr.encode_header(Op.WRITE, src=ep.node_id, dst=dst, flow=flow, psn=t.psn,
-                                     offset=off, flags=t.flags, payload=part, crc=ep.crc),
-                    part)
+            ep.send(fr.encode_header(Op.WRITE, src=ep.node_id, dst=dst, flow=flow, job=sid,
+                                     psn=t.psn, offset=off, flags=t.flags, payload=part,
+                                     crc=ep.crc), part)
 
     t0 = time.monotonic()
     put(sender.send_many(((i, min(frame_bytes, buf.nbytes - i * frame_bytes))
@@ -77,9 +89,9 @@ def stream_send(ep: Endpoint, dst_rank: int, data: np.ndarray, *, policy: str = 
             put(sender.handle_timer(time.monotonic()))
             continue
         f = _recv(ep)
-        if f is None or f.flow != flow or f.src != dst:
-            if f is not None:
-                ep.defer(f)
+        if f is None or f.flow != flow or f.src != dst or f.job != sid:
+            if f is not None and not (f.flow == flow and f.src == dst):
+                ep.defer(f)  # not of this stream's kind: someone else's; old ones drop
             continue
         now = time.monotonic()
         if f.op is Op.ACK:
@@ -87,7 +99,7 @@ def stream_send(ep: Endpoint, dst_rank: int, data: np.ndarray, *, policy: str = 
         elif f.op is Op.NACK:
             put(sender.handle_nack(f.psn, f.nack_code, now))
     seconds = time.monotonic() - t0
-    ep.send(fr.encode_header(Op.ACK, src=ep.node_id, dst=dst, flow=flow, psn=_FIN))
+    ep.send(fr.encode_header(Op.ACK, src=ep.node_id, dst=dst, flow=flow, job=sid, psn=_FIN))
     stats = asdict(sender.statistics())
     stats["seconds"] = seconds
     return stats
@@ -99,6 +111,7 @@ def stream_recv(ep: Endpoint, src_rank: int, out: np.ndarray, *, policy: str = "
     """Receive a stream from worker ``src_rank`` into ``out``; returns receiver statistics."""
     buf = out.reshape(-1).view(np.uint8)
     src = ep.worker_ids[src_rank]
+    sid = _stream_id(ep, src)
     nframes = max(-(-buf.nbytes // frame_bytes), 1)
     receiver: Receiver[int] = Receiver(flow, policy=policy, ordered=False, window=window_frames)
     got = bytearray(nframes)
@@ -115,13 +128,14 @@ def stream_recv(ep: Endpoint, src_rank: int, out: np.ndarray, *, policy: str = "
         if not _poll(ep, receiver.get_timer()):
             ack = receiver.handle_timer(time.monotonic())
             if ack is not None:
-                for frame in ack.frames(src=ep.node_id, dst=src, flow=flow, crc=ep.crc):
+                for frame in ack.frames(src=ep.node_id, dst=src, flow=flow, job=sid,
+                                        crc=ep.crc):
                     ep.send(frame)
             continue
         f = _recv(ep)
-        if f is None or f.flow != flow or f.src != src:
-            if f is not None:
-                ep.defer(f)
+        if f is None or f.flow != flow or f.src != src or f.job != sid:
+            if f is not None and not (f.flow == flow and f.src == src):
+                ep.defer(f)  # not a stream frame; earlier streams' leftovers drop
             continue
         last_heard = time.monotonic()
         if f.op is Op.ACK and f.psn == _FIN:
@@ -138,7 +152,7 @@ def stream_recv(ep: Endpoint, src_rank: int, out: np.ndarray, *, policy: str = "
                 done += 1
                 buf[f.offset : f.offset + f.length] = np.frombuffer(f.payload, np.uint8)
         if ack is not None:
-            for frame in ack.frames(src=ep.node_id, dst=src, flow=flow, crc=ep.crc):
+            for frame in ack.frames(src=ep.node_id, dst=src, flow=flow, job=sid, crc=ep.crc):
                 ep.send(frame)
         if done == nframes and finished_at is None:
             finished_at = last_heard
