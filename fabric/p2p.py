@@ -31,11 +31,36 @@ P2P_FLOW = 16
 _FIN = 0xFFFF_FFFF
 #: How long a finished receiver keeps answering retransmissions without a FIN.
 LINGER_S = 1.0
+#: Retransmissions of one frame before a stream fails, and the RTO ceiling.
+#: Go-back-N resends a whole burst whenever any frame of it is lost, so under
+#: heavy loss (5% per link, two links per path) a tail frame is "lost" in most
+#: rounds; the sender's general defaults (8, 2 s) would fail such streams, and a
+#: fabric's round trip is milliseconds, not the seconds RFC 6298 allows for.
+STREAM_MAX_RETRIES = 64
+STREAM_RTO_MAX_S = 0.25
 
 
 def _poll(ep: Endpoint, deadline: float | None) -> bool:
     wait = 1000 if deadline is None else max(math.ceil((deadline - time.monotonic()) * 1000), 0)
     return bool(ep.sock.poll(min(wait, 1000)))
+
+
+def _from_stash(ep: Endpoint, flow: int, peer: int, sid: int) -> fr.Frame | None:
+    """A deferred frame of this stream (it may have arrived while this node was
+    still in a barrier); deferred frames of earlier streams are dropped."""
+    keep = []
+    found = None
+    while ep.stash:
+        f = ep.stash.popleft()
+        if f.flow == flow and f.src == peer:
+            if f.job == sid and found is None:
+                found = f
+            elif f.job == sid:
+                keep.append(f)
+            continue  # an earlier stream's leftover
+        keep.append(f)
+    ep.stash.extend(keep)
+    return found
 
 
 def _recv(ep: Endpoint) -> fr.Frame | None:
@@ -71,6 +96,7 @@ def stream_send(ep: Endpoint, dst_rank: int, data: np.ndarray, *, policy: str = 
     nframes = max(-(-buf.nbytes // frame_bytes), 1)
     peer = ep.topo.by_id(dst).name
     sender: Sender[int] = Sender(flow, policy=policy, window_frames=window_frames,
+                                 max_retries=STREAM_MAX_RETRIES, rto_max=STREAM_RTO_MAX_S,
                                  peer=peer, operation="WRITE stream")
 
     def put(transmits: list[Any]) -> None:
@@ -85,10 +111,12 @@ def stream_send(ep: Endpoint, dst_rank: int, data: np.ndarray, *, policy: str = 
     put(sender.send_many(((i, min(frame_bytes, buf.nbytes - i * frame_bytes))
                           for i in range(nframes)), t0))
     while not sender.done:
-        if not _poll(ep, sender.get_timer()):
-            put(sender.handle_timer(time.monotonic()))
-            continue
-        f = _recv(ep)
+        f = _from_stash(ep, flow, dst, sid) if ep.stash else None
+        if f is None:
+            if not _poll(ep, sender.get_timer()):
+                put(sender.handle_timer(time.monotonic()))
+                continue
+            f = _recv(ep)
         if f is None or f.flow != flow or f.src != dst or f.job != sid:
             if f is not None and not (f.flow == flow and f.src == dst):
                 ep.defer(f)  # not of this stream's kind: someone else's; old ones drop
@@ -123,16 +151,19 @@ def stream_recv(ep: Endpoint, src_rank: int, out: np.ndarray, *, policy: str = "
         if finished_at is not None and now - last_heard > LINGER_S:
             break
         if now - last_heard > ep.timeout_s:
-            raise FabricTimeout(f"{ep.name}: WRITE stream from {ep.topo.by_id(src).name}: "
-                                f"nothing for {ep.timeout_s:g}s ({done}/{nframes} frames)")
-        if not _poll(ep, receiver.get_timer()):
-            ack = receiver.handle_timer(time.monotonic())
-            if ack is not None:
-                for frame in ack.frames(src=ep.node_id, dst=src, flow=flow, job=sid,
-                                        crc=ep.crc):
-                    ep.send(frame)
-            continue
-        f = _recv(ep)
+            raise FabricTimeout(f"{ep.name}: WRITE stream {sid} from {ep.topo.by_id(src).name}: "
+                                f"nothing for {ep.timeout_s:g}s ({done}/{nframes} frames; "
+                                f"{receiver.statistics()})")
+        f = _from_stash(ep, flow, src, sid) if ep.stash else None
+        if f is None:
+            if not _poll(ep, receiver.get_timer()):
+                ack = receiver.handle_timer(time.monotonic())
+                if ack is not None:
+                    for frame in ack.frames(src=ep.node_id, dst=src, flow=flow, job=sid,
+                                            crc=ep.crc):
+                        ep.send(frame)
+                continue
+            f = _recv(ep)
         if f is None or f.flow != flow or f.src != src or f.job != sid:
             if f is not None and not (f.flow == flow and f.src == src):
                 ep.defer(f)  # not a stream frame; earlier streams' leftovers drop

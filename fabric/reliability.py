@@ -692,8 +692,14 @@ class Sender(Generic[H]):
         if f is None or f.acked or code is NackCode.NO_RESOURCE:
             self._nacks_ignored += 1
             return []
-        if f.retransmissions and (self._min_rtt is None or now - f.last_sent < self._min_rtt):
-            # Too soon for this NACK to be about the latest copy.
+        # A NACK sent after the latest copy arrived cannot come back before a
+        # round trip of the *current* path: the smoothed RTT, not the minimum
+        # (under a full window, queueing makes the RTT many times the minimum,
+        # and the receiver repeats its gap NACK meanwhile; answering each one
+        # would resend the frame several times per round trip and exhaust its
+        # retry limit on a healthy link).
+        guard = self._srtt if self._srtt is not None else self._min_rtt
+        if f.retransmissions and (guard is None or now - f.last_sent < guard):
             self._nacks_ignored += 1
             return []
         return self._retransmit([psn], now, timeout=False)

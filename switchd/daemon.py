@@ -601,6 +601,7 @@ class SwitchDaemon:
         stats["engine"] = asdict(self.engine.statistics())
         stats["switch"] = self.name
         stats["regions"] = len(self.regions)
+        stats["held_frames"] = len(self._held)  # in link emulation (shaping, faults)
         stats["faults"] = {
             direction: _sum_fault_stats(injectors)
             for direction, injectors in (("in", self._faults_in), ("out", self._faults_out))
