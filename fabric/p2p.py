@@ -38,6 +38,10 @@ LINGER_S = 1.0
 #: fabric's round trip is milliseconds, not the seconds RFC 6298 allows for.
 STREAM_MAX_RETRIES = 64
 STREAM_RTO_MAX_S = 0.25
+#: Frames in flight per stream. The emulated path's bandwidth-delay product is
+#: a few frames; a deeper window only queues in the sockets, inflating the RTT
+#: the retransmit timer must track.
+STREAM_WINDOW = 16
 
 
 def _poll(ep: Endpoint, deadline: float | None) -> bool:
@@ -85,7 +89,7 @@ def _stream_id(ep: Endpoint, peer: int) -> int:
 
 def stream_send(ep: Endpoint, dst_rank: int, data: np.ndarray, *, policy: str = "selective",
                 frame_bytes: int = 64 * 1024, flow: int = P2P_FLOW,
-                window_frames: int = 64) -> dict[str, Any]:
+                window_frames: int = STREAM_WINDOW) -> dict[str, Any]:
     """Send ``data``'s bytes reliably to worker ``dst_rank``; returns sender statistics
     plus ``seconds`` (first send to last ACK)."""
     if not 0 <= dst_rank < ep.world or dst_rank == ep.rank:
@@ -135,7 +139,7 @@ def stream_send(ep: Endpoint, dst_rank: int, data: np.ndarray, *, policy: str = 
 
 def stream_recv(ep: Endpoint, src_rank: int, out: np.ndarray, *, policy: str = "selective",
                 frame_bytes: int = 64 * 1024, flow: int = P2P_FLOW,
-                window_frames: int = 64) -> dict[str, Any]:
+                window_frames: int = STREAM_WINDOW) -> dict[str, Any]:
     """Receive a stream from worker ``src_rank`` into ``out``; returns receiver statistics."""
     buf = out.reshape(-1).view(np.uint8)
     src = ep.worker_ids[src_rank]
