@@ -135,6 +135,13 @@ class Fabric:
     # ------------------------------------------------------------------ start
     def start(self) -> Fabric:
         """Start every process and wait until all are ready."""
+        if len(self.topo.switches) != 1:
+            # leaf/spine files validate and summarise (`semfab topo check`), but
+            # the daemon neither routes nor aggregates between switches yet
+            raise UsageError(
+                f"topology {self.topo.name!r} has {len(self.topo.switches)} switches; this "
+                "version launches single-switch fabrics only (multi-switch routing and "
+                "tree aggregation are not implemented yet)")
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.sock_dir = transport.socket_dir()
         topo_path = self.run_dir / "topology.toml"

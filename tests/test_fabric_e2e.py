@@ -148,3 +148,11 @@ def test_in_network_paths_exact_under_injected_faults(tmp_path, faults: str) -> 
         stats = fab.run(tasks.switch_stats)[0]
     assert stats["faults"]["in"]["lost"] + stats["faults"]["out"]["lost"] > 0
     assert stats["engine"]["duplicates"] + stats["engine"]["resends"] > 0
+
+
+def test_multi_switch_topologies_are_refused_clearly(tmp_path) -> None:
+    from fabric.errors import UsageError
+    from fabric.topology import leaf_spine
+
+    with pytest.raises(UsageError, match="single-switch"):
+        Fabric(leaf_spine(2, 2), tmp_path).start()
