@@ -61,8 +61,8 @@ def test_task_error_carries_remote_traceback(fab2: Fabric) -> None:
     with pytest.raises(TaskFailed, match="deliberate failure on rank 1") as info:
         fab2.run(tasks.fail_on_rank1)
     assert "fail_on_rank1" in info.value.tracebacks["w1"]
-    assert fab2.run(tasks.fail_on_rank1.__wrapped__ if False else tasks.allreduce_check,
-                    "ina", 10, "float32", "sum", 1024)[0]["wrong"] == 0
+    # the fabric is still usable after a failed task
+    assert fab2.run(tasks.allreduce_check, "ina", 10, "float32", "sum", 1024)[0]["wrong"] == 0
 
 
 def test_three_workers_all_paths(tmp_path) -> None:
