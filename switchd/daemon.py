@@ -339,8 +339,7 @@ class SwitchDaemon:
         comparison with a clean one)."""
         lost_before = inj.statistics().lost
         if inj.spec.corrupt:
-            arrivals = inj.apply(_join(header, payload), now)
-            out = [(at, *_split(blob, len(header))) for at, blob in arrivals]
+            out = self._resolve(inj.apply(_join(header, payload), now))
         else:
             token = next(self._token_seq).to_bytes(8, "little")
             self._tokens[token] = (header, payload)
