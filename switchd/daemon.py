@@ -489,14 +489,14 @@ class SwitchDaemon:
                            "frame-plane job needs inline payloads")
                 return
             data = np.frombuffer(f.payload, dtype=DTYPES[spec.dtype])
-        events = self.engine.contribute(f.job, chunk, f.src, data, length=f.count)
+        events = self.engine.contribute(f.job, chunk, f.src, data, length=f.elements)
         completed = False
         for ev in events:
             if isinstance(ev, Completed):
                 completed = True
                 self._job_last[f.job] = max(self._job_last.get(f.job, 0), ev.chunk)
                 if spec.referenced:
-                    self._reduce_regions(spec, ev.chunk, f.count)
+                    self._reduce_regions(spec, ev.chunk, f.elements)
                 self._send_results(spec, ev.chunk, ev.recipients, ev.result, f)
             elif isinstance(ev, ResendResult):
                 self._send_results(spec, ev.chunk, (ev.member,), ev.result, f)
