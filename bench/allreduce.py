@@ -67,6 +67,7 @@ def measure_on_worker(ep: Any, path: str, sizes: list[int], dtype: str, op: str,
         results.append({"size": size, "times_us": times, "wrong": wrong,
                         "chunks": sem.chunks / max(warmup + iters, 1), **sem.per_chunk(),
                         "fallbacks": ep.fallbacks[fallbacks0:]})
+    ep.free(buf)
     return results
 
 

@@ -261,6 +261,21 @@ class Endpoint:
         self.regions.append((arr.ctypes.data, size, key, region))
         return arr
 
+    def free(self, x: np.ndarray) -> None:
+        """Unregister and release the region :meth:`alloc` returned as ``x``.
+
+        ``x`` (and every view of it) must not be used afterwards.
+        """
+        base = x.ctypes.data
+        for i, (start, _size, key, region) in enumerate(self.regions):
+            if start == base:
+                self.request("unregister", "region_reply",
+                             match=lambda m, key=key: m.get("key") == key, key=key)
+                del self.regions[i]
+                region.close()
+                return
+        raise UsageError("free() takes an array returned by alloc()")
+
     def region_of(self, x: np.ndarray) -> tuple[int, int] | None:
         """``(key, byte offset)`` of ``x`` when it lies in a registered region."""
         ptr = x.ctypes.data

@@ -560,6 +560,15 @@ class SwitchDaemon:
             self._jobs.pop(job, None)
         elif t == "region":
             self._register_region(f, ident, msg)
+        elif t == "unregister":
+            key = control.need(msg, "key", int)
+            if key in self.regions and self.regions.get(key).owner == f.src:
+                self.regions.remove(key)
+                mapped = self._mapped.pop(key, None)
+                if mapped is not None:
+                    mapped.close()
+            # idempotent: an unknown key is already gone
+            self._ctrl(ident, f.src, "region_reply", key=key, ok=True, reason="")
         elif t == "barrier":
             # idempotent: a resent arrival counts once; a finished barrier answers again
             bid = control.need(msg, "id", int)

@@ -76,3 +76,17 @@ def lossy_allreduce(ep, path: str, count: int, steps: int) -> dict:
 
 def switch_stats(ep) -> dict:
     return ep.switch_stats()
+
+
+def alloc_free_cycle(ep) -> tuple[int, int]:
+    """Regions come and go; the switch forgets freed ones."""
+    before = ep.switch_stats()["regions"]
+    arrays = [ep.alloc(1000, "float32") for _ in range(3)]
+    for a in arrays:
+        a[:] = ep.rank + 1
+    y = ep.allreduce(arrays[1], path="ina-mem", out=arrays[1])
+    ok = int(y[0]) == sum(range(1, ep.world + 1))
+    for a in arrays:
+        ep.free(a)
+    ep.barrier()
+    return ok, ep.switch_stats()["regions"] - before

@@ -156,3 +156,9 @@ def test_multi_switch_topologies_are_refused_clearly(tmp_path) -> None:
 
     with pytest.raises(UsageError, match="single-switch"):
         Fabric(leaf_spine(2, 2), tmp_path).start()
+
+
+def test_free_unregisters_regions(fab2: Fabric) -> None:
+    res = fab2.run(tasks.alloc_free_cycle)
+    assert all(ok for ok, _ in res)
+    assert all(delta == 0 for _, delta in res)
