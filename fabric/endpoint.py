@@ -269,8 +269,11 @@ class Endpoint:
         base = x.ctypes.data
         for i, (start, _size, key, region) in enumerate(self.regions):
             if start == base:
-                self.request("unregister", "region_reply",
-                             match=lambda m, key=key: m.get("key") == key, key=key)
+
+                def same_key(m: dict[str, Any], key: int = key) -> bool:
+                    return m.get("key") == key
+
+                self.request("unregister", "region_reply", match=same_key, key=key)
                 del self.regions[i]
                 region.close()
                 return
