@@ -253,7 +253,7 @@ class Endpoint:
         key = (self.node_id << 16) | (next(self._region_seq) & 0xFFFF) | (1 << 31)
         region = SharedRegion.create(f"semfab-{self.run_id}-{self.name}-{key:x}", size)
         reply = self.request("region", "region_reply", key=key, size=size,
-                             path=str(region.path))
+                             path=str(region.path), match=lambda m: m.get("key") == key)
         if not reply.get("ok"):
             region.close()
             raise PeerFailed(f"{self.name}: switch refused region {key:#x}: {reply.get('reason')}")
