@@ -92,11 +92,24 @@ def _job(ep: Endpoint, path: str, dtype: str, op: str, itemsize: int) -> JobStat
                        op=op, slots=slots, slot_elems=elems, referenced=path == "ina-mem")
     st = JobState(job, slots, elems, bool(reply.get("granted")), str(reply.get("reason", "")))
     if not st.granted:
-        note = f"{path} job {job} refused by switch ({st.reason}); falling back to host-ps"
+        note = (f"{path} job {job} refused by switch ({st.reason}); falling back to "
+                f"{_fallback_name(ep)}")
         log.warning("%s: %s", ep.name, note)
         ep.fallbacks.append(note)
     ep.jobs[key] = st
     return st
+
+
+def _fallback_name(ep: Endpoint) -> str:
+    return "host-ps" if ep.host_id is not None else "host-ring"
+
+
+def _fallback(ep: Endpoint, x: np.ndarray, out: np.ndarray, op: str, dtype: str) -> None:
+    """The host path a refused in-network job runs on instead (the note says which)."""
+    if ep.host_id is not None:
+        allreduce_host_ps(ep, x, out, op, dtype)
+    else:
+        allreduce_host_ring(ep, x, out, op, dtype)
 
 
 def _route_cost(ep: Endpoint, dst: int) -> tuple[int, int]:
@@ -111,7 +124,7 @@ def allreduce_ina(ep: Endpoint, x: np.ndarray, out: np.ndarray, op: str, dtype: 
     """Frame-plane in-network allreduce."""
     st = _job(ep, "ina", dtype, op, x.itemsize)
     if not st.granted:
-        allreduce_host_ps(ep, x, out, op, dtype)
+        _fallback(ep, x, out, op, dtype)
         return
     E, S, n = st.slot_elems, st.slots, x.size
     nch = -(-n // E)
@@ -279,7 +292,7 @@ def allreduce_ina_mem(ep: Endpoint, x: np.ndarray, out: np.ndarray, op: str, dty
     """Memory-plane allreduce: the switch loads, reduces and stores in the regions."""
     st = _job(ep, "ina-mem", dtype, op, x.itemsize)
     if not st.granted:
-        allreduce_host_ps(ep, x, out, op, dtype)
+        _fallback(ep, x, out, op, dtype)
         return
     sem = ep.sem("ina-mem")
     S, n = st.slots, x.size

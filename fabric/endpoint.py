@@ -90,6 +90,8 @@ class Endpoint:
         self.switch_name = topo.switch_of(name)
         self.switch_id = topo.node(self.switch_name).id
         self.host_id = topo.hosts[0].id if topo.hosts else None
+        # barriers are counted by one switch for the whole fabric: the tree root
+        self.root_switch_id = topo.node(topo.tree_root()).id
         link = topo.link_between(name, self.switch_name)
         self.mtu = link.params.mtu if link is not None else 256 * 1024
         self.link_shaped = link is not None and (link.params.shaped or link.params.latency_us > 0)
@@ -291,8 +293,8 @@ class Endpoint:
     def barrier(self) -> None:
         """Wait until every worker reached this barrier (counted by the switch)."""
         bid = next(self._barrier_seq)
-        self.request("barrier", "barrier_done", match=lambda m: m.get("id") == bid,
-                     id=bid, n=self.world)
+        self.request("barrier", "barrier_done", dst=self.root_switch_id,
+                     match=lambda m: m.get("id") == bid, id=bid, n=self.world)
 
     def allreduce(self, x: np.ndarray, op: str = "sum", path: str = "ina",
                   out: np.ndarray | None = None, numerics: str = "float") -> np.ndarray:

@@ -135,13 +135,6 @@ class Fabric:
     # ------------------------------------------------------------------ start
     def start(self) -> Fabric:
         """Start every process and wait until all are ready."""
-        if len(self.topo.switches) != 1:
-            # leaf/spine files validate and summarise (`semfab topo check`), but
-            # the daemon neither routes nor aggregates between switches yet
-            raise UsageError(
-                f"topology {self.topo.name!r} has {len(self.topo.switches)} switches; this "
-                "version launches single-switch fabrics only (multi-switch routing and "
-                "tree aggregation are not implemented yet)")
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.sock_dir = transport.socket_dir()
         topo_path = self.run_dir / "topology.toml"
@@ -156,6 +149,8 @@ class Fabric:
                     "--name", sw.name, "--sock-dir", str(self.sock_dir), "--ctl", ctl_addr,
                     *self.switch_args, *(["-v"] if self.verbose else []),
                 ])
+            # switches first: their links must be up before nodes send over them
+            self._wait_ready()
             for node in [*self.topo.hosts, *self.topo.workers]:
                 self._spawn(node.name, node.kind, [
                     sys.executable, "-m", "fabric.node", "--name", node.name,

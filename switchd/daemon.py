@@ -155,12 +155,37 @@ class SwitchDaemon:
         self.regions = RegionTable()
         self._mapped: dict[int, SharedRegion] = {}
         self._ident: dict[int, bytes] = {n.id: n.name.encode() for n in topo.nodes}
+        # Switch-to-switch links: the higher-id end connects a DEALER (named after
+        # itself) to the lower-id end's ROUTER, so each link is one socket pair.
+        self._attached = {n for n in topo.attached(name)}
+        self._dealers: dict[bytes, zmq.Socket] = {}
+        for link in topo.links_of(name):
+            other = topo.node(link.other(name))
+            if other.is_switch and other.id < self.node.id:
+                self._dealers[other.name.encode()] = transport.dealer(
+                    self.ctx, topo.endpoint_address(other.name, sock_dir), name)
+        self._higher = {s.encode() for s in (link.other(name) for link in topo.links_of(name))
+                        if topo.node(s).is_switch and topo.node(s).id > self.node.id}
+        self._linked: set[bytes] = set()  # lower neighbours that welcomed us
+        self._hellos: set[bytes] = set()  # peers that said hello on our ROUTER
+        self._hello_at = -1.0
+        self._ready_sent = False
+        self._next_hop: dict[int, bytes] = {}
+        for n in topo.nodes:
+            if n.name == name:
+                continue
+            if n.name in self._attached:
+                self._next_hop[n.id] = n.name.encode()
+            else:
+                path = topo.route(name, n.name)
+                if len(path) > 1:
+                    self._next_hop[n.id] = path[1].encode()
         self.counters = SwitchCounters()
         self._jobs: dict[int, JobSpec] = {}
         self._job_last: dict[int, int] = {}
         # memory plane: per (job, chunk) the (key, offset) each member named
         self._refs: dict[tuple[int, int], dict[int, tuple[int, int]]] = {}
-        self._barriers: dict[int, dict[bytes, int]] = {}
+        self._barriers: dict[int, dict[int, bytes]] = {}
         self._barriers_done: deque[int] = deque(maxlen=1024)
         self._kernel: Any = None
         # link emulation: per attached node, the node->switch and switch->node directions
@@ -214,6 +239,14 @@ class SwitchDaemon:
         self._send_now(ident, header, payload)
 
     def _send_now(self, ident: bytes, header: Any, payload: Any = None) -> None:
+        up = self._dealers.get(ident)
+        if up is not None:  # a neighbour switch we reach through our own DEALER
+            nb = memoryview(payload).nbytes if payload is not None else 0
+            parts = [header] if payload is None else [header, payload]
+            up.send_multipart(parts, copy=nb < transport.ZERO_COPY_MIN)
+            self.counters.frames_out += 1
+            self.counters.bytes_out += len(header) + nb
+            return
         try:
             if payload is None:
                 self.sock.send_multipart([ident, header])
@@ -252,14 +285,16 @@ class SwitchDaemon:
         signal.signal(signal.SIGTERM, lambda *_: self._stop())
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
+        for up in self._dealers.values():
+            poller.register(up, zmq.POLLIN)
         if self.ctl is not None:
             poller.register(self.ctl, zmq.POLLIN)
-            self.ctl.send(control.pack("ready", name=self.name, pid=os.getpid(),
-                                       address=self.address))
         log.info("switch %s (id %d) serving at %s", self.name, self.node.id, self.address)
         parent = os.getppid()
         try:
             while self._running:
+                if not self._ready_sent:
+                    self._link_up()
                 busy = self._held or self._faults_in
                 wait_s = self._release_due() if busy else 1.0
                 # whole milliseconds: a held frame leaves <= 1 ms late, but the link's
@@ -279,6 +314,16 @@ class SwitchDaemon:
                         self._on_frame(parts)
                 if self._held or self._faults_in:
                     self._release_due()
+                for peer, up in self._dealers.items():
+                    if up in events:
+                        for _ in range(256):
+                            try:
+                                parts = up.recv_multipart(zmq.NOBLOCK, copy=False)
+                            except zmq.Again:
+                                break
+                            self._ingress_msg(peer, parts[0].buffer,
+                                              parts[1] if len(parts) > 1 else None,
+                                              time.monotonic())
                 if self.ctl is not None and self.ctl in events:
                     msg = control.parse(self.ctl.recv())
                     if msg["t"] == "shutdown":
@@ -291,6 +336,23 @@ class SwitchDaemon:
         finally:
             self.close()
 
+    def _link_up(self) -> None:
+        """Switch-to-switch links first: say hello up every DEALER until welcomed,
+        wait for every higher neighbour's hello, then report ready (a frame sent
+        over a ROUTER before its peer is connected would be dropped)."""
+        now = time.monotonic()
+        if now - self._hello_at >= 0.1:
+            self._hello_at = now
+            for peer, up in self._dealers.items():
+                if peer not in self._linked:
+                    up.send(fr.encode(Op.CTRL, src=self.node.id, dst=self.topo.node(
+                        peer.decode()).id, payload=control.pack("hello", name=self.name)))
+        if self._linked >= set(self._dealers) and self._higher <= self._hellos:
+            self._ready_sent = True
+            if self.ctl is not None:
+                self.ctl.send(control.pack("ready", name=self.name, pid=os.getpid(),
+                                           address=self.address))
+
     def _stop(self) -> None:
         self._running = False
 
@@ -300,6 +362,8 @@ class SwitchDaemon:
             region.close()
         self._mapped.clear()
         self.sock.close(0)
+        for up in self._dealers.values():
+            up.close(0)
         if self.ctl is not None:
             self.ctl.close(0)
         self.ctx.term()
@@ -449,7 +513,7 @@ class SwitchDaemon:
                        f"switch does not serve {f.op.name}")
 
     def _forward(self, f: fr.Frame, ident: bytes, header: Any, payload: Any) -> None:
-        dst_ident = self._ident.get(f.dst)
+        dst_ident = self._next_hop.get(f.dst)
         if dst_ident is None:
             self.counters.unroutable += 1
             self._nack(ident, f.src, f.job, f.psn, f.msg, NackCode.PERMISSION,
@@ -551,7 +615,10 @@ class SwitchDaemon:
         t = msg["t"]
         if t == "hello":
             self._ident[f.src] = ident
+            self._hellos.add(ident)
             self._ctrl(ident, f.src, "welcome", switch=self.name, id=self.node.id)
+        elif t == "welcome":  # a lower neighbour answered our uplink hello
+            self._linked.add(ident)
         elif t == "job":
             self._register_job(f, ident, msg)
         elif t == "release":
@@ -577,9 +644,9 @@ class SwitchDaemon:
                 self._ctrl(ident, f.src, "barrier_done", id=bid)
                 return
             waiting = self._barriers.setdefault(bid, {})
-            waiting[ident] = f.src
+            waiting[f.src] = ident  # by node: several may arrive over one switch link
             if len(waiting) >= n:
-                for who, src in self._barriers.pop(bid).items():
+                for src, who in self._barriers.pop(bid).items():
                     self._ctrl(who, src, "barrier_done", id=bid)
                 self._barriers_done.append(bid)
         elif t == "stats":
@@ -600,6 +667,15 @@ class SwitchDaemon:
             )
         except ValueError as exc:
             raise FrameError(NackCode.MALFORMED, f"bad job spec: {exc}") from None
+        remote = [m for m in spec.members if self.topo.by_id(m).name not in self._attached]
+        if remote:
+            # Tree aggregation (leaf partials to a spine) is not implemented: a job
+            # with members beyond this switch is refused and falls back, reported.
+            self.counters.jobs_refused += 1
+            self._ctrl(ident, f.src, "job_reply", job=spec.job, granted=False,
+                       reason=f"members {remote} are not attached to {self.name}; "
+                       "aggregation across switches is not implemented")
+            return
         if spec.referenced and self._kernel is None:
             from kernels.backends import get_backend
 

@@ -150,15 +150,52 @@ def test_in_network_paths_exact_under_injected_faults(tmp_path, faults: str) -> 
     assert stats["engine"]["duplicates"] + stats["engine"]["resends"] > 0
 
 
-def test_multi_switch_topologies_are_refused_clearly(tmp_path) -> None:
-    from fabric.errors import UsageError
-    from fabric.topology import leaf_spine
+TWO_LEAVES = """
+[[node]]
+name = "w0"
+kind = "worker"
+[[node]]
+name = "w1"
+kind = "worker"
+[[node]]
+name = "leaf0"
+kind = "switch"
+[[node]]
+name = "leaf1"
+kind = "switch"
+[[node]]
+name = "spine"
+kind = "switch"
+[[link]]
+a = "w0"
+b = "leaf0"
+class = "scaleup"
+[[link]]
+a = "w1"
+b = "leaf1"
+class = "scaleup"
+[[link]]
+a = "leaf0"
+b = "spine"
+class = "scaleout"
+[[link]]
+a = "leaf1"
+b = "spine"
+class = "scaleout"
+"""
 
-    with pytest.raises(UsageError, match="single-switch"):
-        Fabric(leaf_spine(2, 2), tmp_path).start()
 
+def test_frames_cross_a_leaf_spine_fabric(tmp_path) -> None:
+    """Two leaves and a spine (5 processes): forwarding across three switches,
+    a fabric-wide barrier at the root, and in-network jobs that span leaves
+    refused and run on the host ring instead, with the fallback reported."""
+    from fabric.topology import loads
 
-def test_free_unregisters_regions(fab2: Fabric) -> None:
-    res = fab2.run(tasks.alloc_free_cycle)
-    assert all(ok for ok, _ in res)
-    assert all(delta == 0 for _, delta in res)
+    with launch(topology=loads(TWO_LEAVES), run_dir=tmp_path, timeout_s=20) as fab:
+        ring = fab.run(tasks.allreduce_check, "host-ring", 5003, "float32", "sum", 1024)
+        assert [r["wrong"] for r in ring] == [0, 0]
+        assert ring[0]["sem"]["hops"] > 2  # w0 -> leaf0 -> spine -> leaf1 -> w1
+        ina = fab.run(tasks.allreduce_check, "ina", 3001, "float32", "sum", 1024)
+        assert [r["wrong"] for r in ina] == [0, 0]
+        assert all("not attached" in r["fallbacks"][0] and "host-ring" in r["fallbacks"][0]
+                   for r in ina)
