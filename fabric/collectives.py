@@ -104,12 +104,14 @@ def _fallback_name(ep: Endpoint) -> str:
     return "host-ps" if ep.host_id is not None else "host-ring"
 
 
-def _fallback(ep: Endpoint, x: np.ndarray, out: np.ndarray, op: str, dtype: str) -> None:
-    """The host path a refused in-network job runs on instead (the note says which)."""
+def _fallback(ep: Endpoint, x: np.ndarray, out: np.ndarray, op: str, dtype: str,
+              path: str) -> None:
+    """The host path a refused in-network job runs on instead (the note says which);
+    its semantic distance is counted under the path the caller asked for."""
     if ep.host_id is not None:
-        allreduce_host_ps(ep, x, out, op, dtype)
+        allreduce_host_ps(ep, x, out, op, dtype, label=path)
     else:
-        allreduce_host_ring(ep, x, out, op, dtype)
+        allreduce_host_ring(ep, x, out, op, dtype, label=path)
 
 
 def _route_cost(ep: Endpoint, dst: int) -> tuple[int, int]:
@@ -124,7 +126,7 @@ def allreduce_ina(ep: Endpoint, x: np.ndarray, out: np.ndarray, op: str, dtype: 
     """Frame-plane in-network allreduce."""
     st = _job(ep, "ina", dtype, op, x.itemsize)
     if not st.granted:
-        _fallback(ep, x, out, op, dtype)
+        _fallback(ep, x, out, op, dtype, "ina")
         return
     E, S, n = st.slot_elems, st.slots, x.size
     nch = -(-n // E)
@@ -292,7 +294,7 @@ def allreduce_ina_mem(ep: Endpoint, x: np.ndarray, out: np.ndarray, op: str, dty
     """Memory-plane allreduce: the switch loads, reduces and stores in the regions."""
     st = _job(ep, "ina-mem", dtype, op, x.itemsize)
     if not st.granted:
-        _fallback(ep, x, out, op, dtype)
+        _fallback(ep, x, out, op, dtype, "ina-mem")
         return
     sem = ep.sem("ina-mem")
     S, n = st.slots, x.size
@@ -366,12 +368,13 @@ def allreduce_ina_mem(ep: Endpoint, x: np.ndarray, out: np.ndarray, op: str, dty
 
 
 # ---------------------------------------------------------------------- host-ps
-def allreduce_host_ps(ep: Endpoint, x: np.ndarray, out: np.ndarray, op: str, dtype: str) -> None:
+def allreduce_host_ps(ep: Endpoint, x: np.ndarray, out: np.ndarray, op: str, dtype: str,
+                      label: str = "host-ps") -> None:
     """Host-staged parameter-server allreduce through the host node."""
     host = ep.host_id
     if host is None:
         raise UsageError("host-ps needs a host node in the topology (kind = \"host\")")
-    sem = ep.sem("host-ps")
+    sem = ep.sem(label)
     E = _chunk_elems(ep, "host-ps", x.itemsize) // 2  # room for the msgpack envelope
     S = ep.slots.get("host-ps", DEFAULT_SLOTS["host-ps"])
     n = x.size
@@ -427,9 +430,9 @@ def allreduce_host_ps(ep: Endpoint, x: np.ndarray, out: np.ndarray, op: str, dty
 
 # ---------------------------------------------------------------------- host-ring
 def allreduce_host_ring(ep: Endpoint, x: np.ndarray, out: np.ndarray, op: str,
-                        dtype: str) -> None:
+                        dtype: str, label: str = "host-ring") -> None:
     """Ring reduce-scatter + all-gather between workers, staged on the host."""
-    sem = ep.sem("host-ring")
+    sem = ep.sem(label)
     W, r, n = ep.world, ep.rank, x.size
     staged = np.array(x, copy=True)  # device -> host staging copy
     E = _chunk_elems(ep, "host-ring", x.itemsize)
