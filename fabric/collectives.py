@@ -196,12 +196,7 @@ def allreduce_ina(ep: Endpoint, x: np.ndarray, out: np.ndarray, op: str, dtype: 
                 target[:] = into
             got[i] = 1
             done += 1
-            now = time.monotonic()
-            for lost in timers.acked(i, now)[1]:
-                send(lost, True)
-            if i + S < nch:
-                send(i + S)
-                timers.sent(i + S, now)
+            _advance(timers, i, S, nch, send)
             continue
         payload = sock.recv(copy=False).buffer if more else None
         try:
@@ -219,6 +214,18 @@ def allreduce_ina(ep: Endpoint, x: np.ndarray, out: np.ndarray, op: str, dtype: 
     sem.copies += nch * 2  # the switch reduces each chunk into its slot; we recv into out
     sem.crossings += nch * 2  # worker -> switch, switch -> worker
     sem.hops += nch
+
+
+def _advance(timers: ChunkTimers, i: int, S: int, nch: int,
+             send: Callable[[int, bool], None]) -> None:
+    """Chunk ``i``'s result is in: resend chunks it overtook, send chunk ``i+S``
+    into the slot it freed (the self-clocked window)."""
+    now = time.monotonic()
+    for lost in timers.acked(i, now)[1]:
+        send(lost, True)
+    if i + S < nch:
+        send(i + S, False)
+        timers.sent(i + S, now)
 
 
 def _wait_or_retransmit(ep: Endpoint, timers: ChunkTimers, resend: Callable[[int], None],
@@ -352,12 +359,7 @@ def allreduce_ina_mem(ep: Endpoint, x: np.ndarray, out: np.ndarray, op: str, dty
             continue
         got[i] = 1
         done += 1
-        now = time.monotonic()
-        for lost in timers.acked(i, now)[1]:
-            send(lost, True)
-        if i + S < nch:
-            send(i + S)
-            timers.sent(i + S, now)
+        _advance(timers, i, S, nch, send)
     ep.retransmits += timers.retransmits
     if work is not out:
         np.copyto(out, work)
