@@ -49,6 +49,7 @@ def measure_on_worker(ep: Any, path: str, sizes: list[int], dtype: str, op: str,
         count = size // item
         x = buf[:count]
         sem0 = ep.sem(path).copy()
+        switch0 = ep.switch_stats()["payload_copies"]
         fallbacks0 = len(ep.fallbacks)
         times: list[float] = []
         last = warmup + iters - 1
@@ -64,6 +65,11 @@ def measure_on_worker(ep: Any, path: str, sizes: list[int], dtype: str, op: str,
         wrong = count_wrong(x, expected_allreduce(ep.world, last, count, dtype, op, seed)) \
             if check else 0
         sem = ep.sem(path).minus(sem0)
+        ep.barrier()  # every worker's frames are in the switch's counters
+        # what the switch did to payloads, counted by the switch: its share per
+        # chunk of every worker (all workers run the same chunks)
+        sem.copies += (ep.switch_stats()["payload_copies"] - switch0) / ep.world
+        ep.barrier()  # nobody starts the next size before everyone has read them
         results.append({"size": size, "times_us": times, "wrong": wrong,
                         "chunks": sem.chunks / max(warmup + iters, 1), **sem.per_chunk(),
                         "fallbacks": ep.fallbacks[fallbacks0:]})

@@ -211,8 +211,8 @@ def allreduce_ina(ep: Endpoint, x: np.ndarray, out: np.ndarray, op: str, dtype: 
     ep.retransmits += timers.retransmits
     sem = ep.sem("ina")
     sem.chunks += nch
-    sem.copies += nch * 2  # the switch reduces each chunk into its slot; we recv into out
-    sem.crossings += nch * 2  # worker -> switch, switch -> worker
+    sem.copies += nch  # recv_into the output (the switch counts its own copies)
+    sem.crossings += nch * 2  # our payload to the switch, the result back to us
     sem.hops += nch
 
 
@@ -364,8 +364,7 @@ def allreduce_ina_mem(ep: Endpoint, x: np.ndarray, out: np.ndarray, op: str, dty
     if work is not out:
         np.copyto(out, work)
         sem.copies += nch
-    sem.chunks += nch
-    sem.copies += nch  # the switch's fused reduce stores each chunk into our region once
+    sem.chunks += nch  # the switch counts its loads/stores into our region itself
     sem.hops += nch
 
 

@@ -77,7 +77,10 @@ class SwitchCounters:
     nacks_sent: int = 0
     unroutable: int = 0
     # semantic distance, as the switch really handles payloads
-    payload_copies: int = 0  # chunk payloads copied/reduced into switch memory or regions
+    # semantic distance of what the switch does to payloads: one per contribution
+    # copied or reduced into slot memory (frame plane), one per result stored
+    # into a member's region (memory plane)
+    payload_copies: int = 0
     mem_stores: int = 0  # memory-plane chunk stores into member regions
     reduce_seconds: float = 0.0
     jobs_refused: int = 0
@@ -590,7 +593,7 @@ class SwitchDaemon:
         self._kernel.multicast_reduce(arrays, arrays, spec.op.value)
         self.counters.reduce_seconds += time.perf_counter() - t0
         self.counters.mem_stores += len(arrays)
-        self.counters.payload_copies += 1
+        self.counters.payload_copies += len(arrays)
 
     def _send_results(self, spec: JobSpec, chunk: int, recipients: tuple[int, ...],
                       result: np.ndarray | None, f: fr.Frame) -> None:
