@@ -449,6 +449,28 @@ class AggregationEngine:
         self._slots_used += spec.slots
         return Granted(spec.job, spec.slots, spec.slot_elems)
 
+    def install_result(self, job: int, chunk: int, data: np.ndarray) -> bool:
+        """Overwrite a completed chunk's kept result with ``data`` (tree aggregation).
+
+        A leaf switch completes a chunk with its *partial* sum and sends it up;
+        when the parent's final result comes back, it replaces the partial so
+        that a later ``ResendResult`` hands a member the final result. Returns
+        False (and changes nothing) unless ``chunk`` is the completed chunk held
+        in its slot version and ``data`` has its length and dtype.
+        """
+        j = self._jobs.get(job)
+        if j is None or j.mem is None:
+            return False
+        s = j.slots
+        q, slot = divmod(chunk, s)
+        idx = 2 * slot + (q & 1)
+        n = j.length[idx]
+        if (j.held[idx] != chunk or j.bitmap[idx] != j.full or data.dtype != j.dtype
+                or data.shape != (n,)):
+            return False
+        np.copyto(j.mem[slot, q & 1, :n], data)
+        return True
+
     def release(self, job: int) -> None:
         """Free a job's slots and memory. Unknown jobs are ignored (idempotent).
 

@@ -188,6 +188,12 @@ class SwitchDaemon:
         self._job_last: dict[int, int] = {}
         # memory plane: per (job, chunk) the (key, offset) each member named
         self._refs: dict[tuple[int, int], dict[int, tuple[int, int]]] = {}
+        # tree aggregation: parent switch per job, chunks sent up and awaiting the
+        # parent's result, registrations waiting for the parent's grant
+        self._job_parent: dict[int, int] = {}
+        self._awaiting: set[tuple[int, int]] = set()
+        self._up_pending: dict[int, dict[int, bytes]] = {}
+        self._up_granted: dict[int, bool] = {}
         self._barriers: dict[int, dict[int, bytes]] = {}
         self._barriers_done: deque[int] = deque(maxlen=1024)
         self._kernel: Any = None
@@ -503,6 +509,8 @@ class SwitchDaemon:
         elif f.op is Op.REDUCE:
             c.reduce_frames += 1
             self._on_reduce(f, ident)
+        elif f.op is Op.RESULT:
+            self._on_parent_result(f)
         elif f.op is Op.CTRL:
             c.ctrl_frames += 1
             self._ctrl_crc = self._ctrl_crc or bool(f.flags & Flag.CRC)
@@ -564,9 +572,17 @@ class SwitchDaemon:
                 self._job_last[f.job] = max(self._job_last.get(f.job, 0), ev.chunk)
                 if spec.referenced:
                     self._reduce_regions(spec, ev.chunk, f.elements)
-                self._send_results(spec, ev.chunk, ev.recipients, ev.result, f)
+                if f.job in self._job_parent:  # a partial: up first, results come down
+                    self._awaiting.add((f.job, ev.chunk))
+                    self._send_up(spec, ev.chunk, ev.result, f, retx=False)
+                else:
+                    self._send_results(spec, ev.chunk, ev.recipients, ev.result, f)
             elif isinstance(ev, ResendResult):
-                self._send_results(spec, ev.chunk, (ev.member,), ev.result, f)
+                if (f.job, ev.chunk) in self._awaiting:
+                    # we only hold our partial: ask the parent again instead
+                    self._send_up(spec, ev.chunk, ev.result, f, retx=True)
+                else:
+                    self._send_results(spec, ev.chunk, (ev.member,), ev.result, f)
             elif isinstance(ev, Rejected):
                 self._nack(ident, f.src, f.job, f.psn, f.msg, NackCode[ev.code], ev.reason)
             elif isinstance(ev, (DuplicateIgnored, Stale)):
@@ -622,6 +638,8 @@ class SwitchDaemon:
             self._ctrl(ident, f.src, "welcome", switch=self.name, id=self.node.id)
         elif t == "welcome":  # a lower neighbour answered our uplink hello
             self._linked.add(ident)
+        elif t == "job_reply":  # our parent, about a tree job
+            self._on_job_reply(msg)
         elif t == "job":
             self._register_job(f, ident, msg)
         elif t == "release":
@@ -670,29 +688,95 @@ class SwitchDaemon:
             )
         except ValueError as exc:
             raise FrameError(NackCode.MALFORMED, f"bad job spec: {exc}") from None
-        remote = [m for m in spec.members if self.topo.by_id(m).name not in self._attached]
-        if remote:
-            # Tree aggregation (leaf partials to a spine) is not implemented: a job
-            # with members beyond this switch is refused and falls back, reported.
+        # Tree aggregation: this switch sums its attached members and the partial
+        # sums of its child switches; with members outside its subtree it sends
+        # its own partial up to its parent and passes the parent's result down.
+        below = {self.topo.node(w).id for w in self.topo.subtree_workers(self.name)} \
+            if self.name in self.topo.aggregation_tree() else set()
+        local = [m for m in spec.members if self.topo.by_id(m).name in self._attached]
+        children = [self.topo.node(c).id for c in self.topo.tree_children(self.name)
+                    if any(self.topo.node(w).id in spec.members
+                           for w in self.topo.subtree_workers(c))]
+        outside = [m for m in spec.members if m not in below]
+        parent = self.topo.aggregation_tree().get(self.name) if outside else None
+        if (spec.referenced and (children or outside)) or (outside and parent is None):
             self.counters.jobs_refused += 1
+            why = ("the memory plane aggregates on one switch" if spec.referenced
+                   else f"members {outside} are not below {self.name}")
             self._ctrl(ident, f.src, "job_reply", job=spec.job, granted=False,
-                       reason=f"members {remote} are not attached to {self.name}; "
-                       "aggregation across switches is not implemented")
+                       reason=f"{why}; run it on a single-switch fabric")
             return
         if spec.referenced and self._kernel is None:
             from kernels.backends import get_backend
 
             self._kernel = get_backend(msg.get("backend", "numba-cpu"))
-        reply = self.engine.register(spec)
-        if isinstance(reply, Granted):
-            self._jobs[spec.job] = spec
-            self._job_last.setdefault(spec.job, 0)
-            self._ctrl(ident, f.src, "job_reply", job=spec.job, granted=True, reason="")
-        else:
+        mine = JobSpec(spec.job, tuple(local + children), spec.dtype, spec.op, spec.slots,
+                       spec.slot_elems, spec.referenced)
+        reply = self.engine.register(mine)
+        if not isinstance(reply, Granted):
             self.counters.jobs_refused += 1
             log.warning("job %d refused: %s", spec.job, reply.reason)
             self._ctrl(ident, f.src, "job_reply", job=spec.job, granted=False,
                        reason=reply.reason)
+            return
+        self._jobs[spec.job] = mine
+        self._job_last.setdefault(spec.job, 0)
+        if parent is None:
+            self._ctrl(ident, f.src, "job_reply", job=spec.job, granted=True, reason="")
+            return
+        # answer once the parent granted its part of the tree
+        parent_id = self.topo.node(parent).id
+        self._job_parent[spec.job] = parent_id
+        if self._up_granted.get(spec.job):
+            self._ctrl(ident, f.src, "job_reply", job=spec.job, granted=True, reason="")
+            return
+        waiting = self._up_pending.setdefault(spec.job, {})
+        if not waiting:
+            fields = {k: v for k, v in msg.items() if k != "t"}
+            self._ctrl(self._next_hop[parent_id], parent_id, "job", **fields)
+        waiting[f.src] = ident
+
+    def _on_job_reply(self, msg: dict[str, Any]) -> None:
+        """The parent answered our part of a tree job: answer whoever waited."""
+        job = control.need(msg, "job", int)
+        granted = bool(msg.get("granted"))
+        reason = str(msg.get("reason", ""))
+        if granted:
+            self._up_granted[job] = True
+        else:
+            self.engine.release(job)
+            self._jobs.pop(job, None)
+            self._job_parent.pop(job, None)
+            reason = f"parent switch refused: {reason}"
+        for src, who in self._up_pending.pop(job, {}).items():
+            self._ctrl(who, src, "job_reply", job=job, granted=granted, reason=reason)
+
+    def _on_parent_result(self, f: fr.Frame) -> None:
+        """The final result of a chunk we sent up as a partial: keep it, pass it down."""
+        spec = self._jobs.get(f.job)
+        if spec is None or self._job_parent.get(f.job) is None:
+            self.counters.malformed += 1
+            return
+        chunk = unwrap_psn(f.psn, self._job_last.get(f.job, 0))
+        if (f.job, chunk) not in self._awaiting:
+            return  # a late copy: the chunk's result was already passed down
+        data = np.frombuffer(f.payload, dtype=DTYPES[spec.dtype])
+        if not self.engine.install_result(f.job, chunk, data):
+            self.counters.malformed += 1
+            return
+        self._awaiting.discard((f.job, chunk))
+        self._send_results(spec, chunk, spec.members, data, f)
+
+    def _send_up(self, spec: JobSpec, chunk: int, partial: np.ndarray | None,
+                 f: fr.Frame, retx: bool) -> None:
+        """Our subtree's partial sum of ``chunk``, as our contribution to the parent."""
+        parent = self._job_parent[spec.job]
+        assert partial is not None
+        header = fr.encode_header(Op.REDUCE, src=self.node.id, dst=parent, job=spec.job,
+                                  psn=chunk & PSN_MASK, dtype=f.dtype, msg=f.msg,
+                                  payload=partial, flags=Flag.RETX if retx else Flag.NONE,
+                                  crc=bool(f.flags & Flag.CRC))
+        self._send(self._next_hop[parent], header, partial)
 
     def _register_region(self, f: fr.Frame, ident: bytes, msg: dict[str, Any]) -> None:
         key = control.need(msg, "key", int)

@@ -714,3 +714,22 @@ def test_module_is_sans_io() -> None:
     forbidden = {"zmq", "socket", "asyncio", "threading", "time", "subprocess"}
     assert not roots & forbidden
     assert roots <= set(sys.stdlib_module_names) | {"numpy", "ml_dtypes"}, roots
+
+
+def test_install_result_replaces_a_completed_partial_for_resends() -> None:
+    """Tree aggregation: a leaf keeps the parent's final result for retransmissions."""
+    eng = AggregationEngine(1 << 20)
+    eng.register(JobSpec(job=9, members=(0, 1), dtype="float32", op=AggOp.SUM, slots=2,
+                         slot_elems=4))
+    a = np.array([1, 2, 3, 4], np.float32)
+    assert eng.contribute(9, 0, 0, a) == []
+    assert not eng.install_result(9, 0, a)  # not complete yet: refused, nothing changes
+    (done,) = eng.contribute(9, 0, 1, a)
+    assert isinstance(done, Completed)
+    final = np.array([10, 20, 30, 40], np.float32)
+    assert not eng.install_result(9, 0, final[:3])  # wrong length
+    assert not eng.install_result(9, 1, final)  # not the chunk held there
+    assert eng.install_result(9, 0, final)
+    (again,) = eng.contribute(9, 0, 0, a)
+    assert isinstance(again, ResendResult)
+    np.testing.assert_array_equal(again.result, final)

@@ -185,17 +185,33 @@ class = "scaleout"
 """
 
 
-def test_frames_cross_a_leaf_spine_fabric(tmp_path) -> None:
-    """Two leaves and a spine (5 processes): forwarding across three switches,
-    a fabric-wide barrier at the root, and in-network jobs that span leaves
-    refused and run on the host ring instead, with the fallback reported."""
+def test_leaf_spine_fabric_forwards_and_aggregates_in_a_tree(tmp_path) -> None:
+    """Two leaves and a spine (5 processes): forwarding across three switches, a
+    fabric-wide barrier at the root, in-network allreduce through the tree (each
+    leaf sends its partial up, the spine's result comes back down), and a
+    memory-plane job spanning switches refused and run on the host ring instead,
+    with the fallback reported."""
     from fabric.topology import loads
 
     with launch(topology=loads(TWO_LEAVES), run_dir=tmp_path, timeout_s=20) as fab:
         ring = fab.run(tasks.allreduce_check, "host-ring", 5003, "float32", "sum", 1024)
         assert [r["wrong"] for r in ring] == [0, 0]
         assert ring[0]["sem"]["hops"] > 2  # w0 -> leaf0 -> spine -> leaf1 -> w1
-        ina = fab.run(tasks.allreduce_check, "ina", 3001, "float32", "sum", 1024)
-        assert [r["wrong"] for r in ina] == [0, 0]
-        assert all("not attached" in r["fallbacks"][0] and "host-ring" in r["fallbacks"][0]
-                   for r in ina)
+        for dtype, op in (("float32", "sum"), ("int32", "sum"), ("float32", "max")):
+            ina = fab.run(tasks.allreduce_check, "ina", 5003, dtype, op, 1024)
+            assert [r["wrong"] for r in ina] == [0, 0], (dtype, op)
+            assert all(not r["fallbacks"] for r in ina)
+        mem = fab.run(tasks.allreduce_check, "ina-mem", 3001, "float32", "sum", 1024)
+        assert [r["wrong"] for r in mem] == [0, 0]
+        assert all("one switch" in r["fallbacks"][0] and "host-ring" in r["fallbacks"][0]
+                   for r in mem)
+
+
+def test_tree_aggregation_exact_under_loss(tmp_path) -> None:
+    from fabric.topology import loads
+
+    with launch(topology=loads(TWO_LEAVES), run_dir=tmp_path, timeout_s=20,
+                faults="loss=0.03", seed=3) as fab:
+        res = fab.run(tasks.lossy_allreduce, "ina", 20_000, 3)
+        assert [r["wrong"] for r in res] == [0, 0]
+        assert sum(r["retransmits"] for r in res) > 0
