@@ -75,6 +75,7 @@ class SwitchCounters:
     ctrl_frames: int = 0
     malformed: int = 0
     nacks_sent: int = 0
+    nacks_received: int = 0
     unroutable: int = 0
     # semantic distance, as the switch really handles payloads
     # semantic distance of what the switch does to payloads: one per contribution
@@ -519,6 +520,10 @@ class SwitchDaemon:
             except FrameError as exc:
                 c.malformed += 1
                 self._nack(ident, f.src, f.job, f.psn, f.msg, exc.code, str(exc))
+        elif f.op in (Op.NACK, Op.ACK):
+            # never answer a NACK with a NACK (two switches would ping-pong);
+            # a tree switch recovers through its members' retransmissions
+            c.nacks_received += 1
         else:
             self._nack(ident, f.src, f.job, f.psn, f.msg, NackCode.UNSUPPORTED,
                        f"switch does not serve {f.op.name}")

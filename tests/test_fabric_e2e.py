@@ -207,11 +207,12 @@ def test_leaf_spine_fabric_forwards_and_aggregates_in_a_tree(tmp_path) -> None:
                    for r in mem)
 
 
-def test_tree_aggregation_exact_under_loss(tmp_path) -> None:
+@pytest.mark.parametrize("faults", ["loss=0.03", "loss=0.02,dup=0.02,corrupt=0.02"])
+def test_tree_aggregation_exact_under_faults(tmp_path, faults: str) -> None:
     from fabric.topology import loads
 
     with launch(topology=loads(TWO_LEAVES), run_dir=tmp_path, timeout_s=20,
-                faults="loss=0.03", seed=3) as fab:
+                faults=faults, seed=3) as fab:
         res = fab.run(tasks.lossy_allreduce, "ina", 20_000, 3)
         assert [r["wrong"] for r in res] == [0, 0]
         assert sum(r["retransmits"] for r in res) > 0
