@@ -5,6 +5,11 @@ Started by :func:`bench.peers.run_mpi` as::
     mpirun -np N [--oversubscribe --bind-to none --allow-run-as-root] \\
         python -m bench.peer_mpi --world N --sizes 4096,65536 --result /tmp/.../result.jsonl
 
+``mpirun`` is the one beside the running Python when there is one (what
+``pip install 'semfab[peers]'`` puts in a venv, matching the Open MPI that
+mpi4py loads), else the first on PATH. As root, the launcher also gets
+``OMPI_ALLOW_RUN_AS_ROOT=1`` and ``OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1``.
+
 Uses the upper-case, buffer-interface call (no pickling), out of place: the
 input array is the send buffer, a receive buffer allocated once per size is
 the output. The timing loop is :func:`bench.peers.worker_loop`.

@@ -2,7 +2,7 @@
 
 semfab's own paths are compared against collective libraries that nobody here
 wrote, measured in the same run, on the same sizes and process counts
-(DESIGN.md section 6). This module is the parent side (launch, time-box,
+(docs/DESIGN.md section 6). This module is the parent side (launch, time-box,
 clean up, turn results into :class:`~bench.report.AllreduceRow`) and also holds
 the rank-side timing loop that ``bench.peer_gloo`` and ``bench.peer_mpi`` share,
 so both peers follow one timing convention (written down in docs/PEERS.md):
@@ -67,8 +67,8 @@ PEERS = ("gloo", "mpi")
 TORCH_MISSING = "torch is not installed (pip install 'semfab[peers]')"
 MPI4PY_MISSING = "mpi4py is not installed (pip install 'semfab[peers]')"
 MPIRUN_MISSING = (
-    "mpirun not found: install Open MPI (apt-get install openmpi-bin libopenmpi-dev) "
-    "or MPICH (apt-get install mpich libmpich-dev), or put an MPI's bin folder on PATH"
+    "mpirun not found: pip install 'semfab[peers]' (Open MPI's wheel puts mpirun beside "
+    "this Python), or put an MPI's bin folder on PATH"
 )
 REFERENCE_MISSING = (
     "kernels.reference is not importable (it makes the inputs and the expected results)"
@@ -429,6 +429,21 @@ def _mpi_flavour(mpirun: str) -> str:
     return "unknown"
 
 
+def _is_root() -> bool:
+    return hasattr(os, "geteuid") and os.geteuid() == 0
+
+
+def _mpi_env(env: dict[str, str]) -> dict[str, str]:
+    """``env`` for the MPI launcher: as root, Open MPI's own opt-in variables too.
+
+    They cover a launcher whose flavour was not recognised (so it gets no
+    ``--allow-run-as-root``) and the daemons it starts; other MPIs ignore them.
+    """
+    if _is_root():
+        env = {**env, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+    return env
+
+
 def _mpi_launch(mpirun: str, workers: int) -> list[str]:
     """Launcher prefix for ``workers`` local ranks, with the flags this flavour needs."""
     flavour = _mpi_flavour(mpirun)
@@ -436,7 +451,7 @@ def _mpi_launch(mpirun: str, workers: int) -> list[str]:
         # More ranks than cores must be allowed, binding would pin several
         # ranks onto one core, and containers often run as root.
         cmd = [mpirun, "-np", str(workers), "--oversubscribe", "--bind-to", "none"]
-        if hasattr(os, "geteuid") and os.geteuid() == 0:
+        if _is_root():
             cmd.append("--allow-run-as-root")
         return cmd
     if flavour == "mpich":
@@ -527,6 +542,7 @@ def run_peer(
             cmds = [[*_mpi_launch(mpirun, workers), sys.executable, "-m", "bench.peer_mpi",
                      *common]]
             names = ["mpirun"]
+            env = _mpi_env(env)
         error = _run_processes(cmds, env, tmpdir, timeout_s, names)
         lines: list[dict[str, Any]] = []
         if result.exists():

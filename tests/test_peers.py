@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import subprocess
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -72,13 +73,52 @@ def test_peer_status_strings(monkeypatch: pytest.MonkeyPatch) -> None:
     status = peer_status()
     assert status["gloo"] is None
     assert status["mpi"] == MPIRUN_MISSING
-    assert status["mpi"].startswith(
-        "mpirun not found: install Open MPI (apt-get install openmpi-bin libopenmpi-dev) or "
-    )
+    assert status["mpi"].startswith("mpirun not found: pip install 'semfab[peers]'")
+    assert "apt-get" not in status["mpi"]
 
     monkeypatch.setattr(peers, "_has_module", lambda name: name != "kernels.reference")
     monkeypatch.setattr(peers, "_find_mpirun", lambda: "/usr/bin/mpirun")
     assert peer_status() == _status(REFERENCE_MISSING, REFERENCE_MISSING)
+
+
+def _fake_exe(folder: Path, name: str) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    exe = folder / name
+    exe.write_text("#!/bin/sh\nexit 0\n")
+    exe.chmod(0o755)
+    return exe
+
+
+def test_mpirun_beside_the_interpreter_comes_first(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A venv with Open MPI's wheel has mpirun next to its python; it must win
+    # over one on PATH, whose MPI may not be the one mpi4py loads.
+    venv_bin, path_bin = tmp_path / "venv" / "bin", tmp_path / "usr" / "bin"
+    mine = _fake_exe(venv_bin, "mpirun")
+    _fake_exe(path_bin, "mpirun")
+    monkeypatch.setattr(peers.sys, "executable", str(venv_bin / "python"))
+    monkeypatch.setenv("PATH", str(path_bin))
+    assert peers._find_mpirun() == str(mine)
+    mine.unlink()
+    assert peers._find_mpirun() == str(path_bin / "mpirun")
+    monkeypatch.setenv("PATH", str(tmp_path / "nothing"))
+    assert peers._find_mpirun() is None
+
+
+@pytest.mark.parametrize("root", [True, False])
+def test_running_as_root_is_allowed_explicitly(
+    monkeypatch: pytest.MonkeyPatch, root: bool
+) -> None:
+    monkeypatch.setattr(peers, "_is_root", lambda: root)
+    monkeypatch.setattr(peers, "_mpi_flavour", lambda mpirun: "openmpi")
+    cmd = peers._mpi_launch("/x/mpirun", 2)
+    assert cmd[:3] == ["/x/mpirun", "-np", "2"]
+    assert ("--allow-run-as-root" in cmd) is root
+    env = peers._mpi_env({"A": "1"})
+    assert env["A"] == "1"
+    for var in ("OMPI_ALLOW_RUN_AS_ROOT", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM"):
+        assert (env.get(var) == "1") is root
 
 
 @pytest.mark.parametrize("runner", [run_gloo, run_mpi])
@@ -146,7 +186,7 @@ def test_mpi_two_workers(launched: list[subprocess.Popen[bytes]]) -> None:
     rows = run_mpi(2, SIZES, warmup=1, iters=3, check=True, timeout_s=60)
     _assert_measured(rows, "mpi", 2)
     # One mpirun (besides `mpirun --version`); its ranks are checked through its session.
-    assert sum("bench.peer_mpi" in proc.args for proc in launched) == 1
+    assert sum("bench.peer_mpi" in list(proc.args) for proc in launched) == 1  # type: ignore[arg-type]
 
 
 def test_timeout_gives_failed_rows_and_no_leftovers(
