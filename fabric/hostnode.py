@@ -36,20 +36,18 @@ class HostStats:
 class HostAggregator:
     """Sum host-ps chunks from every member; reply once all have arrived."""
 
-    _OPS = {"sum": np.add, "max": np.maximum, "min": np.minimum}
-
     def __init__(self) -> None:
         self._pending: dict[tuple[int, int], _Pending] = {}
         self.stats = HostStats()
 
     def on_message(self, src: int, body: bytes | memoryview) -> list[tuple[int, bytes]]:
         """Handle one host-ps message from node ``src``; returns ``[(dst, reply)]``."""
-        from kernels.dtypes import np_dtype
+        from kernels.dtypes import UFUNCS, np_dtype
 
         try:
             m: dict[str, Any] = msgpack.unpackb(body)
             seq, chunk, members = int(m["seq"]), int(m["chunk"]), [int(v) for v in m["members"]]
-            reduce = self._OPS[m["op"]]
+            reduce = UFUNCS[m["op"]]
             data = np.frombuffer(m["data"], dtype=np_dtype(m["dtype"]))
         except (KeyError, TypeError, ValueError, msgpack.UnpackException) as exc:
             raise FrameError(NackCode.MALFORMED, f"bad host-ps message: {exc}") from None

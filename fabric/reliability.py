@@ -180,6 +180,16 @@ def psn_diff(a: int, b: int) -> int:
     return ((a - b + _HALF) & PSN_MASK) - _HALF
 
 
+def unwrap_psn(psn: int, last: int) -> int:
+    """The unbounded sequence number nearest ``last`` whose low 32 bits are ``psn``."""
+    cand = (last & ~PSN_MASK) | psn
+    if cand - last > _HALF:
+        cand -= PSN_MOD
+    elif last - cand > _HALF:
+        cand += PSN_MOD
+    return max(cand, 0)
+
+
 def psn_lt(a: int, b: int) -> bool:
     """True when ``a`` precedes ``b`` in serial order (undefined at distance 2**31)."""
     return psn_diff(a, b) < 0

@@ -28,6 +28,8 @@ INT_DTYPES = ("int32", "int64")
 
 OPS: tuple[str, ...] = ("sum", "max", "min")
 OP_SUM, OP_MAX, OP_MIN = 0, 1, 2
+#: The NumPy ufunc of each reduction op (host-side reductions everywhere).
+UFUNCS: dict[str, Any] = {"sum": np.add, "max": np.maximum, "min": np.minimum}
 
 
 def np_dtype(name: str | np.dtype | type) -> np.dtype:
@@ -60,3 +62,9 @@ def op_code(op: str) -> int:
         return OPS.index(op)
     except ValueError:
         raise ValueError(f"unknown op {op!r}; valid ops: {', '.join(OPS)}") from None
+
+
+def byte_view(a: np.ndarray) -> np.ndarray:
+    """``a``'s bytes as a uint8 array, no copy: what sockets and codecs are given
+    (Python's buffer protocol has no code for bfloat16)."""
+    return a.reshape(-1).view(np.uint8)

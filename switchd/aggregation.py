@@ -34,8 +34,10 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Final, TypeAlias
 
-import ml_dtypes
 import numpy as np
+
+from kernels.dtypes import DTYPES as _DTYPES
+from kernels.dtypes import UFUNCS as _OP_UFUNCS
 
 __all__ = [
     "DTYPES",
@@ -63,14 +65,8 @@ class AggOp(StrEnum):
     MIN = "min"
 
 
-#: Element types the engine reduces, by the names used in frames and job specs.
-DTYPES: Final[dict[str, np.dtype[Any]]] = {
-    "float32": np.dtype(np.float32),
-    "float16": np.dtype(np.float16),
-    "bfloat16": np.dtype(ml_dtypes.bfloat16),
-    "int32": np.dtype(np.int32),
-    "int64": np.dtype(np.int64),
-}
+#: Element types the engine reduces: the project's one dtype registry.
+DTYPES: Final[dict[str, np.dtype[Any]]] = _DTYPES
 
 #: NACK codes a :class:`Rejected` may carry (names match ``fabric.frame.NackCode``).
 #: The engine itself emits UNKNOWN_JOB, NO_RESOURCE, PERMISSION, OUT_OF_WINDOW and
@@ -79,7 +75,8 @@ NACK_CODES: Final[frozenset[str]] = frozenset(
     {"BAD_KEY", "PERMISSION", "OUT_OF_WINDOW", "NO_RESOURCE", "MALFORMED", "UNKNOWN_JOB"}
 )
 
-MAX_MEMBERS: Final = 64
+#: Members of one job at one switch (bitmaps are Python ints: no word limit).
+MAX_MEMBERS: Final = 4096
 MAX_JOB_ID: Final = 0xFFFF
 DEFAULT_MAX_SLOTS: Final = 1 << 16
 
@@ -218,11 +215,7 @@ class EngineStats:
 
 # ------------------------------------------------------------------ internals
 
-_UFUNCS: Final[dict[AggOp, Callable[..., Any]]] = {
-    AggOp.SUM: np.add,
-    AggOp.MAX: np.maximum,
-    AggOp.MIN: np.minimum,
-}
+_UFUNCS: Final[dict[AggOp, Callable[..., Any]]] = {op: _OP_UFUNCS[op.value] for op in AggOp}
 
 
 _NO_DATA: Final = np.empty(0)  # stands in for data on referenced jobs (never read)

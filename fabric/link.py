@@ -1,0 +1,215 @@
+"""LinkPipeline: one direction of one emulated link, sans-IO.
+
+A frame pushed into the pipeline goes through, in this order:
+
+1. **faults** (:class:`fabric.faults.FaultInjector`, seeded): loss, bursts,
+   duplication, reordering, corruption, delay;
+2. **shaping** (:class:`LinkShaper`): it waits for the link to be free, occupies
+   it for its serialisation time at the link's bandwidth, then travels
+   ``latency_us``; a memory-plane frame is charged the bytes it names (the load
+   or store it stands for);
+3. **the hold queue**: it comes out of :meth:`LinkPipeline.pop_due` at its time.
+
+Every link direction has exactly one pipeline, owned by whoever drives that
+direction (the switch daemon for its ports in emulation, the simulator for
+every link), so a frame is shaped and faulted once per link it crosses.
+
+Items are ``(header, payload)`` pairs; the pipeline's owner knows where the
+link leads.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass, field
+from typing import Any
+
+from fabric import frame as fr
+from fabric.faults import FaultInjector, FaultSpec, FaultStats
+from fabric.frame import Flag, FrameError
+from fabric.topology import LinkParams
+
+__all__ = ["LinkPipeline", "LinkShaper", "PipelineStats", "wire_bytes"]
+
+Item = tuple[Any, Any]
+
+
+class LinkShaper:
+    """Serialisation + propagation delay of one link direction (seconds).
+
+    A frame of ``n`` bytes entering at ``now`` starts when the link is free,
+    occupies it for ``n * 8 / bandwidth`` and arrives ``latency`` later: the
+    store-and-forward model of one switch port. Departures never decrease, so
+    deliveries on one link are never reordered.
+    """
+
+    def __init__(self, params: LinkParams) -> None:
+        self.params = params
+        self._free_at = 0.0
+        self._latency_s = params.latency_us / 1e6
+        self.frames = 0
+        self.bytes = 0
+        self.busy_s = 0.0
+
+    @property
+    def active(self) -> bool:
+        """False when the link adds neither delay nor a bandwidth limit."""
+        return self.params.shaped or self.params.latency_us > 0
+
+    def schedule(self, nbytes: int, now: float) -> float:
+        """Deliver time of ``nbytes`` entering the link at ``now``."""
+        start = now if now > self._free_at else self._free_at
+        wire = self.params.serialization_us(nbytes) / 1e6
+        self._free_at = start + wire
+        self.frames += 1
+        self.bytes += nbytes
+        self.busy_s += wire
+        return self._free_at + self._latency_s
+
+    def backlog_s(self, now: float) -> float:
+        """How long a frame entering now would wait for the link to be free."""
+        return max(self._free_at - now, 0.0)
+
+
+def wire_bytes(header: Any, payload: Any) -> int:
+    """Bytes a frame puts on its link: a referenced (memory-plane) frame also
+    moves the ``length`` bytes it names, loaded or stored over that link."""
+    size = len(header) + (memoryview(payload).nbytes if payload is not None else 0)
+    try:
+        _op, flags, _s, _j, _p, _k, _o, length = fr.peek(header)
+    except FrameError:
+        return size
+    return size + length if flags & Flag.REF else size
+
+
+@dataclass(frozen=True)
+class PipelineStats:
+    """What one link direction did."""
+
+    frames: int
+    bytes: int
+    busy_s: float
+    held: int
+    lost_by_op: dict[str, int] = field(default_factory=dict)
+    faults: FaultStats | None = None
+
+
+def _split(blob: bytes) -> tuple[bytes, memoryview | None]:
+    """A contiguous (possibly corrupted) frame back into header and payload."""
+    head_len = fr.HEADER_SIZE + (fr.CRC_SIZE if len(blob) > 2 and blob[2] & Flag.CRC else 0)
+    if len(blob) <= head_len:
+        return blob, None
+    view = memoryview(blob)
+    return bytes(view[:head_len]), view[head_len:]
+
+
+class LinkPipeline:
+    """Faults, then shaping, then the hold queue, for one direction of one link."""
+
+    def __init__(self, params: LinkParams | None = None, faults: FaultSpec | None = None,
+                 *, seed: int = 0, stream: str = "") -> None:
+        self.shaper = LinkShaper(params) if params is not None else None
+        if self.shaper is not None and not self.shaper.active:
+            self.shaper = None
+        self.injector = (FaultInjector(faults, seed, stream=stream)
+                         if faults is not None and not faults.clean else None)
+        self._held: list[tuple[float, int, Item]] = []
+        self._seq = itertools.count()
+        # Without corruption the injector decides on an 8-byte token that stands
+        # for the frame, so a large payload is not copied per link.
+        self._tokens: dict[bytes, Item] = {}
+        self._token_seq = itertools.count()
+        self._lost_by_op: dict[str, int] = {}
+
+    @property
+    def active(self) -> bool:
+        """False when frames pass straight through (no shaping, no faults)."""
+        return self.shaper is not None or self.injector is not None
+
+    def push(self, item: Item, now: float) -> None:
+        """A frame ``(header, payload)`` enters the link at ``now``."""
+        inj = self.injector
+        if inj is None:
+            self._shape(item, now)
+            return
+        for at, arrived in self._inject(inj, item, now):
+            self._shape(arrived, max(at, now))
+
+    def pop_due(self, now: float) -> list[Item]:
+        """Every frame whose arrival time has come, in arrival order."""
+        if self.injector is not None and self.injector.next_deadline() is not None:
+            for at, arrived in self._resolve(self.injector.poll(now)):
+                self._shape(arrived, max(at, now))
+        out: list[Item] = []
+        held = self._held
+        while held and held[0][0] <= now:
+            out.append(heapq.heappop(held)[2])
+        return out
+
+    def get_timer(self) -> float | None:
+        """When :meth:`pop_due` next has something, or None."""
+        due = self._held[0][0] if self._held else None
+        if self.injector is not None:
+            d = self.injector.next_deadline()
+            if d is not None and (due is None or d < due):
+                due = d
+        return due
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def statistics(self) -> PipelineStats:
+        """A frozen snapshot."""
+        sh = self.shaper
+        return PipelineStats(
+            frames=sh.frames if sh else 0, bytes=sh.bytes if sh else 0,
+            busy_s=sh.busy_s if sh else 0.0, held=len(self._held),
+            lost_by_op=dict(self._lost_by_op),
+            faults=self.injector.statistics() if self.injector is not None else None)
+
+    # ------------------------------------------------------------------ internals
+    def _shape(self, item: Item, now: float) -> None:
+        if self.shaper is None:
+            due = now
+        else:
+            due = self.shaper.schedule(wire_bytes(item[0], item[1]), now)
+        heapq.heappush(self._held, (due, next(self._seq), item))
+
+    def _inject(self, inj: FaultInjector, item: Item, now: float) -> list[tuple[float, Item]]:
+        header, payload = item
+        lost_before = inj.statistics().lost
+        token = b""
+        if inj.spec.corrupt:
+            blob = bytes(header) + (memoryview(payload).tobytes() if payload is not None else b"")
+            out = self._resolve(inj.apply(blob, now))
+        else:
+            token = next(self._token_seq).to_bytes(8, "little")
+            self._tokens[token] = item
+            out = self._resolve(inj.apply(token, now))
+        if inj.statistics().lost != lost_before:
+            try:
+                name = fr.peek(header)[0].name
+            except FrameError:
+                name = "MALFORMED"
+            self._lost_by_op[name] = self._lost_by_op.get(name, 0) + 1
+            self._tokens.pop(token, None)
+        return out
+
+    def _resolve(self, arrivals: list[tuple[float, bytes]]) -> list[tuple[float, Item]]:
+        """Injector arrivals back into items (tokens, or corrupted copies).
+
+        All copies of one frame come out of the injector in the same call, so a
+        token is forgotten once that call's arrivals are resolved."""
+        out: list[tuple[float, Item]] = []
+        done = set()
+        for at, blob in arrivals:
+            known = self._tokens.get(blob) if len(blob) == 8 else None
+            if known is not None:
+                out.append((at, known))
+                done.add(blob)
+            else:
+                out.append((at, _split(blob)))
+        for token in done:
+            del self._tokens[token]
+        return out

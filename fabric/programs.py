@@ -1,0 +1,653 @@
+"""Collective programs: the node side of every collective, sans-IO.
+
+A program is a small state machine over one node's protocol state
+(:class:`NodeState`). It never touches a socket or a clock; a driver runs it:
+
+    sends = prog.start(now)              # [(header, payload)] to the node's switch
+    if prog.wants(frame): sends = prog.handle_frame(frame, now)
+    prog.get_timer() / prog.handle_timer(now)
+    prog.done, prog.result
+
+The simulator (:mod:`fabric.sim`) drives these programs in virtual time. Each
+program exists in two data modes: with arrays (``data=True``: exact results,
+element by element) and timing-only (``data=False``: the same frames, but
+every payload is a view of one shared zero buffer and results are not kept,
+so a 1024-rank 64 MiB run needs no 64 GiB of memory).
+
+Errors are those of the emulated paths: :class:`~fabric.errors.FabricTimeout`
+when a peer stays silent past ``timeout_s``, :class:`~fabric.errors.PeerFailed`
+when it refuses.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Generator
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from fabric import control
+from fabric import frame as fr
+from fabric.errors import FabricTimeout, PeerFailed, UsageError
+from fabric.frame import Flag, NackCode, Op
+from fabric.reliability import PSN_MASK
+from fabric.semantic import SemanticCounts
+from fabric.timers import ChunkTimers, RttEstimator
+from fabric.topology import Topology
+from kernels.dtypes import UFUNCS, byte_view, np_dtype
+
+__all__ = [
+    "CTRL_RETRY_S",
+    "Chain",
+    "HostPsAllreduce",
+    "HostRingAllreduce",
+    "InaAllreduce",
+    "JobState",
+    "NodeState",
+    "Program",
+    "Request",
+    "allreduce_program",
+    "barrier_program",
+]
+
+Send = tuple[bytes, Any]
+
+#: Flow ids that tell a host-staged message's kind apart at the receiver.
+HOST_PS_FLOW = 2
+RING_FLOW = 3
+#: Default bytes of one chunk per path (one frame on the frame plane).
+DEFAULT_CHUNK_BYTES = {"ina": 256 * 1024, "host-ps": 256 * 1024, "host-ring": 256 * 1024}
+#: Default window (chunks in flight) per path.
+DEFAULT_SLOTS = {"ina": 8, "host-ps": 8}
+#: First resend interval of a control request (doubles up to CTRL_RETRY_MAX_S).
+CTRL_RETRY_S = 0.05
+CTRL_RETRY_MAX_S = 1.0
+#: Floor of the aggregation retransmit timeout (seconds).
+AGG_RTO_MIN_S = 0.02
+#: NACK codes that mean "your frame was damaged on the way": send it again.
+RESEND_CODES = frozenset({NackCode.BAD_CHECKSUM})
+
+
+@dataclass
+class JobState:
+    """A registered aggregation job as one worker sees it."""
+
+    job: int
+    slots: int
+    slot_elems: int
+    granted: bool
+    reason: str
+    next_chunk: int = 0
+
+
+@dataclass
+class NodeState:
+    """One node's protocol state: ids, sequence numbers, jobs, counters."""
+
+    topo: Topology
+    name: str
+    timeout_s: float = 30.0
+    crc: bool = False
+    chunk_bytes: dict[str, int] = field(default_factory=dict)
+    slots: dict[str, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        topo = self.topo
+        self.node = topo.node(self.name)
+        self.node_id = self.node.id
+        workers = topo.workers
+        self.world = len(workers)
+        self.worker_ids = tuple(w.id for w in workers)
+        self.rank = self.worker_ids.index(self.node_id) if self.node.kind == "worker" else -1
+        self.switch_name = topo.switch_of(self.name)
+        self.switch_id = topo.node(self.switch_name).id
+        self.host_id = topo.hosts[0].id if topo.hosts else None
+        self.root_switch_id = topo.node(topo.tree_root()).id
+        link = topo.link_between(self.name, self.switch_name)
+        self.mtu = link.params.mtu if link is not None else 256 * 1024
+        self.rtt = RttEstimator(rto_min=AGG_RTO_MIN_S)
+        self.jobs: dict[tuple[str, str, str], JobState] = {}
+        self.job_seq = itertools.count(1)
+        self.coll_seq = itertools.count(1)
+        self.barrier_seq = itertools.count(1)
+        self.semantics: dict[str, SemanticCounts] = {}
+        self.fallbacks: list[str] = []
+        self.retransmits = 0
+        self.duplicates = 0
+        self._route_cost: dict[int, tuple[int, int]] = {}
+
+    def sem(self, path: str) -> SemanticCounts:
+        """The semantic-distance counters of ``path``."""
+        return self.semantics.setdefault(path, SemanticCounts())
+
+    def chunk_elems(self, path: str, itemsize: int) -> int:
+        """Elements of one chunk on ``path`` (one frame on the frame plane)."""
+        nbytes = min(self.chunk_bytes.get(path, DEFAULT_CHUNK_BYTES[path]), self.mtu)
+        return max(nbytes // itemsize, 1)
+
+    def route_cost(self, dst: int) -> tuple[int, int]:
+        """(hops, crossings) of one payload sent from this node to node ``dst``."""
+        cost = self._route_cost.get(dst)
+        if cost is None:
+            switches = len(self.topo.route(self.name, self.topo.by_id(dst).name))
+            cost = self._route_cost[dst] = (switches, switches + 1)
+        return cost
+
+
+class Program:
+    """Base of every program (see the module doc)."""
+
+    done = False
+    result: Any = None
+
+    def start(self, now: float) -> list[Send]:
+        """Begin; what to send first."""
+        return []
+
+    def wants(self, f: fr.Frame) -> bool:
+        """True for frames this program consumes (the demultiplexing rule)."""
+        return False
+
+    def handle_frame(self, f: fr.Frame, now: float) -> list[Send]:
+        """A frame it wants arrived."""
+        return []
+
+    def get_timer(self) -> float | None:
+        """Its next deadline, or None."""
+        return None
+
+    def handle_timer(self, now: float) -> list[Send]:
+        """Its deadline passed."""
+        return []
+
+
+# ---------------------------------------------------------------------- control
+class Request(Program):
+    """A control request to a switch, resent with backoff until its reply comes.
+
+    Control requests are idempotent, so a lost request or reply costs only a
+    resend; ``timeout_s`` after the first send it fails naming the peer.
+    """
+
+    def __init__(self, st: NodeState, t: str, reply: str, *, dst: int | None = None,
+                 match: Callable[[dict[str, Any]], bool] | None = None, **fields: Any) -> None:
+        self.st, self.t, self.reply, self.match = st, t, reply, match
+        self.dst = st.switch_id if dst is None else dst
+        self.frame = fr.encode(Op.CTRL, src=st.node_id, dst=self.dst,
+                               payload=control.pack(t, **fields), crc=st.crc)
+        self._retry = CTRL_RETRY_S
+        self._due = 0.0
+        self._give_up = 0.0
+
+    def start(self, now: float) -> list[Send]:
+        self._give_up = now + self.st.timeout_s
+        self._due = now + self._retry
+        return [(self.frame, None)]
+
+    def wants(self, f: fr.Frame) -> bool:
+        if f.op is Op.NACK:
+            return f.src == self.dst and f.psn == 0 and f.job == 0
+        if f.op is not Op.CTRL:
+            return False
+        try:
+            m = control.parse(f.payload)
+        except fr.FrameError:
+            return False
+        return m.get("t") == self.reply and (self.match is None or self.match(m))
+
+    def handle_frame(self, f: fr.Frame, now: float) -> list[Send]:
+        if f.op is Op.NACK:
+            if f.nack_code in (NackCode.BAD_CHECKSUM, NackCode.MALFORMED):
+                return []  # damaged on the way: the timer sends it again
+            raise PeerFailed(f"{self.st.name}: node {self.dst} refused control request "
+                             f"{self.t!r}: {f.nack_code.name}")
+        self.done = True
+        self.result = control.parse(f.payload)
+        return []
+
+    def get_timer(self) -> float | None:
+        return None if self.done else self._due
+
+    def handle_timer(self, now: float) -> list[Send]:
+        if self.done or now < self._due:
+            return []
+        if now >= self._give_up:
+            raise FabricTimeout(f"{self.st.name}: control request {self.t!r} to node "
+                                f"{self.dst}: no answer within {self.st.timeout_s:g}s")
+        self._retry = min(self._retry * 2, CTRL_RETRY_MAX_S)
+        self._due = min(now + self._retry, self._give_up)
+        return [(self.frame, None)]
+
+
+class Chain(Program):
+    """A program made of programs: ``steps`` is a generator that yields each
+    sub-program and receives its result (``x = yield Request(...)``)."""
+
+    def __init__(self, steps: Generator[Program, Any, Any]) -> None:
+        self.steps = steps
+        self.current: Program | None = None
+
+    def _advance(self, value: Any, now: float) -> list[Send]:
+        out: list[Send] = []
+        while True:
+            try:
+                self.current = self.steps.send(value)
+            except StopIteration as stop:
+                self.current = None
+                self.done = True
+                self.result = stop.value
+                return out
+            out.extend(self.current.start(now))
+            if not self.current.done:
+                return out
+            value = self.current.result
+
+    def start(self, now: float) -> list[Send]:
+        return self._advance(None, now)
+
+    def wants(self, f: fr.Frame) -> bool:
+        return self.current is not None and self.current.wants(f)
+
+    def handle_frame(self, f: fr.Frame, now: float) -> list[Send]:
+        assert self.current is not None
+        out = self.current.handle_frame(f, now)
+        if self.current.done:
+            out.extend(self._advance(self.current.result, now))
+        return out
+
+    def get_timer(self) -> float | None:
+        return None if self.current is None else self.current.get_timer()
+
+    def handle_timer(self, now: float) -> list[Send]:
+        assert self.current is not None
+        out = self.current.handle_timer(now)
+        if self.current.done:
+            out.extend(self._advance(self.current.result, now))
+        return out
+
+
+def barrier_program(st: NodeState) -> Program:
+    """Wait until every worker reached this barrier (counted by the tree root)."""
+    bid = next(st.barrier_seq)
+    return Request(st, "barrier", "barrier_done", dst=st.root_switch_id,
+                   match=lambda m: m.get("id") == bid, id=bid, n=st.world)
+
+
+# ---------------------------------------------------------------------- tensors
+_ZEROS: dict[tuple[str, int], np.ndarray] = {}
+
+
+def zeros(dtype: str, n: int) -> np.ndarray:
+    """A shared read-only zero payload of ``n`` elements (timing-only mode)."""
+    z = _ZEROS.get((dtype, n))
+    if z is None:
+        z = _ZEROS[(dtype, n)] = np.zeros(n, np_dtype(dtype))
+        z.flags.writeable = False
+    return z
+
+
+@dataclass
+class Tensor:
+    """What a collective reduces: real elements, or (timing-only) just a size."""
+
+    count: int
+    dtype: str
+    x: np.ndarray | None = None
+    out: np.ndarray | None = None
+
+    @property
+    def itemsize(self) -> int:
+        return np_dtype(self.dtype).itemsize
+
+
+def _job_program(st: NodeState, path: str, t: Tensor, op: str,
+                 referenced: bool) -> Generator[Program, Any, JobState]:
+    key = (path, t.dtype, op)
+    js = st.jobs.get(key)
+    if js is not None:
+        return js
+    # Workers call collectives in the same order, so the same job id comes out.
+    job = next(st.job_seq)
+    slots = st.slots.get(path, DEFAULT_SLOTS[path])
+    elems = st.chunk_elems(path, t.itemsize)
+    reply = yield Request(st, "job", "job_reply", job=job, members=list(st.worker_ids),
+                          dtype=t.dtype, op=op, slots=slots, slot_elems=elems,
+                          referenced=referenced, match=lambda m: m.get("job") == job)
+    js = JobState(job, slots, elems, bool(reply.get("granted")), str(reply.get("reason", "")))
+    if not js.granted:
+        st.fallbacks.append(f"{path} job {job} refused by switch ({js.reason}); falling back "
+                            f"to {'host-ps' if st.host_id is not None else 'host-ring'}")
+    st.jobs[key] = js
+    return js
+
+
+class InaAllreduce(Program):
+    """Frame-plane in-network allreduce: each chunk sent once, its result received once.
+
+    Windows are self-clocked (SwitchML): chunk ``i + S`` goes out when chunk
+    ``i``'s result came back. A chunk without a result by its RFC 6298 timer
+    (or overtaken by three later results) is sent again; the switch's bitmaps
+    make the copy count once.
+    """
+
+    def __init__(self, st: NodeState, t: Tensor, op: str, js: JobState, *,
+                 data: bool = True) -> None:
+        self.st, self.t, self.js, self.data = st, t, js, data
+        self.E, self.S, self.n = js.slot_elems, js.slots, t.count
+        self.nch = -(-self.n // self.E)
+        self.base = js.next_chunk
+        js.next_chunk += self.nch
+        self.msg = next(st.coll_seq) & PSN_MASK
+        self.code = fr.dtype_from_name(t.dtype)
+        self.item = t.itemsize
+        self.timers = ChunkTimers(st.rtt, st.timeout_s)
+        self.got = bytearray(self.nch)
+        self.left = self.nch
+        self.flags = Flag.CRC if st.crc else Flag.NONE
+        self.result = t.out
+
+    def _frame(self, i: int, retx: bool) -> Send:
+        st, E = self.st, self.E
+        flags = self.flags | (Flag.RETX if retx else 0)
+        psn = (self.base + i) & PSN_MASK
+        if self.data:
+            assert self.t.x is not None
+            seg = self.t.x[i * E: min(self.n, (i + 1) * E)]
+        else:
+            seg = zeros(self.t.dtype, min(self.n - i * E, E))
+        seg = byte_view(seg)
+        return (fr.encode_header(Op.REDUCE, src=st.node_id, dst=st.switch_id,
+                                 job=self.js.job, psn=psn, dtype=self.code, msg=self.msg,
+                                 payload=seg, flags=flags, crc=st.crc), seg)
+
+    def start(self, now: float) -> list[Send]:
+        out = []
+        for i in range(min(self.S, self.nch)):
+            out.append(self._frame(i, False))
+            self.timers.sent(i, now)
+        if self.nch == 0:
+            self.done = True
+        return out
+
+    def wants(self, f: fr.Frame) -> bool:
+        return f.job == self.js.job and (f.op is Op.RESULT or f.op is Op.NACK)
+
+    def handle_frame(self, f: fr.Frame, now: float) -> list[Send]:
+        i = (f.psn - self.base) & PSN_MASK
+        if f.op is Op.NACK:
+            if f.nack_code in RESEND_CODES:
+                if i < self.nch and not self.got[i]:
+                    self.st.retransmits += 1
+                    return [self._frame(i, True)]
+                return []
+            raise PeerFailed(f"{self.st.name}: switch refused chunk {f.psn} of job {f.job}: "
+                             f"{f.nack_code.name}")
+        if i >= self.nch or self.got[i]:  # a late copy of a result we already have
+            self.st.duplicates += 1
+            return []
+        E = self.E
+        count = min(self.n - i * E, E)
+        if f.length != count * self.item:
+            raise PeerFailed(f"{self.st.name}: RESULT for chunk {i} has {f.length} B, "
+                             f"expected {count * self.item} B")
+        if self.data:
+            assert self.t.out is not None
+            self.t.out[i * E: i * E + count] = np.frombuffer(f.payload, dtype=self.t.out.dtype)
+        self.got[i] = 1
+        self.left -= 1
+        out = [self._frame(lost, True) for lost in self.timers.acked(i, now)[1]]
+        if i + self.S < self.nch:
+            out.append(self._frame(i + self.S, False))
+            self.timers.sent(i + self.S, now)
+        if self.left == 0:
+            self.done = True
+            self.st.retransmits += self.timers.retransmits
+            sem = self.st.sem("ina")
+            sem.chunks += self.nch
+            sem.copies += self.nch
+            sem.crossings += 2 * self.nch
+            sem.hops += self.nch
+        return out
+
+    def get_timer(self) -> float | None:
+        return None if self.done else self.timers.next_deadline()
+
+    def handle_timer(self, now: float) -> list[Send]:
+        resend, dead = self.timers.expired(now)
+        if dead:
+            raise FabricTimeout(
+                f"{self.st.name}: allreduce ina job {self.js.job}: no result for chunk "
+                f"{dead[0]} from switch {self.st.switch_name!r} within {self.st.timeout_s:g}s "
+                f"({self.timers.retransmits} retransmissions)")
+        return [self._frame(i, True) for i in resend]
+
+
+class HostRingAllreduce(Program):
+    """Ring reduce-scatter + all-gather between workers through the switches.
+
+    Each step sends this rank's segment to the right neighbour, one frame per
+    chunk, and combines (or copies) what comes from the left.
+    """
+
+    def __init__(self, st: NodeState, t: Tensor, op: str, *, data: bool = True,
+                 label: str = "host-ring") -> None:
+        self.st, self.t, self.data, self.label = st, t, data, label
+        W, r, n = st.world, st.rank, t.count
+        self.W, self.r, self.n = W, r, n
+        self.E = st.chunk_elems("host-ring", t.itemsize)
+        self.bounds = [(n * k) // W for k in range(W + 1)]
+        self.right = st.worker_ids[(r + 1) % W]
+        self.left_id = st.worker_ids[(r - 1) % W]
+        self.msg = next(st.coll_seq) & PSN_MASK
+        self.reduce = UFUNCS[op]
+        self.code = fr.dtype_from_name(t.dtype)
+        self.staged = np.array(t.x, copy=True) if data and t.x is not None else None
+        self.step = 0
+        self.expect = 0  # frames of this step still to come from the left
+        self.early: dict[int, fr.Frame] = {}  # frames of later steps, by psn
+        self.result = t.out
+        self.hops, self.crossings = st.route_cost(self.right)
+
+    def _segment(self, k: int) -> tuple[int, int]:
+        return self.bounds[k], self.bounds[k + 1]
+
+    def _ks(self, step: int) -> tuple[int, int, bool]:
+        W, r = self.W, self.r
+        if step < W - 1:
+            return (r - step) % W, (r - step - 1) % W, True
+        s = step - (W - 1)
+        return (r + 1 - s) % W, (r - s) % W, False
+
+    def _sends(self, step: int) -> list[Send]:
+        send_k, _recv_k, _ = self._ks(step)
+        lo, hi = self._segment(send_k)
+        out: list[Send] = []
+        st, E = self.st, self.E
+        sem = st.sem(self.label)
+        for j in range(-(-(hi - lo) // E)):
+            a, b = lo + j * E, min(hi, lo + (j + 1) * E)
+            psn = (step << 16) | j
+            if self.data:
+                assert self.staged is not None
+                part = self.staged[a:b]
+            else:
+                part = zeros(self.t.dtype, b - a)
+            part = byte_view(part)
+            out.append((fr.encode_header(Op.WRITE, src=st.node_id, dst=self.right,
+                                         flow=RING_FLOW, psn=psn, msg=self.msg,
+                                         dtype=self.code, payload=part, crc=st.crc), part))
+            sem.hops += self.hops
+            sem.crossings += self.crossings
+        return out
+
+    def _begin_step(self) -> list[Send]:
+        _s, recv_k, _ = self._ks(self.step)
+        lo, hi = self._segment(recv_k)
+        self.expect = -(-(hi - lo) // self.E)
+        self.seen = bytearray(self.expect)
+        return self._sends(self.step)
+
+    def start(self, now: float) -> list[Send]:
+        nch = -(-self.n // self.E)
+        self.st.sem(self.label).copies += nch
+        if self.W == 1 or self.n == 0:
+            if self.data and self.t.out is not None and self.t.x is not None:
+                np.copyto(self.t.out, self.t.x)
+            self.done = True
+            return []
+        out = self._begin_step()
+        while self.expect == 0 and not self.done:  # empty segments (tiny tensors)
+            out.extend(self._finish_step())
+        return out
+
+    def wants(self, f: fr.Frame) -> bool:
+        return (f.op is Op.WRITE and f.flow == RING_FLOW and f.src == self.left_id
+                and f.msg == self.msg)
+
+    def handle_frame(self, f: fr.Frame, now: float) -> list[Send]:
+        if f.psn >> 16 < self.step:
+            return []  # a late copy of an earlier step
+        # frames of later steps wait here (the left neighbour is ahead of us)
+        self.early.setdefault(f.psn, f)
+        out: list[Send] = []
+        while not self.done:
+            ready = [p for p in self.early if p >> 16 == self.step]
+            for psn in ready:
+                self._take(self.early.pop(psn))
+            if self.expect:
+                return out
+            out.extend(self._finish_step())
+        return out
+
+    def _take(self, f: fr.Frame) -> None:
+        j = f.psn & 0xFFFF
+        if j >= len(self.seen) or self.seen[j]:
+            return
+        self.seen[j] = 1
+        _s, recv_k, combine = self._ks(self.step)
+        if self.data:
+            assert self.staged is not None
+            lo, hi = self._segment(recv_k)
+            a, b = lo + j * self.E, min(hi, lo + (j + 1) * self.E)
+            incoming = np.frombuffer(f.payload, dtype=self.staged.dtype)
+            if incoming.size != b - a:
+                raise PeerFailed(f"{self.st.name}: ring frame of {incoming.size} elements, "
+                                 f"expected {b - a}")
+            target = self.staged[a:b]
+            if combine:
+                self.reduce(target, incoming, out=target)
+            else:
+                np.copyto(target, incoming)
+        self.st.sem(self.label).copies += 1
+        self.expect -= 1
+
+    def _finish_step(self) -> list[Send]:
+        """This step's segment is complete: begin the next (or finish)."""
+        self.step += 1
+        if self.step == 2 * (self.W - 1):
+            self.done = True
+            nch = -(-self.n // self.E)
+            sem = self.st.sem(self.label)
+            sem.copies += nch
+            sem.chunks += nch
+            if self.data and self.t.out is not None:
+                assert self.staged is not None
+                np.copyto(self.t.out, self.staged)
+            return []
+        return self._begin_step()
+
+
+class HostPsAllreduce(Program):
+    """Host-staged parameter server: msgpack chunks to the host node, replies back."""
+
+    def __init__(self, st: NodeState, t: Tensor, op: str, *, label: str = "host-ps") -> None:
+        if st.host_id is None:
+            raise UsageError("host-ps needs a host node in the topology (kind = \"host\")")
+        if t.x is None:
+            raise UsageError("host-ps runs with data only (its messages are msgpack maps)")
+        self.st, self.t, self.op, self.label = st, t, op, label
+        self.E = st.chunk_elems("host-ps", t.itemsize) // 2  # room for the msgpack envelope
+        self.S = st.slots.get("host-ps", DEFAULT_SLOTS["host-ps"])
+        self.nch = -(-t.count // self.E)
+        self.msg = next(st.coll_seq) & PSN_MASK
+        self.staged = np.array(t.x, copy=True)
+        self.got = bytearray(self.nch)
+        self.left = self.nch
+        self.hops, self.crossings = st.route_cost(st.host_id)
+        self.result = t.out
+
+    def _frame(self, i: int) -> Send:
+        st, E = self.st, self.E
+        body = msgpack.packb({"seq": self.msg, "chunk": i, "members": list(st.worker_ids),
+                              "op": self.op, "dtype": self.t.dtype,
+                              "data": self.staged[i * E:(i + 1) * E].data})
+        sem = st.sem(self.label)
+        sem.encodes += 1
+        sem.copies += 1
+        sem.hops += self.hops
+        sem.crossings += self.crossings
+        assert st.host_id is not None
+        return (fr.encode_header(Op.WRITE, src=st.node_id, dst=st.host_id, flow=HOST_PS_FLOW,
+                                 psn=i, msg=self.msg, payload=body), body)
+
+    def start(self, now: float) -> list[Send]:
+        self.st.sem(self.label).copies += self.nch
+        if self.nch == 0:
+            self.done = True
+        return [self._frame(i) for i in range(min(self.S, self.nch))]
+
+    def wants(self, f: fr.Frame) -> bool:
+        return f.op is Op.WRITE and f.flow == HOST_PS_FLOW and f.msg == self.msg
+
+    def handle_frame(self, f: fr.Frame, now: float) -> list[Send]:
+        reply = msgpack.unpackb(f.payload)
+        sem = self.st.sem(self.label)
+        sem.encodes += 1
+        sem.copies += 1
+        i = int(reply["chunk"])
+        if not 0 <= i < self.nch or self.got[i]:
+            return []
+        self.got[i] = 1
+        self.left -= 1
+        assert self.t.out is not None
+        E = self.E
+        np.copyto(self.t.out[i * E:(i + 1) * E], np.frombuffer(reply["data"],
+                                                                dtype=self.t.out.dtype))
+        sem.copies += 1 + float(reply["h_copies"])
+        sem.encodes += float(reply["h_encodes"])
+        sem.hops += self.hops
+        sem.crossings += self.crossings
+        if self.left == 0:
+            self.done = True
+            sem.copies += self.nch
+            sem.chunks += self.nch
+            return []
+        return [self._frame(i + self.S)] if i + self.S < self.nch else []
+
+
+def allreduce_program(st: NodeState, t: Tensor, op: str = "sum", path: str = "ina", *,
+                      data: bool = True) -> Program:
+    """The program of one allreduce on ``path`` (ina, host-ring, host-ps).
+
+    An in-network job the switch refuses falls back to host-ps (or host-ring
+    without a host node), and the fallback is recorded in ``st.fallbacks``.
+    """
+    if path not in ("ina", "host-ring", "host-ps"):
+        raise UsageError(f"unknown path {path!r} in simulation; choose ina, host-ring "
+                         "or host-ps")
+    if op not in UFUNCS:
+        raise UsageError(f"unknown op {op!r}; choose one of {', '.join(UFUNCS)}")
+
+    def steps() -> Generator[Program, Any, Any]:
+        if path == "ina":
+            js = yield from _job_program(st, "ina", t, op, referenced=False)
+            if js.granted:
+                return (yield InaAllreduce(st, t, op, js, data=data))
+        if path == "host-ps" or (path == "ina" and st.host_id is not None and data):
+            return (yield HostPsAllreduce(st, t, op, label=path))
+        return (yield HostRingAllreduce(st, t, op, data=data, label=path))
+
+    return Chain(steps())

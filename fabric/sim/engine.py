@@ -1,0 +1,415 @@
+"""The simulator: the protocol core in virtual time.
+
+One :class:`Simulation` holds, for a topology, one
+:class:`~switchd.core.SwitchCore` per switch, one
+:class:`~fabric.link.LinkPipeline` per link direction, and per node its
+:class:`~fabric.programs.NodeState` and the program it runs. A heap of events
+(link deliveries, timers, workload resumptions) advances a virtual clock. No
+sockets, no processes, no wall clock: the same seed gives the same run.
+
+Timing model: the links' bandwidth, latency and MTU from the topology, plus
+an optional :class:`TimingModel` of per-frame and per-byte service times at
+switches and nodes (each a single server: a frame waits for the previous one).
+Zero costs simulate ideal hardware; ``semfab sim calibrate`` measures the
+costs of this machine's emulator.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import deque
+from collections.abc import Callable, Generator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from fabric import frame as fr
+from fabric.errors import SemfabError, UsageError
+from fabric.faults import FaultSpec, parse_faults
+from fabric.frame import FrameError, Op
+from fabric.hostnode import HostAggregator
+from fabric.link import LinkPipeline, wire_bytes
+from fabric.programs import (
+    HOST_PS_FLOW,
+    NodeState,
+    Program,
+    Tensor,
+    allreduce_program,
+    barrier_program,
+)
+from fabric.topology import Topology
+from fabric.workload import Allreduce, Barrier, Clock, Compute, Context, check_workload
+from switchd.core import SwitchCore
+
+__all__ = ["SimResult", "Simulation", "SimulationError", "TimingModel"]
+
+#: Frames a node keeps for a later program before it drops the oldest.
+STASH_LIMIT = 4096
+
+
+class SimulationError(SemfabError):
+    """A simulated workload failed (a node's error) or could never finish."""
+
+
+@dataclass(frozen=True)
+class TimingModel:
+    """Service times beyond the links (seconds per frame, seconds per byte)."""
+
+    switch_frame_s: float = 0.0
+    switch_byte_s: float = 0.0
+    node_frame_s: float = 0.0
+    node_byte_s: float = 0.0
+
+    @property
+    def ideal(self) -> bool:
+        return not (self.switch_frame_s or self.switch_byte_s or self.node_frame_s
+                    or self.node_byte_s)
+
+
+@dataclass
+class SimResult:
+    """What a run returned and what it cost."""
+
+    results: list[Any]  # per worker, in rank order
+    end_s: float  # virtual time when the last worker finished
+    events: int
+    frames: int  # frame deliveries over links
+    switch_stats: dict[str, Any] = field(default_factory=dict)
+    retransmits: int = 0
+    nodes: dict[str, NodeState] = field(default_factory=dict)
+
+
+class _Node:
+    __slots__ = ("state", "ctx", "gen", "prog", "stash", "host", "done", "result", "error",
+                 "busy", "timer_at", "uplink", "name", "port")
+
+    def __init__(self, state: NodeState) -> None:
+        self.state = state
+        self.name = state.name
+        self.port = state.name.encode()
+        self.ctx = Context(state.rank, state.world, state.name)
+        self.gen: Generator[Any, Any, Any] | None = None
+        self.prog: Program | None = None
+        self.stash: deque[fr.Frame] = deque()
+        self.host = HostAggregator() if state.node.kind == "host" else None
+        self.done = False
+        self.result: Any = None
+        self.error: BaseException | None = None
+        self.busy = 0.0
+        self.timer_at: float | None = None
+        self.uplink: LinkPipeline | None = None
+
+
+# event kinds
+_PIPE, _NODE_TIMER, _RESUME, _SWITCH_IN, _SWITCH_TIMER = range(5)
+
+
+class Simulation:
+    """A fabric of ``topo`` in virtual time (see the module doc)."""
+
+    def __init__(self, topo: Topology, *, seed: int = 0, faults: str | FaultSpec | None = None,
+                 timing: TimingModel | None = None, timeout_s: float = 30.0,
+                 memory_budget: int = 256 * 2**20, crc: bool = False) -> None:
+        self.topo = topo
+        self.timing = timing or TimingModel()
+        self.now = 0.0
+        self._heap: list[tuple[float, int, int, Any]] = []
+        self._seq = itertools.count()
+        self.events = 0
+        self.frames = 0
+        self.switches = {s.name: SwitchCore(topo, s.name, memory_budget=memory_budget)
+                         for s in topo.switches}
+        self._sw_busy = dict.fromkeys(self.switches, 0.0)
+        self.nodes: dict[str, _Node] = {}
+        for n in topo.nodes:
+            if not n.is_switch:
+                self.nodes[n.name] = _Node(NodeState(topo, n.name, timeout_s=timeout_s,
+                                                     crc=crc))
+        spec_all = parse_faults(faults) if faults is not None else None
+        # one pipeline per link direction: (from, to) -> pipeline
+        self.pipes: dict[tuple[str, str], LinkPipeline] = {}
+        self._pipe_at: dict[tuple[str, str], float] = {}
+        for link in topo.links:
+            a, b = link.endpoints
+            spec = spec_all if spec_all is not None else (
+                FaultSpec(loss=link.params.loss) if link.params.loss else None)
+            for x, y in ((a, b), (b, a)):
+                self.pipes[(x, y)] = LinkPipeline(link.params, spec, seed=seed,
+                                                  stream=f"{x}>{y}")
+        for node in self.nodes.values():
+            node.uplink = self.pipes[(node.name, node.state.switch_name)]
+        self._workers = [self.nodes[w.name] for w in topo.workers]
+
+    # ------------------------------------------------------------------ running
+    def run(self, workload: Callable[..., Generator[Any, Any, Any]], *args: Any,
+            until: float | None = None, **kwargs: Any) -> SimResult:
+        """Run ``workload(ctx, *args, **kwargs)`` on every worker to the end."""
+        check_workload(workload)
+        for sw, core in self.switches.items():
+            self._switch_out(sw, core.handle_timer(self.now), self.now)
+            self._schedule_switch_timer(sw)
+        self._drain(lambda: all(c.ready for c in self.switches.values()), None)
+        start = self.now
+        for node in self._workers:
+            node.gen = workload(node.ctx, *args, **kwargs)
+            node.done = False
+            self._resume(node, None)
+        self._drain(lambda: all(n.done for n in self._workers), until)
+        unfinished = [n.name for n in self._workers if not n.done]
+        if unfinished:
+            raise SimulationError(
+                f"the workload never finished on {', '.join(unfinished[:8])}: nothing left to "
+                f"happen at t={self.now:.6f}s (a rank waits for a peer that never sends; do "
+                "all ranks yield the same collectives in the same order?)")
+        failed = [n for n in self._workers if n.error is not None]
+        if failed:
+            first = failed[0]
+            raise SimulationError(f"{first.name}: {type(first.error).__name__}: {first.error}")
+        end = max((n.busy for n in self._workers), default=self.now)
+        stats = {name: c.statistics() for name, c in self.switches.items()}
+        return SimResult(
+            results=[n.result for n in self._workers], end_s=max(self.now, end) - start,
+            events=self.events, frames=self.frames, switch_stats=stats,
+            retransmits=sum(n.state.retransmits for n in self._workers),
+            nodes={n.name: n.state for n in self._workers})
+
+    def _drain(self, finished: Callable[[], bool], until: float | None) -> None:
+        heap = self._heap
+        while heap and not finished():
+            t, _seq, kind, obj = heapq.heappop(heap)
+            if until is not None and t > until:
+                heapq.heappush(heap, (t, _seq, kind, obj))
+                return
+            self.now = t
+            self.events += 1
+            if kind == _PIPE:
+                self._on_pipe(obj, t)
+            elif kind == _SWITCH_IN:
+                sw, port, header, payload = obj
+                self._switch_out(sw, self.switches[sw].handle(port, header, payload, t), t)
+            elif kind == _NODE_TIMER:
+                self._on_node_timer(obj, t)
+            elif kind == _RESUME:
+                node, value = obj
+                self._resume(node, value)
+            else:
+                core = self.switches[obj]
+                self._switch_out(obj, core.handle_timer(t), t)
+                self._schedule_switch_timer(obj)
+
+    def _push(self, t: float, kind: int, obj: Any) -> None:
+        heapq.heappush(self._heap, (t, next(self._seq), kind, obj))
+
+    # ------------------------------------------------------------------ links
+    def _send(self, src: str, dst: str, header: Any, payload: Any, t: float) -> None:
+        key = (src, dst)
+        pipe = self.pipes[key]
+        pipe.push((header, payload), t)
+        due = pipe.get_timer()
+        if due is not None:
+            at = self._pipe_at.get(key)
+            if at is None or due < at:
+                self._pipe_at[key] = due
+                self._push(due, _PIPE, key)
+
+    def _on_pipe(self, key: tuple[str, str], t: float) -> None:
+        if self._pipe_at.get(key) == t:
+            del self._pipe_at[key]
+        pipe = self.pipes[key]
+        src, dst = key
+        for header, payload in pipe.pop_due(t):
+            self.frames += 1
+            self._arrive(src, dst, header, payload, t)
+        due = pipe.get_timer()
+        if due is not None:
+            at = self._pipe_at.get(key)
+            if at is None or due < at:
+                self._pipe_at[key] = due
+                self._push(due, _PIPE, key)
+
+    def _arrive(self, src: str, dst: str, header: Any, payload: Any, t: float) -> None:
+        core = self.switches.get(dst)
+        if core is not None:
+            tm = self.timing
+            if tm.switch_frame_s or tm.switch_byte_s:
+                start = max(t, self._sw_busy[dst])
+                done = start + tm.switch_frame_s + tm.switch_byte_s * wire_bytes(header, payload)
+                self._sw_busy[dst] = done
+                self._push(done, _SWITCH_IN, (dst, src.encode(), header, payload))
+                return
+            self._switch_out(dst, core.handle(src.encode(), header, payload, t), t)
+            return
+        self._node_frame(self.nodes[dst], header, payload, t)
+
+    def _switch_out(self, sw: str, outputs: list[tuple[bytes, Any, Any]], t: float) -> None:
+        for port, header, payload in outputs:
+            self._send(sw, port.decode(), header, payload, t)
+        if outputs:
+            self._schedule_switch_timer(sw)
+
+    def _schedule_switch_timer(self, sw: str) -> None:
+        due = self.switches[sw].get_timer()
+        if due is not None:
+            self._push(max(due, self.now), _SWITCH_TIMER, sw)
+
+    # ------------------------------------------------------------------ nodes
+    def _node_send(self, node: _Node, sends: list[tuple[Any, Any]], t: float) -> None:
+        tm = self.timing
+        for header, payload in sends:
+            if tm.node_frame_s or tm.node_byte_s:
+                t = max(t, node.busy) + tm.node_frame_s + tm.node_byte_s * wire_bytes(
+                    header, payload)
+                node.busy = t
+            self._send(node.name, node.state.switch_name, header, payload, t)
+
+    def _node_frame(self, node: _Node, header: Any, payload: Any, t: float) -> None:
+        try:
+            f = fr.decode(header, None if payload is None else _bytes_view(payload))
+        except FrameError:
+            node.state.duplicates += 0  # a damaged frame: dropped (programs resend)
+            return
+        tm = self.timing
+        if tm.node_frame_s or tm.node_byte_s:
+            t = max(t, node.busy) + tm.node_frame_s + tm.node_byte_s * wire_bytes(
+                header, payload)
+            node.busy = t
+        if node.host is not None:
+            self._host_frame(node, f, t)
+            return
+        prog = node.prog
+        if prog is not None and prog.wants(f):
+            self._step(node, lambda: prog.handle_frame(f, t), t)
+        elif f.op is not Op.NACK and f.op is not Op.ACK:
+            node.stash.append(f)  # for a later program (a peer ahead of us)
+            if len(node.stash) > STASH_LIMIT:
+                node.stash.popleft()
+
+    def _host_frame(self, node: _Node, f: fr.Frame, t: float) -> None:
+        assert node.host is not None
+        if f.op is not Op.WRITE or f.flow != HOST_PS_FLOW:
+            return
+        try:
+            replies = node.host.on_message(f.src, f.payload)
+        except FrameError:
+            return
+        sends = [(fr.encode_header(Op.WRITE, src=node.state.node_id, dst=dst, flow=HOST_PS_FLOW,
+                                   psn=f.psn, msg=f.msg, payload=body), body)
+                 for dst, body in replies]
+        self._node_send(node, sends, t)
+
+    def _step(self, node: _Node, action: Callable[[], list[tuple[Any, Any]]], t: float) -> None:
+        """Run one program step; send what it says; move on when it is done."""
+        try:
+            sends = action()
+        except SemfabError as exc:
+            self._fail(node, exc)
+            return
+        self._node_send(node, sends, t)
+        prog = node.prog
+        if prog is not None and prog.done:
+            node.prog = None
+            self._resume(node, prog.result)
+        else:
+            self._schedule_node_timer(node)
+
+    def _schedule_node_timer(self, node: _Node) -> None:
+        if node.prog is None:
+            return
+        due = node.prog.get_timer()
+        if due is not None and (node.timer_at is None or due < node.timer_at):
+            node.timer_at = due
+            self._push(max(due, self.now), _NODE_TIMER, node)
+
+    def _on_node_timer(self, node: _Node, t: float) -> None:
+        if node.timer_at is not None and node.timer_at <= t:
+            node.timer_at = None
+        prog = node.prog
+        if prog is None:
+            return
+        due = prog.get_timer()
+        if due is not None and due <= t:
+            self._step(node, lambda: prog.handle_timer(t), t)
+        else:
+            self._schedule_node_timer(node)
+
+    def _fail(self, node: _Node, exc: BaseException) -> None:
+        node.error = exc
+        node.prog = None
+        node.done = True
+
+    def _resume(self, node: _Node, value: Any) -> None:
+        """Give the workload ``value``; start the program of what it yields next."""
+        assert node.gen is not None
+        t = max(self.now, node.busy)
+        while True:
+            try:
+                op = node.gen.send(value)
+            except StopIteration as stop:
+                node.result = stop.value
+                node.done = True
+                node.busy = t
+                return
+            except Exception as exc:  # the user's own code failed
+                self._fail(node, exc)
+                return
+            if isinstance(op, Clock):
+                value = t
+                continue
+            if isinstance(op, Compute):
+                node.busy = t + op.seconds
+                self._push(node.busy, _RESUME, (node, None))
+                return
+            try:
+                prog = self._program(node, op)
+            except SemfabError as exc:
+                self._fail(node, exc)
+                return
+            node.prog = prog
+            self._step(node, lambda p=prog: p.start(t), t)  # type: ignore[misc]
+            if node.prog is prog:  # not finished at once: frames that came early
+                self._replay_stash(node, t)
+            return
+
+    def _replay_stash(self, node: _Node, t: float) -> None:
+        prog = node.prog
+        if prog is None or not node.stash:
+            return
+        keep: deque[fr.Frame] = deque()
+        while node.stash:
+            f = node.stash.popleft()
+            if node.prog is prog and prog.wants(f):
+                self._step(node, lambda f=f: prog.handle_frame(f, t), t)  # type: ignore[misc]
+            else:
+                keep.append(f)
+        node.stash.extend(keep)
+        if node.prog is not prog and node.prog is not None:
+            self._replay_stash(node, t)
+
+    def _program(self, node: _Node, op: Any) -> Program:
+        st = node.state
+        if isinstance(op, Allreduce):
+            if op.numerics != "float":
+                raise UsageError("numerics='fixed' is not simulated yet; use integer dtypes "
+                                 "for bitwise-reproducible sums")
+            if op.x is not None:
+                x = np.ascontiguousarray(op.x).reshape(-1)
+                from kernels.dtypes import dtype_name
+
+                out = op.out if op.out is not None else np.empty_like(x)
+                t = Tensor(x.size, dtype_name(x.dtype), x, out)
+                return allreduce_program(st, t, op.op, op.path, data=True)
+            if op.count <= 0:
+                raise UsageError("a timing-only allreduce needs count > 0")
+            return allreduce_program(st, Tensor(op.count, op.dtype), op.op, op.path, data=False)
+        if isinstance(op, Barrier):
+            return barrier_program(st)
+        raise UsageError(f"a workload yielded {op!r}, not an operation of its context")
+
+
+def _bytes_view(payload: Any) -> memoryview:
+    if isinstance(payload, np.ndarray):
+        payload = payload.view(np.uint8)
+    view = memoryview(payload)
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")

@@ -1,0 +1,128 @@
+"""Workloads written once, run in both worlds.
+
+A workload is a generator function that takes a context (rank, world) and
+*yields* the operations it wants done, receiving each one's result::
+
+    def work(ctx, count=1 << 20):
+        x = np.full(count, ctx.rank + 1, np.float32)
+        y = yield ctx.allreduce(x, path="ina")
+        yield ctx.barrier()
+        t = yield ctx.clock()          # seconds: virtual in simulation, real in emulation
+        return float(y[0])
+
+:func:`run_in_emulation` runs it on a launched fabric's worker (each
+operation is the endpoint's blocking call); ``fabric.sim.Simulation.run``
+runs the same function in virtual time. Because the workload only yields,
+it never blocks the simulator.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Generator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from fabric.errors import UsageError
+
+__all__ = ["Allreduce", "Barrier", "Clock", "Compute", "Context", "Operation",
+           "check_workload", "run_in_emulation"]
+
+
+@dataclass(frozen=True)
+class Allreduce:
+    """Allreduce ``x`` (or, timing-only, ``count`` elements of ``dtype``)."""
+
+    x: np.ndarray | None
+    op: str = "sum"
+    path: str = "ina"
+    out: np.ndarray | None = None
+    numerics: str = "float"
+    count: int = 0
+    dtype: str = "float32"
+
+
+@dataclass(frozen=True)
+class Barrier:
+    """Wait until every worker reached this barrier."""
+
+
+@dataclass(frozen=True)
+class Compute:
+    """Stand for ``seconds`` of local work (simulation advances its clock)."""
+
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Clock:
+    """Yields the current time in seconds (virtual in simulation)."""
+
+
+Operation = Allreduce | Barrier | Compute | Clock
+
+
+class Context:
+    """What a workload sees of its worker: rank, world, and operation builders."""
+
+    def __init__(self, rank: int, world: int, name: str) -> None:
+        self.rank, self.world, self.name = rank, world, name
+
+    def allreduce(self, x: np.ndarray | None = None, op: str = "sum", path: str = "ina",
+                  out: np.ndarray | None = None, numerics: str = "float", *,
+                  count: int = 0, dtype: str = "float32") -> Allreduce:
+        """An allreduce; ``x=None`` with ``count``/``dtype`` is timing-only (simulation)."""
+        return Allreduce(x, op, path, out, numerics, count, dtype)
+
+    def barrier(self) -> Barrier:
+        """A barrier over every worker."""
+        return Barrier()
+
+    def compute(self, seconds: float) -> Compute:
+        """``seconds`` of local work."""
+        return Compute(seconds)
+
+    def clock(self) -> Clock:
+        """The current time."""
+        return Clock()
+
+
+def check_workload(fn: Callable[..., Any]) -> None:
+    """UsageError unless ``fn`` is a generator function (it must yield, never block)."""
+    if not inspect.isgeneratorfunction(fn):
+        name = getattr(fn, "__qualname__", repr(fn))
+        raise UsageError(f"workload {name} must be a generator function that yields its "
+                         "operations (y = yield ctx.allreduce(x)); it cannot block")
+
+
+def run_in_emulation(ep: Any, fn: Callable[..., Generator[Any, Any, Any]], *args: Any,
+                     **kwargs: Any) -> Any:
+    """Run a workload on an emulated worker's endpoint; returns its return value."""
+    import time
+
+    check_workload(fn)
+    ctx = Context(ep.rank, ep.world, ep.name)
+    gen = fn(ctx, *args, **kwargs)
+    value: Any = None
+    while True:
+        try:
+            op = gen.send(value)
+        except StopIteration as stop:
+            return stop.value
+        if isinstance(op, Allreduce):
+            if op.x is None:
+                raise UsageError("timing-only allreduce (x=None) runs in simulation only")
+            value = ep.allreduce(op.x, op=op.op, path=op.path, out=op.out,
+                                 numerics=op.numerics)
+        elif isinstance(op, Barrier):
+            ep.barrier()
+            value = None
+        elif isinstance(op, Compute):
+            time.sleep(op.seconds)
+            value = None
+        elif isinstance(op, Clock):
+            value = time.monotonic()
+        else:
+            raise UsageError(f"a workload yielded {op!r}, not an operation of its context")
