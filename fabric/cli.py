@@ -2,7 +2,9 @@
 
 Each subcommand lives in the module that owns the work; this file only builds
 the parser and maps errors to exit codes: a bad argument or file prints one
-line and exits 2, a failed run exits 1, Ctrl-C exits 130.
+line ``semfab: error: ...`` and exits 2, a failed run prints one such line and
+exits 1, Ctrl-C exits 130. ``-v``/``-vv`` (INFO/DEBUG logs) are accepted
+before or after the subcommand.
 """
 
 from __future__ import annotations
@@ -10,11 +12,15 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import re
 import signal
 import sys
+import time
 from collections.abc import Callable, Sequence
+from typing import NoReturn
 
 from fabric.errors import SemfabError, UsageError
+from fabric.info import semfab_version
 
 DESCRIPTION = """\
 semfab: an in-network aggregation and custom interconnect emulator.
@@ -36,13 +42,38 @@ quick start:
   semfab bench frames --json f.json frame codec cost beside msgpack
   semfab topo check FILE.toml       validate a topology file
 
-docs: README.md, docs/ARCHITECTURE.md, docs/PROTOCOL.md, docs/TOPOLOGY.md,
-      docs/AGGREGATION.md, docs/RELIABILITY.md, docs/SERVING.md, docs/PEERS.md
+docs: README.md, docs/DESIGN.md, docs/ARCHITECTURE.md, docs/PROTOCOL.md,
+      docs/TOPOLOGY.md, docs/AGGREGATION.md, docs/RELIABILITY.md, docs/SERVING.md,
+      docs/PEERS.md
 """
+
+log = logging.getLogger("semfab.cli")
+
+# Help texts that already say their default, in the words of the option.
+_STATES_DEFAULT = re.compile(r"\(default\b|\bdefault:", re.IGNORECASE)
 
 
 class _Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    pass
+    """Shows an option's default once: not when its help states it, nor when there is none."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if (
+            _STATES_DEFAULT.search(text)
+            or action.default is None
+            or action.default is False
+            or action.default == argparse.SUPPRESS
+            or isinstance(action, argparse._CountAction)
+        ):
+            return action.help
+        return super()._get_help_string(action)
+
+
+class _Parser(argparse.ArgumentParser):
+    """Reports a bad argument the way every semfab command does: one line, exit 2."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{message} (see '{self.prog} --help')")
 
 
 def _lazy(module: str, func: str) -> Callable[[argparse.Namespace], int]:
@@ -70,11 +101,12 @@ def _add_lazy_parser(
 
 def build_parser() -> argparse.ArgumentParser:
     """The whole `semfab` parser (also used by the docs and tests)."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="semfab", description=DESCRIPTION, epilog=EPILOG, formatter_class=_Formatter
     )
+    parser.add_argument("--version", action="version", version=f"semfab {semfab_version()}")
     parser.add_argument("-v", "--verbose", action="count", default=0,
-                        help="more log output (-vv for debug)")
+                        help="progress logs (-vv: debug); also accepted after the subcommand")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     p = sub.add_parser("info", help="show kernel backends, GPU and library versions",
@@ -120,7 +152,25 @@ def build_parser() -> argparse.ArgumentParser:
     p = tsub.add_parser("gen", help="write a star or leaf/spine topology file", add_help=False)
     p.add_argument("rest", nargs=argparse.REMAINDER)
     p.set_defaults(func=_passthrough("fabric.topology", "gen_main"))
+    _add_verbose_after_subcommands(parser)
     return parser
+
+
+def _add_verbose_after_subcommands(parser: argparse.ArgumentParser) -> None:
+    """Give every subcommand its own -v, so `semfab bench allreduce -v` works too.
+
+    Its own dest, left unset unless given: a subparser's namespace is copied
+    over the parent's, and would otherwise reset a -v given before it.
+    """
+    for action in parser._actions:
+        if not isinstance(action, argparse._SubParsersAction):
+            continue
+        for sub in action.choices.values():
+            # add_help=False marks a passthrough whose REMAINDER owns every flag
+            if sub.add_help and "-v" not in sub._option_string_actions:
+                sub.add_argument("-v", "--verbose", dest="sub_verbose", action="count",
+                                 default=argparse.SUPPRESS, help="progress logs (-vv: debug)")
+            _add_verbose_after_subcommands(sub)
 
 
 def _passthrough(module: str, func: str) -> Callable[[argparse.Namespace], int]:
@@ -155,23 +205,41 @@ def main(argv: Sequence[str] | None = None) -> int:
     # launched process and socket folder is cleaned up
     signal.signal(signal.SIGTERM, _on_sigterm)
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        # Known args first, so an unknown flag is reported against its own subcommand.
+        args, extra = parser.parse_known_args(argv)
+        command = " ".join(["semfab"] + [
+            name for name in (getattr(args, k, None) for k in ("command", "bench_command",
+                                                                "topo_command")) if name])
+        if extra:
+            raise UsageError(f"unrecognized arguments: {' '.join(extra)} "
+                             f"(see '{command} --help')")
+    except UsageError as exc:
+        print(f"semfab: error: {exc}", file=sys.stderr)
+        return 2
+    # Sub-CLIs read args.verbose (e.g. to pass -v on to the processes they start).
+    args.verbose += getattr(args, "sub_verbose", 0)
     level = logging.WARNING - 10 * min(args.verbose, 2)
     logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    log.debug("arguments: %s", vars(args))
+    log.info("%s: started", command)
+    t0 = time.monotonic()
     try:
-        return args.func(args)
+        code = args.func(args)
     except UsageError as exc:
         print(f"semfab: error: {exc}", file=sys.stderr)
         return 2
     except SemfabError as exc:
-        print(f"semfab: {exc}", file=sys.stderr)
+        print(f"semfab: error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("semfab: interrupted", file=sys.stderr)
         return 130
+    log.info("%s: done in %.1f s (exit %d)", command, time.monotonic() - t0, code)
+    return code
 
 
 if __name__ == "__main__":

@@ -6,7 +6,9 @@ import argparse
 import json
 import platform
 import sys
+import tomllib
 from importlib import metadata
+from pathlib import Path
 
 
 def _version(dist: str) -> str:
@@ -14,6 +16,21 @@ def _version(dist: str) -> str:
         return metadata.version(dist)
     except metadata.PackageNotFoundError:
         return "not installed"
+
+
+def semfab_version() -> str:
+    """semfab's version: the installed distribution's, else the source checkout's pyproject."""
+    try:
+        return metadata.version("semfab")
+    except metadata.PackageNotFoundError:
+        pass
+    # Run from a checkout without `pip install -e .` (python -m fabric).
+    pyproject = Path(__file__).resolve().parent.parent / "pyproject.toml"
+    try:
+        with pyproject.open("rb") as fh:
+            return str(tomllib.load(fh)["project"]["version"])
+    except (OSError, KeyError, tomllib.TOMLDecodeError):
+        return "unknown"
 
 
 def collect() -> dict[str, object]:
@@ -26,7 +43,7 @@ def collect() -> dict[str, object]:
         "python": sys.version.split()[0],
         "platform": platform.platform(),
         "versions": {
-            "semfab": _version("semfab"),
+            "semfab": semfab_version(),
             "numpy": _version("numpy"),
             "numba": _version("numba"),
             "pyzmq": zmq.pyzmq_version(),
