@@ -135,6 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_lazy_parser(sub, "launch", "start a fabric (switches, host, workers); run a function "
                      "on every worker or keep it up until Ctrl-C", "fabric.launch_cli")
+    _add_lazy_parser(sub, "sim", "simulate the fabric in virtual time: allreduce tables, "
+                     "the scaling study (workers x oversubscription x path)", "fabric.sim.cli")
     _add_lazy_parser(sub, "switchd", "run one switch daemon (for srun/mpirun/ssh placement)",
                      "switchd.cli")
     _add_lazy_parser(sub, "node", "run one worker or host node (for srun/mpirun/ssh placement)",

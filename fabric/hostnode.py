@@ -42,7 +42,7 @@ class HostAggregator:
 
     def on_message(self, src: int, body: bytes | memoryview) -> list[tuple[int, bytes]]:
         """Handle one host-ps message from node ``src``; returns ``[(dst, reply)]``."""
-        from kernels.dtypes import UFUNCS, np_dtype
+        from kernels.dtypes import UFUNCS, byte_view, np_dtype
 
         try:
             m: dict[str, Any] = msgpack.unpackb(body)
@@ -75,7 +75,7 @@ class HostAggregator:
         n = len(p.members)
         # Per member chunk, what the host did: unpack + accumulate, plus a share
         # of the one reply it packs for everybody.
-        reply = msgpack.packb({"seq": seq, "chunk": chunk, "data": p.acc.data,
+        reply = msgpack.packb({"seq": seq, "chunk": chunk, "data": byte_view(p.acc).data,
                                "h_copies": 2 + 1 / n, "h_encodes": 1 + 1 / n})
         self.stats.encodes += 1
         self.stats.copies += 1

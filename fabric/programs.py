@@ -583,7 +583,7 @@ class HostPsAllreduce(Program):
         st, E = self.st, self.E
         body = msgpack.packb({"seq": self.msg, "chunk": i, "members": list(st.worker_ids),
                               "op": self.op, "dtype": self.t.dtype,
-                              "data": self.staged[i * E:(i + 1) * E].data})
+                              "data": byte_view(self.staged[i * E:(i + 1) * E]).data})
         sem = st.sem(self.label)
         sem.encodes += 1
         sem.copies += 1

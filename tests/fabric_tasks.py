@@ -90,3 +90,27 @@ def alloc_free_cycle(ep) -> tuple[int, int]:
         ep.free(a)
     ep.barrier()
     return ok, ep.switch_stats()["regions"] - before
+
+
+def seeded_sum_workload(ctx, paths, count: int, dtype: str, steps: int = 2):
+    """A workload for both worlds (fabric.workload): allreduce seeded tensors on
+    every path; returns each path's last result."""
+    out = {}
+    for path in paths:
+        for step in range(steps):
+            x = make_tensor(ctx.rank, step, count, dtype, seed=5)
+            y = yield ctx.allreduce(x, path=path)
+        yield ctx.barrier()
+        out[path] = np.asarray(y)
+    return out
+
+
+def timed_allreduce_workload(ctx, path: str, count: int, dtype: str = "int32"):
+    """One barrier-separated allreduce; returns its time in seconds."""
+    x = make_tensor(ctx.rank, 0, count, dtype, seed=5)
+    yield ctx.allreduce(x, path=path)  # warm-up: job registration, first wake-ups
+    yield ctx.barrier()
+    t0 = yield ctx.clock()
+    yield ctx.allreduce(x, path=path)
+    t1 = yield ctx.clock()
+    return t1 - t0

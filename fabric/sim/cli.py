@@ -1,0 +1,404 @@
+"""`semfab sim ...`: allreduce tables and the scaling study, in virtual time.
+
+* ``semfab sim allreduce`` — the nccl-tests table of ``semfab bench
+  allreduce``, simulated (exact results checked element by element);
+* ``semfab sim scale`` — completion time, busbw and the fraction of ideal per
+  path, worker count and oversubscription ratio on leaf/spine fabrics, with
+  timing-only payloads so 1024+ ranks fit in memory.
+
+Rows are printed as they finish; ``--json`` / ``--markdown`` / ``--plot``
+write files. Every figure is virtual time and is marked so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from collections.abc import Generator
+from typing import Any
+
+from bench import report
+from fabric.errors import UsageError
+from fabric.sim.engine import Simulation, SimulationError, TimingModel
+
+SIM_PATHS = ("ina", "host-ring", "host-ps")
+NOTE = "simulated (virtual time)"
+
+
+# ---------------------------------------------------------------------- workload
+def allreduce_workload(ctx: Any, path: str, sizes: list[int], dtype: str, op: str,
+                       warmup: int, iters: int, check: bool, seed: int,
+                       data: bool = True) -> Generator[Any, Any, list[dict[str, Any]]]:
+    """Time ``path`` at every size (the same loop in both worlds; see fabric.workload)."""
+    from kernels.checking import expected_allreduce, make_input
+    from kernels.dtypes import np_dtype
+    from kernels.reference import count_wrong
+
+    item = np_dtype(dtype).itemsize
+    results = []
+    for size in sizes:
+        count = size // item
+        times = []
+        last = warmup + iters - 1
+        y = None
+        for it in range(warmup + iters):
+            x = make_input(ctx.rank, it, count, dtype, seed) if data else None
+            yield ctx.barrier()
+            t0 = yield ctx.clock()
+            y = yield ctx.allreduce(x, op=op, path=path, count=count, dtype=dtype)
+            t1 = yield ctx.clock()
+            if it >= warmup:
+                times.append((t1 - t0) * 1e6)
+        wrong = count_wrong(y, expected_allreduce(ctx.world, last, count, dtype, op, seed)) \
+            if check and data else 0
+        results.append({"size": size, "times_us": times, "wrong": wrong})
+    return results
+
+
+def simulate_rows(topo: Any, path: str, sizes: list[int], dtype: str, op: str, warmup: int,
+                  iters: int, check: bool, seed: int, *, data: bool = True,
+                  timing: TimingModel | None = None, faults: str | None = None,
+                  timeout_s: float = 60.0) -> list[report.AllreduceRow]:
+    """One simulated run of every size on ``path``; nccl-style rows."""
+    sim = Simulation(topo, seed=seed, timing=timing, faults=faults, timeout_s=timeout_s,
+                     crc=bool(faults and "corrupt" in faults))
+    res = sim.run(allreduce_workload, path, sizes, dtype, op, warmup, iters, check, seed, data)
+    w = len(topo.workers)
+    rows = []
+    per_rank = res.results
+    sem = next(iter(res.nodes.values())).sem(path)
+    chunks = max(sem.chunks, 1)
+    for i, size in enumerate(sizes):
+        samples = [max(r[i]["times_us"][k] for r in per_rank) for k in range(iters)]
+        wrong = sum(r[i]["wrong"] for r in per_rank) if check and data else -1
+        counters: dict[str, Any] = {k: round(getattr(sem, k) / chunks, 2)
+                                    for k in ("copies", "encodes", "crossings", "hops")}
+        rows.append(report.AllreduceRow.from_samples(
+            path, w, size, dtype, op, samples, wrong, **counters,
+            note=NOTE + (f"; {res.retransmits} retransmissions" if res.retransmits else "")))
+    return rows
+
+
+# ---------------------------------------------------------------------- CLI
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Subcommands of `semfab sim`."""
+    sub = p.add_subparsers(dest="sim_command", metavar="SIM")
+    a = sub.add_parser("allreduce", help="nccl-tests table of allreduce, simulated",
+                       description="The table of `semfab bench allreduce`, in virtual time.")
+    add_allreduce_arguments(a)
+    a.set_defaults(sim_func=run_allreduce)
+    s = sub.add_parser("scale", help="scaling study: workers x oversubscription x path",
+                       description="Completion time, busbw and fraction of ideal on leaf/spine "
+                       "fabrics (timing-only payloads).")
+    s.add_argument("--workers", default="8,64,256,1024", help="worker counts, comma-separated")
+    s.add_argument("--oversubscription", default="1,2,4",
+                   help="leaf down:up bandwidth ratios, comma-separated")
+    s.add_argument("--paths", default="ina,host-ring", help=f"from {', '.join(SIM_PATHS)}")
+    s.add_argument("--size", default="64M", help="bytes per worker (64M, 1G, ...)")
+    s.add_argument("--per-leaf", type=int, default=32,
+                   help="workers per leaf switch (fewer when there are too few workers for "
+                   "two leaves)")
+    s.add_argument("--link-gbps", type=float, default=100.0, help="worker link bandwidth")
+    s.add_argument("--latency-us", type=float, default=1.0, help="one-way latency per link")
+    s.add_argument("--mtu", type=int, default=256 * 1024, help="bytes per frame")
+    _add_outputs(s)
+    s.set_defaults(sim_func=run_scale)
+    p.set_defaults(sim_func=None)
+
+
+def add_allreduce_arguments(p: argparse.ArgumentParser) -> None:
+    """Flags of `semfab sim allreduce` (those of `semfab bench allreduce`)."""
+    p.add_argument("-b", "--begin", default="4K", help="smallest size in bytes")
+    p.add_argument("-e", "--end", default="16M", help="largest size in bytes")
+    p.add_argument("-f", "--factor", type=float, default=4, help="size multiplication factor")
+    p.add_argument("--workers", default="2,4", help="worker counts, comma-separated")
+    p.add_argument("--paths", default=",".join(SIM_PATHS), help=f"from {', '.join(SIM_PATHS)}")
+    p.add_argument("-d", "--dtype", default="float32", help="float32, float16, bfloat16, "
+                   "int32 or int64")
+    p.add_argument("-o", "--op", default="sum", help="sum, max or min")
+    p.add_argument("-w", "--warmup", type=int, default=1, help="untimed iterations per size")
+    p.add_argument("-n", "--iters", type=int, default=3, help="timed iterations per size")
+    p.add_argument("-c", "--check", type=int, default=1, help="1: count wrong elements")
+    p.add_argument("--seed", type=int, default=0, help="input and fault seed")
+    p.add_argument("--topology", help="a topology file (default: a star of --workers)")
+    p.add_argument("--link-gbps", type=float, default=100.0,
+                   help="bandwidth of every link of the default star")
+    p.add_argument("--link-latency-us", type=float, default=1.0,
+                   help="one-way latency of every link of the default star")
+    p.add_argument("--faults", help='faults on every link, e.g. "loss=0.01"')
+    p.add_argument("--timing-only", action="store_true",
+                   help="no tensor data (no check): for sizes x workers beyond memory")
+    p.add_argument("--switch-frame-us", type=float, default=0.0,
+                   help="service time per frame in a switch (0: ideal hardware)")
+    p.add_argument("--node-frame-us", type=float, default=0.0,
+                   help="service time per frame in a node")
+    _add_outputs(p)
+
+
+def _add_outputs(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", metavar="PATH", help="write results and every setting as JSON")
+    p.add_argument("--markdown", metavar="PATH", help="write the table as Markdown")
+    p.add_argument("--plot", metavar="PATH", help="write a PNG plot")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Entry of `semfab sim`."""
+    if args.sim_func is None:
+        raise UsageError("say what to simulate: `semfab sim allreduce` or `semfab sim scale` "
+                         "(see `semfab sim --help`)")
+    return int(args.sim_func(args))
+
+
+def _ints(text: str, flag: str, lo: int, hi: int) -> list[int]:
+    try:
+        vals = [int(v) for v in str(text).split(",") if v.strip()]
+    except ValueError:
+        raise UsageError(f"{flag} takes integers like 2,4; got {text!r}") from None
+    if not vals or any(not lo <= v <= hi for v in vals):
+        raise UsageError(f"{flag}: each value must be {lo}..{hi}; got {text!r}")
+    return vals
+
+
+def _paths(text: str) -> list[str]:
+    paths = [p.strip() for p in text.split(",") if p.strip()]
+    bad = [p for p in paths if p not in SIM_PATHS]
+    if bad or not paths:
+        raise UsageError(f"unknown path(s) {', '.join(bad) or text!r}; the simulator runs "
+                         f"{', '.join(SIM_PATHS)} (ina-mem and the peers are emulation only)")
+    return paths
+
+
+def _positive(flag: str, value: float, zero_ok: bool = False) -> float:
+    if not math.isfinite(value) or value < 0 or (value == 0 and not zero_ok):
+        raise UsageError(f"{flag} must be a {'non-negative' if zero_ok else 'positive'} "
+                         f"finite number; got {value}")
+    return value
+
+
+def run_allreduce(args: argparse.Namespace) -> int:
+    """`semfab sim allreduce` (also `semfab bench allreduce --sim`)."""
+    from fabric.errors import check_output_file
+    from fabric.topology import TopologyError, load, star
+
+    try:
+        sizes = report.size_range(args.begin, args.end, args.factor)
+    except ValueError as exc:
+        raise UsageError(f"sizes: {exc}") from None
+    workers = _ints(args.workers, "--workers", 1, 65536)
+    paths = _paths(args.paths)
+    if args.iters < 1 or args.warmup < 0:
+        raise UsageError("--iters must be at least 1 and --warmup at least 0")
+    if args.dtype not in ("float32", "float16", "bfloat16", "int32", "int64"):
+        raise UsageError(f"--dtype {args.dtype!r}: use float32, float16, bfloat16, int32, int64")
+    if args.op not in ("sum", "max", "min"):
+        raise UsageError(f"--op {args.op!r}: use sum, max or min")
+    item = report.dtype_itemsize(args.dtype)
+    if any(s % item for s in sizes):
+        raise UsageError(f"every size must be a multiple of the {args.dtype} size ({item} B)")
+    _positive("--link-gbps", args.link_gbps, zero_ok=True)
+    _positive("--link-latency-us", args.link_latency_us, zero_ok=True)
+    for flag in ("json", "markdown", "plot"):
+        if getattr(args, flag):
+            check_output_file(f"--{flag}", getattr(args, flag))
+    timing = TimingModel(switch_frame_s=_positive("--switch-frame-us", args.switch_frame_us,
+                                                  True) / 1e6,
+                         node_frame_s=_positive("--node-frame-us", args.node_frame_us,
+                                                True) / 1e6)
+    if args.faults:
+        from fabric.faults import FaultSpecError, parse_faults
+
+        try:
+            parse_faults(args.faults)
+        except FaultSpecError as exc:
+            raise UsageError(f"--faults: {exc}") from None
+    rows: list[report.AllreduceRow] = []
+    t_start = time.monotonic()
+    print(f"# semfab sim allreduce (virtual time): sizes {report.format_size(sizes[0])}.."
+          f"{report.format_size(sizes[-1])} x{args.factor:g}, dtype {args.dtype}, op {args.op}, "
+          f"warmup {args.warmup}, iters {args.iters}, seed {args.seed}, faults "
+          f"{args.faults or 'none'}, {'timing-only' if args.timing_only else 'with data'}")
+    for w in workers:
+        try:
+            topo = load(args.topology) if args.topology else star(
+                w, bandwidth_gbps=args.link_gbps, latency_us=args.link_latency_us)
+        except (TopologyError, OSError) as exc:
+            raise UsageError(f"--topology: {exc}") from None
+        for path in paths:
+            try:
+                new = simulate_rows(topo, path, sizes, args.dtype, args.op, args.warmup,
+                                    args.iters, bool(args.check), args.seed,
+                                    data=not args.timing_only, timing=timing, faults=args.faults)
+            except SimulationError as exc:
+                new = [report.AllreduceRow.unavailable(path, len(topo.workers), s, args.dtype,
+                                                       f"FAILED: {exc}") for s in sizes]
+            for r in new:
+                print(f"  {r.path:9s} x{r.workers:<5d} {report.format_size(r.size_bytes):>7s} "
+                      f"{_us(r.time_us):>12s} us  busbw {_gb(r.busbw_gbps):>8s} GB/s  "
+                      f"wrong {r.wrong}", flush=True)
+            rows += new
+    table = report.format_allreduce_table(rows)
+    print(table)
+    print(f"\n# {len(rows)} rows, simulated in {time.monotonic() - t_start:.1f} s of wall time")
+    failed = [r for r in rows if not r.ran or r.wrong > 0]
+    settings = {k: v for k, v in vars(args).items() if not callable(v)}
+    if args.json:
+        report.write_json(args.json, "sim-allreduce", [r.to_dict() for r in rows],
+                          extra={"settings": settings})
+        print(f"# wrote {args.json}")
+    if args.markdown:
+        report.write_markdown(args.markdown, table + "\n")
+        print(f"# wrote {args.markdown}")
+    if args.plot:
+        report.plot_busbw(rows, args.plot, "allreduce busbw (simulated, virtual time)")
+        print(f"# wrote {args.plot}")
+    if failed:
+        print(f"# {len(failed)} rows FAILED or wrong")
+        return 1
+    return 0
+
+
+def _us(v: float | None) -> str:
+    return "-" if v is None else f"{v:.1f}"
+
+
+def _gb(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}"
+
+
+# ---------------------------------------------------------------------- scale
+def scale_topology(workers: int, per_leaf: int, ratio: float, gbps: float, latency_us: float,
+                   mtu: int) -> Any:
+    """Leaf/spine of ``workers`` (at least two leaves) at ``ratio`` oversubscription."""
+    from fabric.topology import leaf_spine
+
+    k = min(per_leaf, max(workers // 2, 1))
+    if workers % k:
+        raise UsageError(f"--workers {workers} is not a multiple of {k} workers per leaf")
+    return leaf_spine(workers // k, k, oversubscription=ratio, leaf_bandwidth_gbps=gbps,
+                      hosts=0, leaf_latency_us=latency_us, spine_latency_us=latency_us, mtu=mtu)
+
+
+def ideal_time_s(path: str, workers: int, size: int, gbps: float) -> float:
+    """Bandwidth-only time on a non-blocking fabric: in-network sends and receives
+    the tensor once per worker; a ring moves 2(n-1)/n of it each way."""
+    factor = 1.0 if path == "ina" else 2 * (workers - 1) / workers
+    return factor * size * 8 / (gbps * 1e9)
+
+
+def _scale_workload(ctx: Any, path: str, count: int) -> Generator[Any, Any, float]:
+    t0 = yield ctx.clock()
+    yield ctx.allreduce(None, path=path, count=count, dtype="float32")
+    t1 = yield ctx.clock()
+    return float(t1 - t0)
+
+
+def run_scale(args: argparse.Namespace) -> int:
+    """`semfab sim scale`."""
+    from fabric.errors import check_output_file
+
+    workers = _ints(args.workers, "--workers", 2, 65536)
+    try:
+        ratios = [float(r) for r in str(args.oversubscription).split(",") if r.strip()]
+    except ValueError:
+        raise UsageError(f"--oversubscription takes numbers like 1,2,4; got "
+                         f"{args.oversubscription!r}") from None
+    if not ratios or any(not (1 <= r <= 64) or not math.isfinite(r) for r in ratios):
+        raise UsageError("--oversubscription: each ratio must be between 1 and 64")
+    paths = [p for p in _paths(args.paths)]
+    if "host-ps" in paths:
+        raise UsageError("sim scale compares ina and host-ring (host-ps needs data payloads)")
+    try:
+        size = report.parse_size(args.size)
+    except ValueError as exc:
+        raise UsageError(f"--size: {exc}") from None
+    if size < 4 or size % 4:
+        raise UsageError("--size must be a positive multiple of 4 bytes (float32)")
+    if args.per_leaf < 1:
+        raise UsageError("--per-leaf must be at least 1")
+    _positive("--link-gbps", args.link_gbps)
+    _positive("--latency-us", args.latency_us, zero_ok=True)
+    if not 64 <= args.mtu <= 1 << 24:
+        raise UsageError("--mtu must be 64 B .. 16 MiB")
+    for flag in ("json", "markdown", "plot"):
+        if getattr(args, flag):
+            check_output_file(f"--{flag}", getattr(args, flag))
+    print(f"# semfab sim scale (virtual time): {report.format_size(size)} float32 per worker, "
+          f"{args.link_gbps:g} Gbit/s worker links, {args.latency_us:g} us per link, "
+          f"mtu {args.mtu}, timing-only payloads")
+    header = (f"{'workers':>8s} {'ratio':>5s} {'path':>9s} {'time(ms)':>10s} {'busbw':>8s} "
+              f"{'ideal(ms)':>10s} {'of ideal':>8s} {'events':>9s} {'wall(s)':>8s}")
+    print(header, flush=True)
+    rows: list[dict[str, Any]] = []
+    for w in workers:
+        for ratio in ratios:
+            topo = scale_topology(w, args.per_leaf, ratio, args.link_gbps, args.latency_us,
+                                  args.mtu)
+            for path in paths:
+                t0 = time.monotonic()
+                sim = Simulation(topo, timeout_s=3600.0)
+                res = sim.run(_scale_workload, path, size // 4)
+                wall = time.monotonic() - t0
+                t = max(res.results)
+                ideal = ideal_time_s(path, w, size, args.link_gbps)
+                busbw = size / t / 1e9 * 2 * (w - 1) / w
+                row = {"workers": w, "oversubscription": ratio, "path": path,
+                       "leaves": len(topo.switches) - 1, "time_s": t, "busbw_gbps": busbw,
+                       "ideal_s": ideal, "fraction_of_ideal": ideal / t, "events": res.events,
+                       "frames": res.frames, "wall_s": wall,
+                       "events_per_s": res.events / wall if wall > 0 else 0.0}
+                rows.append(row)
+                print(f"{w:>8d} {ratio:>5g} {path:>9s} {t * 1e3:>10.3f} {busbw:>8.2f} "
+                      f"{ideal * 1e3:>10.3f} {ideal / t:>8.2f} {res.events:>9d} {wall:>8.1f}",
+                      flush=True)
+    ratio_lines = []
+    for w in workers:
+        for ratio in ratios:
+            got = {r["path"]: r["time_s"] for r in rows
+                   if r["workers"] == w and r["oversubscription"] == ratio}
+            if "ina" in got and "host-ring" in got:
+                ratio_lines.append(f"# {w} workers {ratio:g}:1: host-ring / ina = "
+                                   f"{got['host-ring'] / got['ina']:.3f} "
+                                   f"(bandwidth bound 2(n-1)/n = {2 * (w - 1) / w:.3f})")
+    print("\n".join(ratio_lines))
+    settings = {k: v for k, v in vars(args).items() if not callable(v)}
+    if args.json:
+        report.write_json(args.json, "sim-scale", rows, extra={"settings": settings})
+        print(f"# wrote {args.json}")
+    if args.markdown:
+        lines = ["| workers | ratio | path | time (ms) | busbw (GB/s) | ideal (ms) | "
+                 "of ideal |", "|---:|---:|---|---:|---:|---:|---:|"]
+        lines += [f"| {r['workers']} | {r['oversubscription']:g}:1 | {r['path']} | "
+                  f"{r['time_s'] * 1e3:.3f} | {r['busbw_gbps']:.2f} | {r['ideal_s'] * 1e3:.3f} "
+                  f"| {r['fraction_of_ideal']:.2f} |" for r in rows]
+        report.write_markdown(args.markdown, "\n".join(lines + ratio_lines) + "\n")
+        print(f"# wrote {args.markdown}")
+    if args.plot:
+        _plot_scale(rows, args.plot)
+        print(f"# wrote {args.plot}")
+    return 0
+
+
+def _plot_scale(rows: list[dict[str, Any]], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    styles = ["-", "--", ":", "-."]
+    for (p, ratio) in sorted({(r["path"], r["oversubscription"]) for r in rows}):
+        pts = sorted((r["workers"], r["fraction_of_ideal"]) for r in rows
+                     if r["path"] == p and r["oversubscription"] == ratio)
+        ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o",
+                linestyle=styles[sorted({r["oversubscription"] for r in rows}).index(ratio) % 4],
+                label=f"{p} {ratio:g}:1")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("workers")
+    ax.set_ylabel("fraction of ideal (bandwidth-bound) time")
+    ax.set_title("allreduce scaling on leaf/spine (simulated, virtual time)")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

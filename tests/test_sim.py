@@ -1,0 +1,84 @@
+"""The simulator: the same core in virtual time, exact, deterministic, and
+faithful to the emulator on shaped links."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from fabric.errors import UsageError
+from fabric.sim import Simulation, SimulationError
+from fabric.topology import leaf_spine, star
+from kernels.reference import expected_allreduce
+from tests import fabric_tasks as tasks
+
+PATHS = ("ina", "host-ring", "host-ps")
+
+
+@pytest.mark.parametrize("topo", [star(4), star(8), leaf_spine(2, 4), leaf_spine(3, 3)],
+                         ids=["star4", "star8", "2x4", "3x3"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int32"])
+def test_every_path_is_exact(topo, dtype: str) -> None:
+    count = 50_021  # odd: a short last chunk and uneven ring segments
+    res = Simulation(topo).run(tasks.seeded_sum_workload, PATHS, count, dtype)
+    want = expected_allreduce(len(topo.workers), 1, count, dtype, "sum", seed=5)
+    for rank, out in enumerate(res.results):
+        for path in PATHS:
+            np.testing.assert_array_equal(out[path], want, err_msg=f"{path} rank {rank}")
+
+
+def test_same_seed_same_run_and_loss_is_recovered_exactly() -> None:
+    topo = leaf_spine(2, 2, leaf_bandwidth_gbps=10.0)
+    runs = [Simulation(topo, seed=3, faults="loss=0.05").run(
+        tasks.seeded_sum_workload, ("ina",), 200_000, "int32") for _ in range(2)]
+    assert runs[0].end_s == runs[1].end_s and runs[0].events == runs[1].events
+    want = expected_allreduce(4, 1, 200_000, "int32", "sum", seed=5)
+    for out in runs[0].results:
+        np.testing.assert_array_equal(out["ina"], want)
+    assert runs[0].retransmits > 0
+    lost = sum(sum(p.statistics().lost_by_op.values()) for p in Simulation(topo).pipes.values())
+    assert lost == 0  # a fresh, fault-free simulation loses nothing
+
+
+def test_a_workload_must_yield() -> None:
+    def blocking(ctx):
+        return ctx.rank
+
+    with pytest.raises(UsageError, match="generator"):
+        Simulation(star(2)).run(blocking)
+
+
+def test_ranks_that_disagree_are_reported_not_hung() -> None:
+    def odd(ctx):
+        if ctx.rank == 0:
+            yield ctx.barrier()
+        return 0
+
+    with pytest.raises(SimulationError, match="never finished|within"):
+        Simulation(star(2), timeout_s=1.0).run(odd)
+
+
+def test_switch_to_switch_links_are_shaped_once() -> None:
+    """A leaf->spine frame occupies that link once: the spine's ingress is not re-shaped."""
+    topo = leaf_spine(2, 1, leaf_bandwidth_gbps=1.0)
+    sim = Simulation(topo)
+
+    def one(ctx):
+        yield ctx.allreduce(None, path="ina", count=65536, dtype="float32")
+        return 0
+
+    sim.run(one)
+    up = sim.pipes[("leaf0", "spine0")].statistics()
+    assert up.frames >= 1 and up.bytes > 65536 * 4
+    assert ("spine0", "leaf0") in sim.pipes  # one pipeline per direction, no more
+    assert len(sim.pipes) == 2 * len(topo.links)
+
+
+def test_ring_over_ina_tends_to_the_textbook_ratio_on_shaped_links() -> None:
+    res = {}
+    topo = star(4, bandwidth_gbps=1.0)
+    for path in ("ina", "host-ring"):
+        res[path] = max(Simulation(topo).run(tasks.timed_allreduce_workload, path,
+                                             1 << 20).results)
+    ratio = res["host-ring"] / res["ina"]
+    assert 1.3 < ratio < 2.0, ratio  # 2(n-1)/n = 1.5, plus the ring's per-step hops
