@@ -16,8 +16,9 @@ the peer and the operation.
 
 from __future__ import annotations
 
-import itertools
 import logging
+import math
+import secrets
 import time
 from collections import deque
 from collections.abc import Callable
@@ -33,7 +34,6 @@ from fabric.errors import FabricTimeout, PeerFailed, UsageError
 from fabric.frame import NackCode, Op
 from fabric.semantic import SemanticCounts
 from fabric.shm import SharedRegion
-from fabric.timers import RttEstimator
 from fabric.topology import Topology
 
 log = logging.getLogger("semfab.endpoint")
@@ -45,10 +45,6 @@ DTYPE_NAMES = ("float32", "float16", "bfloat16", "int32", "int64")
 DEFAULT_TIMEOUT_S = 30.0
 #: Control message types that answer a request (see :meth:`Endpoint.defer`).
 CTRL_REPLIES = frozenset({"welcome", "barrier_done", "job_reply", "region_reply", "stats"})
-#: Floor of the aggregation retransmit timeout (seconds).
-AGG_RTO_MIN_S = 0.02
-#: First resend interval of a control request (doubles up to 1 s).
-CTRL_RETRY_S = 0.05
 
 
 def np_dtype(name: str) -> np.dtype[Any]:
@@ -66,8 +62,18 @@ def dtype_name(dt: np.dtype[Any]) -> str:
     return name
 
 
+#: Frames (and payload bytes) a worker keeps for a later operation; beyond
+#: either, the oldest is dropped and counted (a flood must not eat memory).
+STASH_FRAMES = 4096
+#: Largest one-part frame (control message) a node receives.
+HEADER_BUF = 1 << 20
+STASH_BYTES = 64 * 2**20
+
+
 class Endpoint:
-    """One worker's (or host's) attachment to the fabric."""
+    """One worker's (or host's) attachment to the fabric: the ZeroMQ driver of
+    the node's pure protocol state (:class:`fabric.programs.NodeState`) and of
+    the collective programs it runs (:meth:`run`)."""
 
     def __init__(
         self,
@@ -79,21 +85,23 @@ class Endpoint:
         timeout_s: float = DEFAULT_TIMEOUT_S,
         ctx: zmq.Context | None = None,
     ) -> None:
+        from fabric.programs import NodeState
+
         self.topo = topo
         self.name = name
-        self.node = topo.node(name)
-        self.node_id = self.node.id
-        workers = topo.workers
-        self.world = len(workers)
+        self.state = st = NodeState(topo, name, timeout_s=timeout_s)
+        self.node = st.node
+        self.node_id = st.node_id
+        self.world = st.world
         self.rank = self.node_id if self.node.kind == "worker" else -1
-        self.worker_ids = tuple(w.id for w in workers)
-        self.switch_name = topo.switch_of(name)
-        self.switch_id = topo.node(self.switch_name).id
-        self.host_id = topo.hosts[0].id if topo.hosts else None
+        self.worker_ids = st.worker_ids
+        self.switch_name = st.switch_name
+        self.switch_id = st.switch_id
+        self.host_id = st.host_id
         # barriers are counted by one switch for the whole fabric: the tree root
-        self.root_switch_id = topo.node(topo.tree_root()).id
+        self.root_switch_id = st.root_switch_id
+        self.mtu = st.mtu
         link = topo.link_between(name, self.switch_name)
-        self.mtu = link.params.mtu if link is not None else 256 * 1024
         self.link_shaped = link is not None and (link.params.shaped or link.params.latency_us > 0)
         self.timeout_s = timeout_s
         self.run_id = run_id
@@ -102,30 +110,56 @@ class Endpoint:
         self.sock = transport.dealer(
             self.ctx, topo.endpoint_address(self.switch_name, sock_dir), name
         )
-        self.hdr = bytearray(64)  # recv_into target for header parts
+        # recv_into target of a message's first part: a header, or a whole one-part
+        # frame (control messages), so it must hold the largest control reply
+        self.hdr = bytearray(HEADER_BUF)
         self.stash: deque[fr.Frame] = deque()  # frames that arrived for a later wait
+        self._stash_bytes = 0
         self.regions: list[tuple[int, int, int, SharedRegion]] = []  # (base, size, key, region)
-        self._region_seq = itertools.count(1)
-        self._barrier_seq = itertools.count(1)
-        self.jobs: dict[tuple[str, str, str], Any] = {}
-        self.job_seq = itertools.count(1)
-        self.coll_seq = itertools.count(1)
-        self.semantics: dict[str, SemanticCounts] = {}
-        self.fallbacks: list[str] = []  # reported, never silent
-        # aggregation retransmit timeout (RFC 6298); the floor keeps Python's
-        # scheduling stalls on a shared host from looking like loss
-        self.rtt = RttEstimator(rto_min=AGG_RTO_MIN_S)
-        self.crc = False  # CRC32C on data frames (turned on where links corrupt)
-        self.retransmits = 0
-        self.duplicates = 0
+        # the protocol state's tables, under the names user code and benchmarks know
+        self.jobs = st.jobs
+        self.job_seq = st.job_seq
+        self.coll_seq = st.coll_seq
+        self.semantics = st.semantics
+        self.fallbacks = st.fallbacks  # reported, never silent
+        self.chunk_bytes = st.chunk_bytes
+        self.slots = st.slots
+        self.rtt = st.rtt
         self.bad_frames = 0
         self.stale_replies = 0
+        self.dropped = 0  # unsolicited frames dropped from a full stash
         self.streams: dict[int, int] = {}  # p2p stream ids per peer (fabric.p2p)
-        self.chunk_bytes: dict[str, int] = {}
-        self.slots: dict[str, int] = {}
         self.scratch: np.ndarray | None = None  # staging region for ina-mem
         self.fixed_scratch: np.ndarray | None = None  # int32 region for fixed-point ina-mem
         self._hello()
+
+    # the counters live in the protocol state, which programs update
+    @property
+    def crc(self) -> bool:
+        """CRC32C on data and control frames (turned on where links corrupt)."""
+        return self.state.crc
+
+    @crc.setter
+    def crc(self, on: bool) -> None:
+        self.state.crc = bool(on)
+
+    @property
+    def retransmits(self) -> int:
+        """Frames this node sent again (timers, NACKs, overtaken chunks)."""
+        return self.state.retransmits
+
+    @retransmits.setter
+    def retransmits(self, n: int) -> None:
+        self.state.retransmits = n
+
+    @property
+    def duplicates(self) -> int:
+        """Late copies of results this node already had."""
+        return self.state.duplicates
+
+    @duplicates.setter
+    def duplicates(self, n: int) -> None:
+        self.state.duplicates = n
 
     # ------------------------------------------------------------------ basics
     def deadline(self) -> float:
@@ -134,7 +168,7 @@ class Endpoint:
 
     def sem(self, path: str) -> SemanticCounts:
         """The semantic-distance counters of ``path``."""
-        return self.semantics.setdefault(path, SemanticCounts())
+        return self.state.sem(path)
 
     def send(self, header: bytes, payload: Any = None) -> None:
         """Send one frame to the switch (payload zero-copy when large)."""
@@ -161,33 +195,12 @@ class Endpoint:
         payload = parts[1].buffer if len(parts) > 1 else None
         return fr.decode(parts[0].buffer, payload)
 
-    def wait_for(self, match: Callable[[fr.Frame], bool], what: str,
-                 deadline: float | None = None) -> fr.Frame:
-        """The first frame satisfying ``match``; others are stashed for later waits.
-
-        A NACK addressed to this wait's operation raises PeerFailed.
-        """
-        for i, f in enumerate(self.stash):
-            if match(f):
-                del self.stash[i]
-                return f
-        deadline = deadline or self.deadline()
-        while True:
-            f = self.recv_frame(deadline, what)
-            if match(f):
-                return f
-            if f.op is Op.NACK:
-                raise PeerFailed(f"{self.name}: {what}: node {f.src} refused frame {f.psn} of "
-                                 f"job {f.job}: {f.nack_code.name}")
-            self.defer(f)
-
     def defer(self, f: fr.Frame) -> None:
-        """Keep a frame for a later wait, unless it is a stale control reply.
+        """The one demultiplexing rule for frames no running program wants.
 
-        Control replies are awaited only by :meth:`request`, one at a time, which
-        takes its own before anything is deferred; a reply that reaches here
-        answers a request already answered (a retry crossed the reply), so
-        keeping it would only grow the stash.
+        A stale control reply (a retry crossed its answer), a NACK or ACK for
+        nobody, or anything beyond the stash's bounds is counted and dropped;
+        other frames are kept for a later operation (a peer ahead of us).
         """
         if f.op is Op.CTRL:
             try:
@@ -197,7 +210,141 @@ class Endpoint:
             except fr.FrameError:
                 self.bad_frames += 1
                 return
+        elif f.op is Op.NACK or f.op is Op.ACK and f.flow == 0:
+            self.stale_replies += 1
+            return
         self.stash.append(f)
+        self._stash_bytes += len(f.payload)
+        while len(self.stash) > STASH_FRAMES or self._stash_bytes > STASH_BYTES:
+            old = self.stash.popleft()
+            self._stash_bytes -= len(old.payload)
+            self.dropped += 1
+
+    def wait_for(self, match: Callable[[fr.Frame], bool], what: str,
+                 deadline: float | None = None) -> fr.Frame:
+        """The first frame satisfying ``match``; others go through :meth:`defer`."""
+        for i, f in enumerate(self.stash):
+            if match(f):
+                del self.stash[i]
+                self._stash_bytes -= len(f.payload)
+                return f
+        deadline = deadline or self.deadline()
+        while True:
+            try:
+                f = self.recv_frame(deadline, what)
+            except fr.FrameError:
+                self.bad_frames += 1
+                continue
+            if match(f):
+                return f
+            self.defer(f)
+
+    # ------------------------------------------------------------------ programs
+    def run(self, prog: Any, what: str) -> Any:
+        """Run a pure program (fabric.programs) over this node's socket; its result.
+
+        Frames it wants go to it, others to :meth:`defer`; its timers fire on
+        time; a silence of ``timeout_s`` while it waits raises FabricTimeout
+        naming ``what``. A frame-plane allreduce receives each result straight
+        into the output with ``recv_into`` (no copy).
+        """
+        from fabric.programs import Chain, InaAllreduce
+
+        now = time.monotonic()
+        self._send_all(prog.start(now))
+        if self.stash and not prog.done:  # frames that came before we asked
+            keep: deque[fr.Frame] = deque()
+            while self.stash and not prog.done:
+                f = self.stash.popleft()
+                self._stash_bytes -= len(f.payload)
+                if prog.wants(f):
+                    self._send_all(prog.handle_frame(f, time.monotonic()))
+                else:
+                    keep.append(f)
+            for f in reversed(keep):
+                self.stash.appendleft(f)
+                self._stash_bytes += len(f.payload)
+        sock, hdr = self.sock, memoryview(self.hdr)
+        quiet_until = time.monotonic() + self.timeout_s
+        bounce: memoryview | None = None
+        while not prog.done:
+            timer = prog.get_timer()
+            until = quiet_until if timer is None else min(timer, quiet_until)
+            wait_ms = max(math.ceil((until - time.monotonic()) * 1000), 0)
+            if not transport.spin_poll(sock, wait_ms):
+                now = time.monotonic()
+                if timer is not None and now >= timer:
+                    self._send_all(prog.handle_timer(now))
+                elif now >= quiet_until:
+                    raise FabricTimeout(
+                        f"{self.name}: {what}: no answer from switch {self.switch_name!r} "
+                        f"within {self.timeout_s:g}s (is it running? see its log in the "
+                        "run folder)")
+                continue
+            nh = sock.recv_into(self.hdr)
+            more = sock.get(zmq.RCVMORE)
+            if nh > len(self.hdr):  # truncated: no control message is this large
+                self.bad_frames += 1
+                if more:
+                    sock.recv(copy=False)
+                continue
+            leaf = prog.leaf() if isinstance(prog, Chain) else prog
+            if more and isinstance(leaf, InaAllreduce) and leaf.data and leaf.region is None:
+                try:
+                    rop, _fl, _s, rjob, psn, _k, _o, length = fr.peek(hdr[:nh])
+                except fr.FrameError:
+                    rop, rjob, psn, length = Op.NACK, -1, 0, 0
+                if rop is Op.RESULT and rjob == leaf.js.job:
+                    spot = leaf.landing(psn, length)
+                    if spot is None:  # a late copy (we resent), or a bad length
+                        sock.recv(copy=False)
+                        self.state.duplicates += 1
+                        continue
+                    i, off = spot
+                    assert leaf.t.out is not None
+                    target = leaf.t.out.view(np.uint8).data[off: off + length]
+                    into = target
+                    if self.crc:
+                        # a corrupted result must not overwrite the input we may resend
+                        if bounce is None or bounce.nbytes < length:
+                            bounce = memoryview(bytearray(length))
+                        into = bounce[:length]
+                    nb = sock.recv_into(into)
+                    try:
+                        if nb != length:
+                            raise fr.FrameError(NackCode.MALFORMED, "truncated RESULT")
+                        fr.decode(hdr[:nh], into)  # full validation (CRC, dtype multiple)
+                    except fr.FrameError as exc:
+                        self.bad_frames += 1  # counted; the chunk's timer resends it
+                        log.info("%s: dropped a bad RESULT for chunk %d: %s", self.name, i, exc)
+                        continue
+                    if into is not target:
+                        target[:] = into
+                    now = time.monotonic()
+                    sends = leaf.landed(i, now)
+                    if isinstance(prog, Chain):
+                        sends.extend(prog.poke(now))
+                    self._send_all(sends)
+                    quiet_until = now + self.timeout_s
+                    continue
+            payload = sock.recv(copy=False).buffer if more else None
+            try:
+                f = fr.decode(bytes(hdr[:nh]), payload)
+            except fr.FrameError as exc:
+                self.bad_frames += 1
+                log.info("%s: dropped a bad frame: %s", self.name, exc)
+                continue
+            if prog.wants(f):
+                now = time.monotonic()
+                self._send_all(prog.handle_frame(f, now))
+                quiet_until = now + self.timeout_s
+            else:
+                self.defer(f)
+        return prog.result
+
+    def _send_all(self, sends: list[tuple[bytes, Any]]) -> None:
+        for header, payload in sends:
+            self.send(header, payload)
 
     def request(self, t: str, reply: str, dst: int | None = None,
                 match: Callable[[dict[str, Any]], bool] | None = None,
@@ -207,36 +354,11 @@ class Endpoint:
         Control requests are idempotent, so a lost request or reply is simply
         sent again (with backoff) until the reply comes or ``timeout_s`` ends.
         """
-        dst = self.switch_id if dst is None else dst
-        frame = fr.encode(Op.CTRL, src=self.node_id, dst=dst, payload=control.pack(t, **fields),
-                          crc=self.crc)
+        from fabric.programs import Request
 
-        def is_answer(f: fr.Frame) -> bool:
-            if f.op is Op.NACK:
-                return f.src == dst and f.psn == 0 and f.job == 0
-            if f.op is not Op.CTRL:
-                return False
-            m = control.parse(f.payload)
-            return m.get("t") == reply and (match is None or match(m))
-
-        deadline = self.deadline()
-        retry = CTRL_RETRY_S
-        while True:
-            self.send(frame)
-            try:
-                f = self.wait_for(is_answer, f"control request {t!r} to node {dst}",
-                                  min(deadline, time.monotonic() + retry))
-            except FabricTimeout:
-                if time.monotonic() >= deadline:
-                    raise
-                retry = min(retry * 2, 1.0)
-                continue
-            if f.op is Op.CTRL:
-                return control.parse(f.payload)
-            if f.nack_code not in (NackCode.BAD_CHECKSUM, NackCode.MALFORMED):
-                raise PeerFailed(f"{self.name}: node {dst} refused control request {t!r}: "
-                                 f"{f.nack_code.name}")
-            # damaged on the way: send it again
+        prog = Request(self.state, t, reply, dst=dst, match=match, **fields)
+        result: dict[str, Any] = self.run(prog, f"control request {t!r} to node {prog.dst}")
+        return result
 
     def _hello(self) -> None:
         # The DEALER connects asynchronously and frames may be lost: retry.
@@ -252,7 +374,10 @@ class Endpoint:
         """
         dt = np_dtype(dtype)
         size = max(int(count) * dt.itemsize, 1)
-        key = (self.node_id << 16) | (next(self._region_seq) & 0xFFFF) | (1 << 31)
+        # unguessable, like an RDMA rkey: knowing one key tells nothing of another
+        key = 0
+        while not key or any(k == key for _, _, k, _ in self.regions):
+            key = secrets.randbits(32)
         region = SharedRegion.create(f"semfab-{self.run_id}-{self.name}-{key:x}", size)
         reply = self.request("region", "region_reply", key=key, size=size,
                              path=str(region.path), match=lambda m: m.get("key") == key)
@@ -291,10 +416,10 @@ class Endpoint:
 
     # ------------------------------------------------------------------ collectives
     def barrier(self) -> None:
-        """Wait until every worker reached this barrier (counted by the switch)."""
-        bid = next(self._barrier_seq)
-        self.request("barrier", "barrier_done", dst=self.root_switch_id,
-                     match=lambda m: m.get("id") == bid, id=bid, n=self.world)
+        """Wait until every worker reached this barrier (counted by the tree root)."""
+        from fabric.programs import barrier_program
+
+        self.run(barrier_program(self.state), "barrier")
 
     def allreduce(self, x: np.ndarray, op: str = "sum", path: str = "ina",
                   out: np.ndarray | None = None, numerics: str = "float") -> np.ndarray:
@@ -307,6 +432,7 @@ class Endpoint:
         scale: bitwise the same result whatever the path or arrival order.
         """
         from fabric import collectives
+        from fabric.programs import Tensor, allreduce_program
 
         if path not in PATHS:
             raise UsageError(f"unknown path {path!r}; choose one of {', '.join(PATHS)}")
@@ -328,13 +454,26 @@ class Endpoint:
         if numerics == "fixed" and op == "sum":
             collectives.allreduce_fixed(self, x, out, path)
             return out
-        runner = {
-            "ina": collectives.allreduce_ina,
-            "ina-mem": collectives.allreduce_ina_mem,
-            "host-ps": collectives.allreduce_host_ps,
-            "host-ring": collectives.allreduce_host_ring,
-        }[path]
-        runner(self, x, out, op, name)
+        what = f"allreduce {path}"
+        if path != "ina-mem":
+            self.run(allreduce_program(self.state, Tensor(x.size, name, x, out), op, path),
+                     what)
+            return out
+        # memory plane: reduced in place in registered memory, else staged through scratch
+        loc = self.region_of(out) if out is x else None
+        work = out
+        if loc is None:
+            work = collectives.scratch_region(self, x.nbytes).view(x.dtype)
+            np.copyto(work, x)
+            loc = self.region_of(work)
+            assert loc is not None
+        t = Tensor(x.size, name, work, work)
+        self.run(allreduce_program(self.state, t, op, path, region=loc), what)
+        if work is not out:
+            np.copyto(out, work)
+            nch = self.sem(path).chunks and -(-x.size // max(self.state.mem_chunk_elems(
+                self.state.chunk_elems("ina-mem", x.itemsize), x.size, x.itemsize), 1))
+            self.sem(path).copies += 2 * nch  # staged in, copied out
         return out
 
     def switch_stats(self) -> dict[str, Any]:

@@ -38,6 +38,7 @@ from fabric.programs import (
     Tensor,
     allreduce_program,
     barrier_program,
+    fixed_program,
 )
 from fabric.topology import Topology
 from fabric.workload import Allreduce, Barrier, Clock, Compute, Context, check_workload
@@ -390,15 +391,19 @@ class Simulation:
     def _program(self, node: _Node, op: Any) -> Program:
         st = node.state
         if isinstance(op, Allreduce):
-            if op.numerics != "float":
-                raise UsageError("numerics='fixed' is not simulated yet; use integer dtypes "
-                                 "for bitwise-reproducible sums")
+            if op.path not in ("ina", "host-ring", "host-ps"):
+                raise UsageError(f"path {op.path!r} is not simulated; choose ina, host-ring "
+                                 "or host-ps")
+            if op.numerics not in ("float", "fixed"):
+                raise UsageError(f"numerics must be 'float' or 'fixed', not {op.numerics!r}")
             if op.x is not None:
                 x = np.ascontiguousarray(op.x).reshape(-1)
                 from kernels.dtypes import dtype_name
 
                 out = op.out if op.out is not None else np.empty_like(x)
                 t = Tensor(x.size, dtype_name(x.dtype), x, out)
+                if op.numerics == "fixed" and op.op == "sum":
+                    return fixed_program(st, t, op.path)
                 return allreduce_program(st, t, op.op, op.path, data=True)
             if op.count <= 0:
                 raise UsageError("a timing-only allreduce needs count > 0")
