@@ -114,3 +114,12 @@ def timed_allreduce_workload(ctx, path: str, count: int, dtype: str = "int32"):
     yield ctx.allreduce(x, path=path)
     t1 = yield ctx.clock()
     return t1 - t0
+
+
+def fixed_sum_workload(ctx, paths, count: int):
+    """Fixed-point float32 sums (bitwise reproducible) on every path."""
+    out = {}
+    for path in paths:
+        x = (np.sin(np.arange(count, dtype=np.float64) * (ctx.rank + 1)) * 3).astype(np.float32)
+        out[path] = np.asarray((yield ctx.allreduce(x, path=path, numerics="fixed")))
+    return out
