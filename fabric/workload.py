@@ -10,16 +10,16 @@ A workload is a generator function that takes a context (rank, world) and
         t = yield ctx.clock()          # seconds: virtual in simulation, real in emulation
         return float(y[0])
 
-:func:`run_in_emulation` runs it on a launched fabric's worker (each
-operation is the endpoint's blocking call); ``fabric.sim.Simulation.run``
-runs the same function in virtual time. Because the workload only yields,
-it never blocks the simulator.
+:func:`fabric.emulation.run_in_emulation` runs it on a launched fabric's
+worker (each operation is the endpoint's blocking call);
+``fabric.sim.Simulation.run`` runs the same function in virtual time.
+Because the workload only yields, it never blocks the simulator.
 """
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Generator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,7 +28,7 @@ import numpy as np
 from fabric.errors import UsageError
 
 __all__ = ["Allreduce", "Barrier", "Clock", "Compute", "Context", "Operation",
-           "check_workload", "run_in_emulation"]
+           "check_workload"]
 
 
 @dataclass(frozen=True)
@@ -95,34 +95,3 @@ def check_workload(fn: Callable[..., Any]) -> None:
         name = getattr(fn, "__qualname__", repr(fn))
         raise UsageError(f"workload {name} must be a generator function that yields its "
                          "operations (y = yield ctx.allreduce(x)); it cannot block")
-
-
-def run_in_emulation(ep: Any, fn: Callable[..., Generator[Any, Any, Any]], *args: Any,
-                     **kwargs: Any) -> Any:
-    """Run a workload on an emulated worker's endpoint; returns its return value."""
-    import time
-
-    check_workload(fn)
-    ctx = Context(ep.rank, ep.world, ep.name)
-    gen = fn(ctx, *args, **kwargs)
-    value: Any = None
-    while True:
-        try:
-            op = gen.send(value)
-        except StopIteration as stop:
-            return stop.value
-        if isinstance(op, Allreduce):
-            if op.x is None:
-                raise UsageError("timing-only allreduce (x=None) runs in simulation only")
-            value = ep.allreduce(op.x, op=op.op, path=op.path, out=op.out,
-                                 numerics=op.numerics)
-        elif isinstance(op, Barrier):
-            ep.barrier()
-            value = None
-        elif isinstance(op, Compute):
-            time.sleep(op.seconds)
-            value = None
-        elif isinstance(op, Clock):
-            value = time.monotonic()
-        else:
-            raise UsageError(f"a workload yielded {op!r}, not an operation of its context")

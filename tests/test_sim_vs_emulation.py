@@ -8,7 +8,7 @@ import pytest
 from fabric.launcher import launch
 from fabric.sim import Simulation
 from fabric.topology import leaf_spine, star
-from fabric.workload import run_in_emulation
+from fabric.emulation import run_in_emulation
 from tests import fabric_tasks as tasks
 
 

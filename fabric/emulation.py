@@ -1,0 +1,46 @@
+"""The emulation driver of workloads (see :mod:`fabric.workload`).
+
+``fab.run(run_in_emulation, work, *args)`` runs the generator workload
+``work`` on every worker of a launched fabric: each operation it yields is the
+endpoint's blocking call, and its result is sent back into the workload.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Generator
+from typing import Any
+
+from fabric.errors import UsageError
+from fabric.workload import Allreduce, Barrier, Clock, Compute, Context, check_workload
+
+__all__ = ["run_in_emulation"]
+
+
+def run_in_emulation(ep: Any, fn: Callable[..., Generator[Any, Any, Any]], *args: Any,
+                     **kwargs: Any) -> Any:
+    """Run a workload on an emulated worker's endpoint; returns its return value."""
+    check_workload(fn)
+    ctx = Context(ep.rank, ep.world, ep.name)
+    gen = fn(ctx, *args, **kwargs)
+    value: Any = None
+    while True:
+        try:
+            op = gen.send(value)
+        except StopIteration as stop:
+            return stop.value
+        if isinstance(op, Allreduce):
+            if op.x is None:
+                raise UsageError("timing-only allreduce (x=None) runs in simulation only")
+            value = ep.allreduce(op.x, op=op.op, path=op.path, out=op.out,
+                                 numerics=op.numerics)
+        elif isinstance(op, Barrier):
+            ep.barrier()
+            value = None
+        elif isinstance(op, Compute):
+            time.sleep(op.seconds)
+            value = None
+        elif isinstance(op, Clock):
+            value = time.monotonic()
+        else:
+            raise UsageError(f"a workload yielded {op!r}, not an operation of its context")
