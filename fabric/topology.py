@@ -79,6 +79,15 @@ DEFAULT_ADDRESS = "127.0.0.1"
 DEFAULT_NAME = "semfab"
 
 _NAME_RE = re.compile(r"[A-Za-z0-9_-]+")
+# Bounds on what a file may ask for: beyond them a value is a typo that would
+# only fail later (a socket path over the Unix limit, a shaper that never
+# sends, a delay that outlasts every timeout).
+_MAX_NAME = 64  # keeps <sock dir>/<name>.sock under the 107-byte ipc limit
+_MAX_FABRIC_NAME = 64
+_MAX_HOSTNAME = 253  # RFC 1035
+_MIN_BANDWIDTH_GBPS = 1e-6  # 1 kbit/s
+_MAX_BANDWIDTH_GBPS = 1e6  # 1 Pbit/s
+_MAX_LATENCY_US = 1e7  # 10 s
 _TOP_KEYS = ("fabric", "defaults", "node", "link")
 _FABRIC_KEYS = ("name", "transport", "base_port", "host_addresses")
 _NODE_KEYS = ("name", "kind")
@@ -132,6 +141,9 @@ def _param_problem(key: str, value: object) -> str | None:
         return None
     if isinstance(value, bool) or not isinstance(value, int | float):
         return f"{key} must be a number, got {value!r}"
+    if isinstance(value, int) and abs(value) > 2**63:
+        # TOML integers have no size limit in tomllib; float() would overflow
+        return f"{key} must be finite, got an integer of {len(str(abs(value)))} digits"
     if not math.isfinite(value):
         return f"{key} must be finite, got {value!r}"
     if key == "loss":
@@ -140,6 +152,14 @@ def _param_problem(key: str, value: object) -> str | None:
     elif value < 0:
         unit = "microseconds" if key == "latency_us" else "Gbit/s; 0 means unshaped"
         return f"{key} must be >= 0 ({unit}), got {value!r}"
+    elif key == "latency_us" and value > _MAX_LATENCY_US:
+        return (f"latency_us must be in 0..{_MAX_LATENCY_US:.0f} microseconds (at most 10 s), "
+                f"got {value!r}")
+    elif key == "bandwidth_gbps" and value and not (
+        _MIN_BANDWIDTH_GBPS <= value <= _MAX_BANDWIDTH_GBPS
+    ):
+        return (f"bandwidth_gbps must be 0 (unshaped) or between {_MIN_BANDWIDTH_GBPS:g} and "
+                f"{_MAX_BANDWIDTH_GBPS:g} Gbit/s, got {value!r}")
     return None
 
 
@@ -826,7 +846,19 @@ def _params(table: Mapping[str, Any], base: LinkParams, source: str, item: str) 
     return LinkParams(**values)
 
 
+def _clip(text: str, limit: int = 24) -> str:
+    """A long value shortened for a one-line message."""
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def _name(value: object, source: str, item: str, key: str) -> str:
+    if isinstance(value, str) and len(value) > _MAX_NAME:
+        raise _fail(
+            source,
+            item,
+            f"{key} {_clip(value)!r} is {len(value)} characters long; node names are at most "
+            f"{_MAX_NAME} letters, digits, '_' and '-'",
+        )
     if not isinstance(value, str) or not _NAME_RE.fullmatch(value):
         raise _fail(
             source,
@@ -847,6 +879,13 @@ def _build(doc: Mapping[str, Any], source: str) -> Topology:
     fname = fabric.get("name", DEFAULT_NAME)
     if not isinstance(fname, str) or not fname or "\n" in fname:
         raise _fail(source, "[fabric]", f"name must be a non-empty one-line string, got {fname!r}")
+    if len(fname) > _MAX_FABRIC_NAME:
+        raise _fail(
+            source,
+            "[fabric]",
+            f"name {_clip(fname)!r} is {len(fname)} characters long; "
+            f"use at most {_MAX_FABRIC_NAME}",
+        )
     transport = fabric.get("transport", "ipc")
     if transport not in TRANSPORTS:
         raise _fail(
@@ -1027,6 +1066,13 @@ def _build(doc: Mapping[str, Any], source: str) -> Topology:
             )
         if not isinstance(host, str) or not host or any(c.isspace() for c in host) or "/" in host:
             raise _fail(source, item, f"must be a hostname or IP address string, got {host!r}")
+        if len(host) > _MAX_HOSTNAME:
+            raise _fail(
+                source,
+                item,
+                f"{_clip(host)!r} is {len(host)} characters long; a hostname has at most "
+                f"{_MAX_HOSTNAME}",
+            )
         addrs[node_name] = host
     if transport == "ipc":
         remote = [n for n, h in addrs.items() if not _is_loopback(h)]
@@ -1307,7 +1353,7 @@ def check_main(argv: Sequence[str]) -> int:
     try:
         topo = load(args.file)
     except TopologyError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"semfab: error: {exc}", file=sys.stderr)
         return 2
     print(f"{args.file}: OK")
     print(topo.summary())
@@ -1412,9 +1458,9 @@ def gen_main(argv: Sequence[str]) -> int:
         else:
             sys.stdout.write(text)
     except TopologyError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"semfab: error: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:
-        print(f"error: cannot write {args.output}: {exc.strerror}", file=sys.stderr)
+        print(f"semfab: error: cannot write {args.output}: {exc.strerror}", file=sys.stderr)
         return 2
     return 0

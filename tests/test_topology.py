@@ -279,6 +279,8 @@ def test_topology_equality_ignores_source() -> None:
 # ---------------------------------------------------------------------------
 
 finite = st.floats(min_value=0, max_value=1e6, allow_nan=False, allow_infinity=False)
+# 0 (unshaped) or inside the bounds the validator accepts
+bandwidth = st.just(0.0) | st.floats(min_value=1e-6, max_value=1e6)
 
 
 @settings(max_examples=40, deadline=None)
@@ -287,7 +289,7 @@ finite = st.floats(min_value=0, max_value=1e6, allow_nan=False, allow_infinity=F
     hosts=st.integers(0, 3),
     cls=st.sampled_from(["scaleup", "scaleout", "frontend"]),
     latency=finite,
-    bw=finite,
+    bw=bandwidth,
     loss=st.floats(min_value=0, max_value=0.999),
     mtu=st.integers(256, 16 * 1024 * 1024),
     transport=st.sampled_from(["ipc", "tcp"]),
@@ -324,7 +326,7 @@ def test_round_trip_star(
     ratio=st.sampled_from([1.0, 2.0, 4.0]) | st.floats(0.1, 16),
     bw=st.floats(min_value=0.001, max_value=1e4),
     spine_latency=finite,
-    host_bw=st.none() | finite,
+    host_bw=st.none() | bandwidth,
 )
 def test_round_trip_leaf_spine(
     leaves: int,
@@ -416,6 +418,36 @@ ERRORS = [
         BASE.replace('class = "scaleup"', 'class = "scaleup"\nlatency_us = true', 1),
         ["link 1", "latency_us must be a number"],
     ),
+    # absurd values that would only fail later are refused with the valid range
+    (
+        BASE.replace('class = "scaleup"', 'class = "scaleup"\nbandwidth_gbps = 1e-300', 1),
+        ["link 1 (w0 -- sw0)", "bandwidth_gbps", "between 1e-06 and 1e+06 Gbit/s", "1e-300"],
+    ),
+    (
+        BASE.replace('class = "scaleup"', 'class = "scaleup"\nbandwidth_gbps = 1e300', 1),
+        ["link 1 (w0 -- sw0)", "between 1e-06 and 1e+06 Gbit/s"],
+    ),
+    (
+        "[defaults.scaleup]\nlatency_us = 1e308\n" + BASE,
+        ["[defaults.scaleup]", "latency_us must be in 0..10000000 microseconds", "10 s"],
+    ),
+    (
+        BASE.replace('class = "scaleup"', 'class = "scaleup"\nlatency_us = 1' + "0" * 40, 1),
+        ["link 1", "latency_us must be finite", "41 digits"],
+    ),
+    (
+        BASE + node("w" * 300, "worker"),
+        ["node 4", "300 characters long", "at most 64"],
+    ),
+    (
+        BASE.replace('"w0"', '"' + "a" * 65 + '"'),
+        ["node 1", "65 characters long"],
+    ),
+    ('[fabric]\nname = "' + "f" * 300 + '"\n' + BASE, ["[fabric]", "300 characters", "at most 64"]),
+    (
+        '[fabric]\ntransport = "tcp"\n[fabric.host_addresses]\nw0 = "' + "h" * 300 + '"\n' + BASE,
+        ["[fabric.host_addresses] 'w0'", "300 characters long", "at most 253"],
+    ),
     (
         BASE.replace('class = "scaleup"', 'class = "scaleup"\nlatncy_us = 1', 1),
         ["link 1", "unknown key 'latncy_us'", "did you mean 'latency_us'", "valid keys: a, b"],
@@ -467,6 +499,19 @@ def test_errors_name_the_item(text: str, expected: list[str]) -> None:
 
 def test_base_file_is_valid() -> None:
     assert len(loads(BASE).workers) == 2
+
+
+def test_bounds_are_inclusive() -> None:
+    edge = 'class = "scaleup"\nbandwidth_gbps = 1e-6\nlatency_us = 1e7'
+    t = loads(BASE.replace('class = "scaleup"', edge, 1))
+    assert t.links[0].params.bandwidth_gbps == 1e-6
+    assert t.links[0].params.latency_us == 1e7
+    assert loads(BASE.replace('"w0"', '"' + "a" * 64 + '"')).workers[0].name == "a" * 64
+    assert LinkParams(bandwidth_gbps=1e6).shaped
+    with pytest.raises(TopologyError, match="between"):
+        LinkParams(bandwidth_gbps=1e-7)
+    with pytest.raises(TopologyError, match="leaf_bandwidth_gbps"):
+        leaf_spine(2, 2, leaf_bandwidth_gbps=1e7)
 
 
 def test_load_missing_file(tmp_path: Path) -> None:
