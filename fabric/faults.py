@@ -265,9 +265,19 @@ def parse_faults(text: str | FaultSpec | None) -> FaultSpec:
         except FaultSpecError as exc:
             raise FaultSpecError(f"bad fault spec {text!r}: {exc}") from None
     try:
-        return FaultSpec(**kw)  # type: ignore[arg-type]
+        spec = FaultSpec(**kw)  # type: ignore[arg-type]
     except FaultSpecError as exc:
         raise FaultSpecError(f"bad fault spec {text!r}: {exc}") from None
+    # A link that drops every frame can never deliver: every transfer over it
+    # would retransmit until its timeout. (FaultSpec itself still takes it, for tests.)
+    if spec.loss >= 1:
+        raise FaultSpecError(f"bad fault spec {text!r}: loss must be below 1 (loss=1 drops "
+                             "every frame, so nothing is ever delivered), e.g. loss=0.05")
+    ge = spec.gilbert_elliott
+    if ge is not None and ge.mean_loss >= 1:
+        raise FaultSpecError(f"bad fault spec {text!r}: ge loses every frame (mean loss 1), "
+                             "so nothing is ever delivered; lower LOSS_GOOD or LOSS_BAD")
+    return spec
 
 
 @dataclass(frozen=True, slots=True)

@@ -78,6 +78,11 @@ def test_text_form_round_trips() -> None:
         ("ge=0.1:1.5", "ge p_bad_to_good must be a probability"),
         ("corrupt=0.1:0", "corrupt bits must be >= 1"),
         ("dup=nan", "not a finite number"),
+        # a link that drops every frame never delivers anything: refused
+        ("loss=1", "loss must be below 1"),
+        ("loss=100%", "nothing is ever delivered"),
+        ("ge=0.1:0.5:1:1", "ge loses every frame"),
+        ("ge=0:0:0:1", "ge loses every frame"),
     ],
 )
 def test_parse_errors_are_clear(text: str, needle: str) -> None:
@@ -86,6 +91,12 @@ def test_parse_errors_are_clear(text: str, needle: str) -> None:
     assert needle in str(exc.value)
     assert str(exc.value).startswith(f"bad fault spec {text!r}")
     assert isinstance(exc.value, ValueError)
+
+
+def test_almost_total_loss_is_still_accepted() -> None:
+    assert parse_faults("loss=0.999").loss == 0.999
+    assert parse_faults("ge=0.1:0.5:1:0.5").gilbert_elliott is not None
+    assert FaultSpec(loss=1.0).loss == 1.0  # tests may still build a black hole directly
 
 
 # ---------------------------------------------------------------------------
