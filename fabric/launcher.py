@@ -6,26 +6,32 @@
         x = ep.alloc(1000, "float32"); x[:] = ep.rank + 1
         return float(ep.allreduce(x, path="ina")[0])
 
-    with launch(workers=4) as fab:
-        print(fab.run(work))          # [10.0, 10.0, 10.0, 10.0]
+    if __name__ == "__main__":        # workers import this file to find work()
+        with launch(workers=4) as fab:
+            print(fab.run(work))      # [10.0, 10.0, 10.0, 10.0]
 
 The launcher starts one process per switch, host and worker, each with its
 own log in the run folder, and waits for a real handshake (every switch bound,
 every node welcomed by its switch) with a deadline that names whoever did not
 come up. If any process dies, the operation in progress fails naming it, and
-closing the fabric (also on Ctrl-C) leaves no process behind.
+closing the fabric (also on Ctrl-C, SIGTERM or interpreter exit) leaves no
+process and no socket folder behind.
 """
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import logging
 import os
 import pickle
+import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -35,11 +41,15 @@ from typing import Any
 import zmq
 
 from fabric import control, transport
-from fabric.errors import FabricTimeout, PeerFailed, UsageError
+from fabric.errors import FabricTimeout, PeerFailed, UsageError, check_seconds
 from fabric.shm import SHM_DIR
 from fabric.topology import Topology, load, star
 
 log = logging.getLogger("semfab.launcher")
+
+#: Set in every node process (to its name): a launch() there is a script that
+#: starts a fabric at import time, re-run by each worker that imports it.
+NODE_ENV = "SEMFAB_NODE"
 
 
 class TaskFailed(PeerFailed):
@@ -114,8 +124,8 @@ class Fabric:
     ) -> None:
         self.topo = topo
         self.run_dir = Path(run_dir) if run_dir else default_run_dir()
-        self.timeout_s = timeout_s
-        self.start_timeout_s = start_timeout_s
+        self.timeout_s = check_seconds("timeout_s", timeout_s)
+        self.start_timeout_s = check_seconds("start_timeout_s", start_timeout_s)
         self.switch_args = list(switch_args)
         if faults:
             self.switch_args += ["--faults", faults, "--seed", str(seed)]
@@ -135,14 +145,26 @@ class Fabric:
     # ------------------------------------------------------------------ start
     def start(self) -> Fabric:
         """Start every process and wait until all are ready."""
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.sock_dir = transport.socket_dir()
+        inside = os.environ.get(NODE_ENV)
+        if inside:
+            raise UsageError(
+                f"launch() was called inside semfab node {inside!r}: the file that defines "
+                "the task starts a fabric when it is imported, and every worker imports it; "
+                'put the launch() call under `if __name__ == "__main__":`')
         topo_path = self.run_dir / "topology.toml"
-        topo_path.write_text(self.topo.to_toml())
-        self.ctx = transport.context()
-        ctl_addr = f"ipc://{self.sock_dir}/ctl.sock"
-        self.ctl = transport.router(self.ctx, ctl_addr)
         try:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            topo_path.write_text(self.topo.to_toml())
+        except OSError as exc:
+            raise UsageError(f"run folder {self.run_dir}: cannot create or write it "
+                             f"({exc.strerror or exc}); give a folder you can write to") from None
+        _sweep_stale_socket_dirs()
+        self.sock_dir = transport.socket_dir()
+        _track(self)
+        try:
+            self.ctx = transport.context()
+            ctl_addr = f"ipc://{self.sock_dir}/ctl.sock"
+            self.ctl = transport.router(self.ctx, ctl_addr)
             for sw in self.topo.switches:
                 self._spawn(sw.name, "switch", [
                     sys.executable, "-m", "switchd", "--topology", str(topo_path),
@@ -174,6 +196,7 @@ class Fabric:
         # starves the others (measured: ina-mem 16 MiB at 2 workers went from
         # 0.9 to 3.4 GB/s busbw with passive waiting).
         env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        env[NODE_ENV] = name
         with open(log_path, "wb") as out:
             popen = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
                                      stdin=subprocess.DEVNULL, start_new_session=True)
@@ -279,6 +302,17 @@ class Fabric:
         if self._closed:
             return
         self._closed = True
+        try:
+            self._stop_processes()
+        finally:
+            # even if a second Ctrl-C interrupts the graceful part
+            for p in self.procs.values():
+                if p.popen.poll() is None:
+                    _signal_group(p.popen, signal.SIGKILL)
+            self._remove_files()
+            _untrack(self)
+
+    def _stop_processes(self) -> None:
         if self.ctl is not None:
             for name in list(self.procs):
                 try:
@@ -306,10 +340,21 @@ class Fabric:
             self.ctl.close(0)
         if self.ctx is not None:
             self.ctx.term()
+
+    def _remove_files(self) -> None:
         if self.sock_dir is not None:
             shutil.rmtree(self.sock_dir, ignore_errors=True)
         for leftover in SHM_DIR.glob(f"semfab-{self.run_id}-*"):
             leftover.unlink(missing_ok=True)
+
+    def _kill_now(self) -> None:
+        """On a fatal signal: stop the processes and remove the files, without
+        waiting and without touching zmq (the main thread may be inside a call)."""
+        self._closed = True
+        for p in self.procs.values():
+            if p.popen.poll() is None:
+                _signal_group(p.popen, signal.SIGTERM)
+        self._remove_files()
 
     def exit_codes(self) -> dict[str, int | None]:
         """Each process's exit code (None while running)."""
@@ -327,6 +372,105 @@ def _signal_group(popen: subprocess.Popen[bytes], sig: int) -> None:
         os.killpg(popen.pid, sig)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+# ------------------------------------------------------------ process exit
+# Fabrics started and not closed yet. A launcher that exits without close()
+# (no `with`, an uncaught exception) closes them at exit; one killed by SIGTERM
+# or SIGHUP while nobody handles those stops them and removes their files first.
+_live: list[Fabric] = []
+_FATAL_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+_installed: set[int] = set()
+
+
+def _track(fab: Fabric) -> None:
+    _live.append(fab)
+    if threading.current_thread() is not threading.main_thread():
+        return  # signal handlers can only be set from the main thread
+    for sig in _FATAL_SIGNALS:
+        # only where the default (die at once) is in force: a program that
+        # handles the signal itself (the CLI unwinds on SIGTERM) keeps its handler
+        if sig not in _installed and signal.getsignal(sig) is signal.SIG_DFL:
+            signal.signal(sig, _on_fatal_signal)
+            _installed.add(sig)
+
+
+def _untrack(fab: Fabric) -> None:
+    if fab in _live:
+        _live.remove(fab)
+    if _live or threading.current_thread() is not threading.main_thread():
+        return
+    for sig in list(_installed):
+        if signal.getsignal(sig) is _on_fatal_signal:
+            signal.signal(sig, signal.SIG_DFL)
+        _installed.discard(sig)
+
+
+@atexit.register
+def _close_all() -> None:
+    for fab in list(_live):
+        fab.close()
+
+
+def _on_fatal_signal(signum: int, _frame: object) -> None:
+    for fab in list(_live):
+        fab._kill_now()
+    _live.clear()
+    # die of the same signal, as without the handler
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+
+
+_SOCK_DIR_RE = re.compile(r"semfab-(\d+)-")
+_STALE_AFTER_S = 60.0
+
+
+def _sweep_stale_socket_dirs(root: Path = Path("/tmp")) -> list[Path]:
+    """Remove socket folders of launchers that died without cleaning up (SIGKILL).
+
+    A folder is named after its launcher's pid (transport.socket_dir). It is a
+    leftover when that pid is gone and its control socket refuses connections
+    (or, never bound, the folder is over a minute old): a live launcher in
+    another pid namespace sharing /tmp still answers on its socket.
+    """
+    removed: list[Path] = []
+    try:
+        candidates = list(root.glob("semfab-*-*"))
+    except OSError:
+        return removed
+    for d in candidates:
+        m = _SOCK_DIR_RE.match(d.name)
+        if not m or d.is_symlink() or not d.is_dir():
+            continue
+        try:
+            os.kill(int(m.group(1)), 0)
+            continue  # alive (or the pid was reused): keep
+        except ProcessLookupError:
+            pass
+        except (PermissionError, OverflowError):
+            continue  # another user's, or not a pid
+        if _socket_answers(d / "ctl.sock"):
+            continue
+        try:
+            if not (d / "ctl.sock").exists() and time.time() - d.stat().st_mtime < _STALE_AFTER_S:
+                continue
+        except OSError:
+            continue
+        shutil.rmtree(d, ignore_errors=True)
+        removed.append(d)
+    return removed
+
+
+def _socket_answers(path: Path) -> bool:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(0.2)
+    try:
+        s.connect(str(path))
+        return True
+    except OSError:
+        return False
+    finally:
+        s.close()
 
 
 def launch(workers: int | None = None, topology: str | Path | Topology | None = None,

@@ -27,9 +27,11 @@ import zmq
 from fabric import control, transport
 from fabric import frame as fr
 from fabric.endpoint import Endpoint
+from fabric.errors import UsageError, check_seconds
 from fabric.frame import FrameError, Op
 from fabric.hostnode import HostAggregator
-from fabric.topology import load
+from fabric.launcher import NODE_ENV
+from fabric.topology import Node, Topology, TopologyError, load
 
 log = logging.getLogger("semfab.node")
 
@@ -70,10 +72,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="put a CRC32C on data frames (use where links corrupt)")
 
 
+def check_arguments(args: argparse.Namespace) -> tuple[Topology, Node]:
+    """The topology and this node, or UsageError saying which flag is wrong."""
+    check_seconds("--timeout", args.timeout)
+    try:
+        topo = load(args.topology)
+        node = topo.node(args.name)
+        if node.kind == "switch":
+            raise UsageError(f"{args.name!r} is a switch; start it with `semfab switchd`")
+        if topo.transport == "ipc":
+            if not Path(args.sock_dir).is_dir():
+                raise UsageError(f"--sock-dir {args.sock_dir}: no such folder; give the "
+                                 "folder the switch daemons were started with")
+            topo.endpoint_address(topo.switch_of(args.name), args.sock_dir)
+    except TopologyError as exc:
+        raise UsageError(str(exc)) from None
+    return topo, node
+
+
 def run(args: argparse.Namespace) -> int:
     """Process entry: serve until shutdown."""
-    topo = load(args.topology)
-    node = topo.node(args.name)
+    topo, node = check_arguments(args)
+    # a task's file that calls launch() at import time is refused there
+    os.environ[NODE_ENV] = args.name
     ctx = transport.context()
     ep = Endpoint(topo, args.name, args.sock_dir, run_id=args.run_id, timeout_s=args.timeout,
                   ctx=ctx)
@@ -163,10 +184,11 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    if not Path(args.topology).is_file():
-        print(f"semfab node: error: topology file {args.topology} not found", file=sys.stderr)
+    try:
+        return run(args)
+    except UsageError as exc:
+        print(f"semfab node: error: {exc}", file=sys.stderr)
         return 2
-    return run(args)
 
 
 if __name__ == "__main__":
