@@ -147,7 +147,32 @@ def _parse(args: argparse.Namespace) -> tuple[list[int], list[int], list[str]]:
     item = report.dtype_itemsize(args.dtype)
     if any(s % item for s in sizes):
         raise UsageError(f"every size must be a multiple of the {args.dtype} size ({item} B)")
+    _check_run_inputs(args, workers, any(p in PATHS for p in paths))
     return sizes, workers, paths
+
+
+def _check_run_inputs(args: argparse.Namespace, workers: list[int], fabric: bool) -> None:
+    """Files, folders and links, checked before any process starts (not after a long run)."""
+    from fabric.errors import check_seconds
+    from fabric.launch_cli import check_dir, check_output_file
+    from fabric.topology import TopologyError, load, star
+
+    check_seconds("--timeout", args.timeout)
+    try:
+        if args.topology:
+            have = len(load(args.topology).workers)
+            if fabric and any(w != have for w in workers):
+                raise UsageError(f"--topology {args.topology} has {have} workers but --workers "
+                                 f"asks for {args.workers}; pass --workers {have}")
+        else:
+            star(1, bandwidth_gbps=args.link_gbps, latency_us=args.link_latency_us)
+    except TopologyError as exc:
+        raise UsageError(str(exc).replace("<star>: ", "--link-gbps/--link-latency-us: ")) from None
+    for flag in ("json", "markdown", "plot"):
+        if getattr(args, flag):
+            check_output_file(f"--{flag}", getattr(args, flag))
+    if args.run_dir:
+        check_dir("--run-dir", args.run_dir)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,4 +1,4 @@
-"""`semfab launch` and `semfab stats`."""
+"""`semfab launch` and `semfab stats`, and the checks of the paths a CLI writes."""
 
 from __future__ import annotations
 
@@ -6,11 +6,12 @@ import argparse
 import json
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from fabric.errors import UsageError
+from fabric.errors import UsageError, check_seconds
 
 #: A client that is not a node of the topology uses this id in frame headers.
 OUTSIDE_ID = 0xFFFF
@@ -37,6 +38,39 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="without --run: stay up this many seconds (0 = until Ctrl-C)")
 
 
+# ------------------------------------------------ checks of paths a CLI writes
+def check_dir(flag: str, path: str | Path) -> Path:
+    """Create folder ``path`` (with parents) and check a file can be written in it."""
+    p = Path(path)
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=p):
+            pass
+    except OSError as exc:
+        raise UsageError(f"{flag} {path}: cannot create or write this folder "
+                         f"({exc.strerror or exc}); give a folder you can write to") from None
+    return p
+
+
+def check_output_file(flag: str, path: str | Path) -> Path:
+    """Check that ``path`` can be written (its folders are created, as the writers
+    do), without leaving an empty file behind; a long run must not fail at its end."""
+    p = Path(path)
+    if p.is_dir():
+        raise UsageError(f"{flag} {path}: is a folder; give a file name")
+    existed = p.exists()
+    try:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        with open(p, "ab"):
+            pass
+    except OSError as exc:
+        raise UsageError(f"{flag} {path}: cannot write this file ({exc.strerror or exc}); "
+                         "give a path in a folder you can write to") from None
+    if not existed:
+        p.unlink(missing_ok=True)
+    return p
+
+
 def _split_ref(ref: str) -> tuple[str, str, str | None]:
     target, sep, func = ref.rpartition(":")
     if not sep or not target or not func:
@@ -61,6 +95,8 @@ def run(args: argparse.Namespace) -> int:
     if not isinstance(extra, list):
         raise UsageError("--args must be a JSON list, e.g. '[1024, \"ina\"]'")
     ref = _split_ref(args.run) if args.run else None
+    check_seconds("--timeout", args.timeout)
+    check_seconds("--duration", args.duration, allow_zero=True)
     if args.topology and not Path(args.topology).is_file():
         raise UsageError(f"topology file {args.topology} not found")
     faults = args.faults
@@ -77,7 +113,8 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(f"--faults: {exc}") from None
     kw: dict[str, Any] = dict(timeout_s=args.timeout, faults=faults, seed=args.seed)
     if args.run_dir:
-        kw["run_dir"] = args.run_dir
+        # before any process starts: a bad folder is a usage error, not a traceback
+        kw["run_dir"] = check_dir("--run-dir", args.run_dir)
     t0 = time.monotonic()
     try:
         fab = launch(workers=args.workers, topology=args.topology, **kw)
@@ -166,12 +203,19 @@ def run_stats(args: argparse.Namespace) -> int:
             raise UsageError(f"no running fabric found under {root}/; start one with "
                              "`semfab launch --workers 4` or give its run folder")
         run_dir = candidates[-1].parent
+    check_seconds("--timeout", args.timeout)
     info_path = run_dir / "fabric.json"
     if not info_path.is_file():
         raise UsageError(f"{run_dir} has no fabric.json: is it a `semfab launch` run folder?")
-    info = json.loads(info_path.read_text())
-    out = {name: query_switch(sw["address"], sw["id"], args.timeout)
-           for name, sw in info["switches"].items()}
+    try:
+        info = json.loads(info_path.read_text())
+        switches = {name: (str(sw["address"]), int(sw["id"]))
+                    for name, sw in info["switches"].items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        raise UsageError(f"{info_path} is not a fabric.json written by `semfab launch`; "
+                         "give the run folder of a running fabric") from None
+    out = {name: query_switch(address, switch_id, args.timeout)
+           for name, (address, switch_id) in switches.items()}
     if args.json:
         print(json.dumps(out, indent=2))
         return 0

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 
 from fabric.topology import TopologyError, load
+
+#: More ZeroMQ I/O threads than cores only adds switching; 64 is already absurd.
+MAX_IO_THREADS = 64
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -42,6 +46,20 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"{args.name!r} is a {node.kind}, not a switch")
     if args.memory_mb < 1:
         raise UsageError("--memory-mb must be at least 1")
+    if not 1 <= args.io_threads <= MAX_IO_THREADS:
+        raise UsageError(f"--io-threads {args.io_threads}: must be 1..{MAX_IO_THREADS} "
+                         "(ZeroMQ I/O threads; 1 is enough below a few GB/s)")
+    if topo.transport == "ipc":
+        if not Path(args.sock_dir).is_dir():
+            raise UsageError(f"--sock-dir {args.sock_dir}: no such folder; create it or give "
+                             "an existing one (the same for every process of the fabric)")
+        if not os.access(args.sock_dir, os.W_OK | os.X_OK):
+            raise UsageError(f"--sock-dir {args.sock_dir}: cannot create sockets in it "
+                             "(not writable); give a folder you can write to")
+        try:
+            topo.bind_address(args.name, args.sock_dir)  # the ipc path length limit
+        except TopologyError as exc:
+            raise UsageError(str(exc)) from None
     if args.faults is not None:
         from fabric.faults import FaultSpecError, parse_faults
 

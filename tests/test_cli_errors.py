@@ -1,0 +1,385 @@
+"""Bad CLI input gets one line (`semfab: error: ...`) and exit 2, never a traceback;
+a launcher leaves no socket folder behind however it ends; a script that
+launches at import time is refused instead of fork-bombing."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fabric.cli import main
+from fabric.errors import UsageError, check_seconds
+
+ROOT = Path(__file__).resolve().parent.parent
+STAR4 = str(ROOT / "examples" / "topologies" / "star4.toml")
+BENCH = ["bench", "allreduce", "--workers", "1", "--paths", "ina", "-b", "4K", "-e", "4K",
+         "-n", "1", "-w", "0"]
+ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
+
+GOOD_TOPO = """\
+[[node]]
+name = "w0"
+kind = "worker"
+[[node]]
+name = "sw0"
+kind = "switch"
+[[link]]
+a = "w0"
+b = "sw0"
+class = "scaleup"
+"""
+
+
+def _one_line_error(err: str) -> str:
+    lines = err.strip().splitlines()
+    assert "Traceback" not in err, err
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+def _files(tmp_path: Path) -> dict[str, str]:
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[[node]\nname = 1\n")
+    invalid = tmp_path / "invalid.toml"
+    invalid.write_text('[[node]]\nname = "w0"\nkind = "worker"\n')  # no switch
+    plain = tmp_path / "plain-file"
+    plain.write_text("x")
+    fake_run = tmp_path / "fake-run"
+    fake_run.mkdir()
+    # a switch nobody serves: without the timeout check, stats would wait on it
+    (fake_run / "fabric.json").write_text(json.dumps(
+        {"sock_dir": str(tmp_path), "pid": 1,
+         "switches": {"sw0": {"address": f"ipc://{tmp_path}/none.sock", "id": 1}}}))
+    broken_run = tmp_path / "broken-run"
+    broken_run.mkdir()
+    (broken_run / "fabric.json").write_text("{not json")
+    return {"bad": str(bad), "invalid": str(invalid), "under_file": f"{plain}/sub",
+            "fake_run": str(fake_run), "broken_run": str(broken_run),
+            "missing": str(tmp_path / "missing.toml"), "tmp": str(tmp_path)}
+
+
+CASES = [
+    # unwritable outputs, refused before any process starts
+    (["launch", "--workers", "1", "--run-dir", "/proc/x/y"], "--run-dir /proc/x/y"),
+    (["launch", "--workers", "1", "--run-dir", "{under_file}"], "--run-dir"),
+    ([*BENCH, "--run-dir", "/proc/x/y"], "--run-dir /proc/x/y"),
+    ([*BENCH, "--json", "/proc/x/y.json"], "--json /proc/x/y.json"),
+    ([*BENCH, "--json", "{under_file}.json"], "--json"),
+    ([*BENCH, "--json", "{tmp}"], "is a folder"),
+    ([*BENCH, "--markdown", "/proc/x/y.md"], "--markdown"),
+    ([*BENCH, "--plot", "/proc/x/y.png"], "--plot"),
+    # topology files for the benchmark
+    ([*BENCH, "--topology", "{missing}"], "cannot read the file"),
+    ([*BENCH, "--topology", "{bad}"], "TOML syntax error"),
+    ([*BENCH, "--topology", "{invalid}"], "invalid.toml"),
+    ([*BENCH, "--topology", STAR4], "has 4 workers"),
+    ([*BENCH, "--link-gbps", "1e-300"], "bandwidth_gbps"),
+    ([*BENCH, "--link-latency-us", "1e308"], "latency_us"),
+    # switch daemon
+    (["switchd", "--topology", STAR4, "--name", "sw0", "--io-threads", "-1"], "--io-threads"),
+    (["switchd", "--topology", STAR4, "--name", "sw0", "--io-threads", "0"], "--io-threads"),
+    (["switchd", "--topology", STAR4, "--name", "sw0", "--sock-dir", "{tmp}/nope"],
+     "--sock-dir"),
+    (["switchd", "--topology", STAR4, "--name", "nope"], "'nope' is not in the topology"),
+    (["switchd", "--topology", STAR4, "--name", "sw0", "--faults", "loss=1"], "below 1"),
+    # node
+    (["node", "--topology", "{missing}", "--name", "w0", "--sock-dir", "{tmp}"],
+     "cannot read the file"),
+    (["node", "--topology", "{bad}", "--name", "w0", "--sock-dir", "{tmp}"], "TOML"),
+    (["node", "--topology", STAR4, "--name", "w9", "--sock-dir", "{tmp}"],
+     "'w9' is not in the topology"),
+    (["node", "--topology", STAR4, "--name", "sw0", "--sock-dir", "{tmp}"], "semfab switchd"),
+    (["node", "--topology", STAR4, "--name", "w0", "--sock-dir", "{tmp}/nope"], "--sock-dir"),
+    (["node", "--topology", STAR4, "--name", "w0", "--sock-dir", "{tmp}", "--timeout", "0"],
+     "--timeout"),
+    # timeouts: a positive finite number of seconds
+    (["launch", "--workers", "1", "--timeout", "0"], "--timeout 0"),
+    (["launch", "--workers", "1", "--timeout", "-5"], "--timeout -5"),
+    (["launch", "--workers", "1", "--timeout", "nan"], "--timeout nan"),
+    (["launch", "--workers", "1", "--timeout", "inf"], "--timeout inf"),
+    (["launch", "--workers", "1", "--duration", "-1"], "--duration"),
+    ([*BENCH, "--timeout", "0"], "--timeout"),
+    (["stats", "{fake_run}", "--timeout", "-1"], "--timeout -1"),
+    (["stats", "{fake_run}", "--timeout", "nan"], "--timeout nan"),
+    (["stats", "{fake_run}", "--timeout", "0"], "--timeout 0"),
+    (["stats", "{broken_run}"], "not a fabric.json"),
+    # a link that drops everything can never deliver
+    (["launch", "--workers", "1", "--faults", "loss=1"], "loss must be below 1"),
+    (["launch", "--workers", "1", "--faults", "loss=100%"], "loss must be below 1"),
+    (["launch", "--workers", "1", "--faults", "ge=0.1:0.5:1:1"], "loses every frame"),
+    # topology checks with absurd values
+    (["topo", "check", "{absurd_bw_low}"], "between 1e-06 and 1e+06 Gbit/s"),
+    (["topo", "check", "{absurd_bw_high}"], "between 1e-06 and 1e+06 Gbit/s"),
+    (["topo", "check", "{absurd_latency}"], "at most 10 s"),
+    (["topo", "check", "{absurd_name}"], "at most 64"),
+]
+
+
+@pytest.fixture
+def files(tmp_path: Path) -> dict[str, str]:
+    out = _files(tmp_path)
+    for key, text in {
+        "absurd_bw_low": GOOD_TOPO + "bandwidth_gbps = 1e-300\n",
+        "absurd_bw_high": GOOD_TOPO + "bandwidth_gbps = 1e300\n",
+        "absurd_latency": GOOD_TOPO + "latency_us = 1e308\n",
+        "absurd_name": GOOD_TOPO.replace('"w0"', '"' + "w" * 300 + '"'),
+    }.items():
+        path = tmp_path / f"{key}.toml"
+        path.write_text(text)
+        out[key] = str(path)
+    return out
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("argv", "message"), CASES)
+def test_bad_input_is_one_line_and_exit_2(argv: list[str], message: str, files: dict[str, str],
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    argv = [a.format(**files) for a in argv]
+    assert main(argv) == 2
+    cap = capsys.readouterr()
+    line = _one_line_error(cap.err)
+    assert line.startswith("semfab: error: "), line
+    assert message in line, line
+
+
+def test_validation_runs_before_anything_is_created(tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    run_dir = tmp_path / "runs"
+    # a good --run-dir with a bad --json: nothing is launched, no log folder appears
+    assert main([*BENCH, "--run-dir", str(run_dir), "--json", "/proc/x/y.json"]) == 2
+    assert not run_dir.exists()
+    # a writable --json is checked without leaving an empty file behind
+    out = tmp_path / "sub" / "r.json"
+    assert main([*BENCH, "--json", str(out), "--timeout", "-1"]) == 2
+    assert not out.exists()
+    capsys.readouterr()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("module", "argv", "prog"), [
+    ("switchd", ["--topology", STAR4, "--name", "sw0", "--io-threads", "-1"], "semfab switchd"),
+    ("switchd", ["--topology", STAR4, "--name", "sw0", "--sock-dir", "/nonexistent/dir"],
+     "semfab switchd"),
+    ("fabric.node", ["--topology", "/nonexistent.toml", "--name", "w0", "--sock-dir", "/tmp"],
+     "semfab node"),
+    ("fabric.node", ["--topology", STAR4, "--name", "zz", "--sock-dir", "/tmp"], "semfab node"),
+])
+def test_process_entry_points_give_one_line(module: str, argv: list[str], prog: str) -> None:
+    """`python -m switchd` / `python -m fabric.node`, as srun or mpirun start them."""
+    proc = subprocess.run([sys.executable, "-m", module, *argv], capture_output=True,
+                          text=True, timeout=50, env=ENV, cwd=ROOT)
+    assert proc.returncode == 2, proc.stderr
+    assert _one_line_error(proc.stderr).startswith(f"{prog}: error: ")
+
+
+@pytest.mark.timeout(60)
+def test_stats_with_a_bad_timeout_does_not_hang(files: dict[str, str]) -> None:
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "fabric", "stats", files["fake_run"],
+                           "--timeout", "-1"], capture_output=True, text=True, timeout=50,
+                          env=ENV, cwd=ROOT)
+    assert proc.returncode == 2
+    assert "--timeout" in _one_line_error(proc.stderr)
+    assert time.monotonic() - t0 < 30
+
+
+def test_check_seconds() -> None:
+    assert check_seconds("--timeout", 0.5) == 0.5
+    assert check_seconds("--duration", 0, allow_zero=True) == 0
+    for bad in (0, -5, math.nan, math.inf, -math.inf, 1e7, True):
+        with pytest.raises(UsageError, match="--timeout"):
+            check_seconds("--timeout", bad)
+
+
+def test_launch_refuses_a_zero_timeout_before_starting() -> None:
+    from fabric.launcher import launch
+
+    for bad in (0, -1, math.nan):
+        with pytest.raises(UsageError, match="timeout_s"):
+            launch(workers=1, timeout_s=bad)
+
+
+def test_launch_inside_a_node_is_refused(monkeypatch: pytest.MonkeyPatch,
+                                         tmp_path: Path) -> None:
+    from fabric.launcher import NODE_ENV, launch
+
+    monkeypatch.setenv(NODE_ENV, "w0")
+    with pytest.raises(UsageError, match='if __name__ == "__main__":'):
+        launch(workers=1, run_dir=tmp_path / "run")
+    assert not (tmp_path / "run").exists()  # refused before anything is created
+
+
+# ------------------------------------------------------------ multi-process
+@pytest.fixture
+def spawned() -> Iterator[list[subprocess.Popen[str]]]:
+    """Processes a test starts; their process groups are killed at teardown."""
+    procs: list[subprocess.Popen[str]] = []
+    yield procs
+    for p in procs:
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.wait(10)
+
+
+def _start_script(spawned: list[subprocess.Popen[str]], tmp_path: Path, body: str,
+                  args: list[str] | None = None) -> subprocess.Popen[str]:
+    script = tmp_path / "script.py"
+    script.write_text(textwrap.dedent(body))
+    proc = subprocess.Popen([sys.executable, str(script), *(args or [])], cwd=tmp_path,
+                            env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    spawned.append(proc)
+    return proc
+
+
+def _wait_for(path: Path, proc: subprocess.Popen[str], limit: float = 60.0) -> dict[str, Any]:
+    deadline = time.monotonic() + limit
+    while not path.exists():
+        if proc.poll() is not None:
+            err = proc.stderr.read() if proc.stderr else ""
+            raise AssertionError(f"exited {proc.returncode}: {err}")
+        assert time.monotonic() < deadline, "fabric did not come up"
+        time.sleep(0.1)
+    time.sleep(0.1)  # the file is written in one call, but let it land
+    return json.loads(path.read_text())
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    # a zombie not yet reaped by its (dead) parent counts as gone
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def _all_gone(pids: list[int], limit: float = 15.0) -> bool:
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        if all(_gone(p) for p in pids):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+LIBRARY_LAUNCHER = """\
+    import json, sys, time
+    from fabric.launcher import launch
+
+    fab = launch(workers=1, run_dir="run", timeout_s=20)
+    info = {"sock_dir": str(fab.sock_dir), "pids": [p.popen.pid for p in fab.procs.values()]}
+    with open("info.json.tmp", "w") as f:
+        json.dump(info, f)
+    import os
+    os.replace("info.json.tmp", "info.json")
+    if sys.argv[1] == "exit":
+        sys.exit(0)  # no close(): the fabric is closed at interpreter exit
+    time.sleep(60)
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("how", ["sigterm", "exit"])
+def test_library_launcher_cleans_up(how: str, tmp_path: Path,
+                                    spawned: list[subprocess.Popen[str]]) -> None:
+    proc = _start_script(spawned, tmp_path, LIBRARY_LAUNCHER, [how])
+    info = _wait_for(tmp_path / "info.json", proc)
+    sock_dir = Path(info["sock_dir"])
+    if how == "sigterm":
+        assert sock_dir.is_dir()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == -signal.SIGTERM  # still dies of the signal
+    else:
+        assert proc.wait(30) == 0
+    assert not sock_dir.exists()
+    assert _all_gone([int(p) for p in info["pids"]])
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_cli_launcher_cleans_up_on_signals(sig: int, tmp_path: Path,
+                                           spawned: list[subprocess.Popen[str]]) -> None:
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fabric", "launch", "--workers", "1", "--run-dir", str(run_dir),
+         "--duration", "60"], env=ENV, cwd=ROOT, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, start_new_session=True)
+    spawned.append(proc)
+    info = _wait_for(run_dir / "fabric.json", proc)
+    sock_dir = Path(info["sock_dir"])
+    assert sock_dir.is_dir()
+    proc.send_signal(sig)
+    assert proc.wait(30) == 130
+    assert not sock_dir.exists()
+
+
+GUARDLESS = """\
+    from fabric.launcher import launch
+
+    def work(ep):
+        return ep.rank
+
+    # no `if __name__ == "__main__":` guard: every worker that imports this
+    # file to find work() would start a fabric of its own
+    with launch(workers=1, run_dir="run", timeout_s=20) as fab:
+        print(fab.run(work))
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_script_without_main_guard_is_refused(tmp_path: Path,
+                                                spawned: list[subprocess.Popen[str]]) -> None:
+    proc = _start_script(spawned, tmp_path, GUARDLESS)
+    _out, err = proc.communicate(timeout=100)
+    assert proc.returncode != 0
+    assert 'put the launch() call under `if __name__ == "__main__":`' in err
+    # one fabric only: the worker refused to start a second one
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == [
+        "host0.log", "sw0.log", "topology.toml", "w0.log"]
+
+
+def test_stale_socket_folders_of_dead_launchers_are_swept(tmp_path: Path) -> None:
+    from fabric.launcher import _sweep_stale_socket_dirs
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    old = time.time() - 3600
+    stale = tmp_path / f"semfab-{dead.pid}-abc"
+    stale.mkdir()
+    (stale / "sw0.sock").touch()
+    os.utime(stale, (old, old))
+    young = tmp_path / f"semfab-{dead.pid}-young"  # may be a launcher binding right now
+    young.mkdir()
+    alive = tmp_path / f"semfab-{os.getpid()}-xyz"
+    alive.mkdir()
+    os.utime(alive, (old, old))
+    # a dead pid whose socket still answers: a launcher in another pid namespace
+    answering = tmp_path / f"semfab-{dead.pid}-ns"
+    answering.mkdir()
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(answering / "ctl.sock"))
+    listener.listen(1)
+    try:
+        removed = _sweep_stale_socket_dirs(tmp_path)
+    finally:
+        listener.close()
+    assert removed == [stale]
+    assert not stale.exists() and young.exists() and alive.exists() and answering.exists()
