@@ -178,7 +178,7 @@ def _positive(flag: str, value: float, zero_ok: bool = False) -> float:
 
 def run_allreduce(args: argparse.Namespace) -> int:
     """`semfab sim allreduce` (also `semfab bench allreduce --sim`)."""
-    from fabric.errors import check_output_file
+    from fabric.launch_cli import check_output_file
     from fabric.topology import TopologyError, load, star
 
     try:
@@ -295,7 +295,7 @@ def _scale_workload(ctx: Any, path: str, count: int) -> Generator[Any, Any, floa
 
 def run_scale(args: argparse.Namespace) -> int:
     """`semfab sim scale`."""
-    from fabric.errors import check_output_file
+    from fabric.launch_cli import check_output_file
 
     workers = _ints(args.workers, "--workers", 2, 65536)
     try:
