@@ -119,6 +119,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run-dir", help="where process logs go (default: ./runs/<stamp>)")
     p.add_argument("--timeout", type=float, default=60.0,
                    help="seconds any single wait may take before the run fails")
+    p.add_argument("--sim", action="store_true",
+                   help="simulate in virtual time (same table, marked simulated) instead of "
+                   "launching processes; any worker count; paths ina, host-ring, host-ps")
 
 
 def _parse(args: argparse.Namespace) -> tuple[list[int], list[int], list[str]]:
@@ -180,6 +183,8 @@ def run(args: argparse.Namespace) -> int:
     from fabric.launcher import launch
     from fabric.topology import load, star
 
+    if args.sim:
+        return _run_sim(args)
     sizes, worker_counts, paths = _parse(args)
     ours = [p for p in paths if p in PATHS]
     peers = [p for p in paths if p in PEERS]
@@ -242,3 +247,21 @@ def quick_args() -> argparse.Namespace:
     for k, v in QUICK.items():
         setattr(args, k, v)
     return args
+
+
+def _run_sim(args: argparse.Namespace) -> int:
+    """`--sim`: the same sweep through the simulator (fabric.sim)."""
+    from fabric.sim import cli as simcli
+
+    ns = argparse.Namespace(**vars(args))
+    if args.paths == ",".join(ALL_PATHS):  # the default: every path the simulator runs
+        ns.paths = ",".join(simcli.SIM_PATHS)
+    if not args.topology and args.link_gbps == 0:
+        # an unshaped link costs no virtual time: give the simulated links a rate
+        ns.link_gbps = 100.0
+        print("# --sim: links of the default star at 100 Gbit/s (set --link-gbps)")
+    for name, default in (("timing_only", False), ("faults", None), ("switch_frame_us", 0.0),
+                          ("node_frame_us", 0.0)):
+        if not hasattr(ns, name):
+            setattr(ns, name, default)
+    return simcli.run_allreduce(ns)

@@ -277,9 +277,8 @@ class Endpoint:
                     self._send_all(prog.handle_timer(now))
                 elif now >= quiet_until:
                     raise FabricTimeout(
-                        f"{self.name}: {what}: no answer from switch {self.switch_name!r} "
-                        f"within {self.timeout_s:g}s (is it running? see its log in the "
-                        "run folder)")
+                        f"{self.name}: {what}: nothing within {self.timeout_s:g}s from "
+                        f"{prog.waiting_for()} (see the logs in the run folder)")
                 continue
             nh = sock.recv_into(self.hdr)
             more = sock.get(zmq.RCVMORE)

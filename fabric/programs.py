@@ -183,6 +183,10 @@ class Program:
         """Its deadline passed."""
         return []
 
+    def waiting_for(self) -> str:
+        """Whom it waits for, for a timeout's message."""
+        return "its peers"
+
 
 # ---------------------------------------------------------------------- control
 class Request(Program):
@@ -230,6 +234,9 @@ class Request(Program):
 
     def get_timer(self) -> float | None:
         return None if self.done else self._due
+
+    def waiting_for(self) -> str:
+        return f"node {self.dst} ({self.st.topo.by_id(self.dst).name})"
 
     def handle_timer(self, now: float) -> list[Send]:
         if self.done or now < self._due:
@@ -300,6 +307,9 @@ class Chain(Program):
 
     def get_timer(self) -> float | None:
         return None if self.current is None else self.current.get_timer()
+
+    def waiting_for(self) -> str:
+        return "its peers" if self.current is None else self.current.waiting_for()
 
     def handle_timer(self, now: float) -> list[Send]:
         assert self.current is not None
@@ -485,13 +495,17 @@ class InaAllreduce(Program):
     def get_timer(self) -> float | None:
         return None if self.done else self.timers.next_deadline()
 
+    def waiting_for(self) -> str:
+        return (f"switch {self.st.switch_name!r}, which completes a chunk only when every "
+                "member contributed (is every worker alive?)")
+
     def handle_timer(self, now: float) -> list[Send]:
         resend, dead = self.timers.expired(now)
         if dead:
             raise FabricTimeout(
                 f"{self.st.name}: allreduce {self.label} job {self.js.job}: no result for chunk "
-                f"{dead[0]} from switch {self.st.switch_name!r} within {self.st.timeout_s:g}s "
-                f"({self.timers.retransmits} retransmissions)")
+                f"{dead[0]} within {self.st.timeout_s:g}s ({self.timers.retransmits} "
+                f"retransmissions) from {self.waiting_for()}")
         return [self._frame(i, True) for i in resend]
 
 
@@ -576,6 +590,10 @@ class HostRingAllreduce(Program):
     def wants(self, f: fr.Frame) -> bool:
         return (f.op is Op.WRITE and f.flow == RING_FLOW and f.src == self.left_id
                 and f.msg == self.msg)
+
+    def waiting_for(self) -> str:
+        return (f"worker {self.st.topo.by_id(self.left_id).name} (ring step {self.step}, "
+                "its left neighbour)")
 
     def handle_frame(self, f: fr.Frame, now: float) -> list[Send]:
         if f.psn >> 16 < self.step:
@@ -671,6 +689,11 @@ class HostPsAllreduce(Program):
 
     def wants(self, f: fr.Frame) -> bool:
         return f.op is Op.WRITE and f.flow == HOST_PS_FLOW and f.msg == self.msg
+
+    def waiting_for(self) -> str:
+        assert self.st.host_id is not None
+        return (f"host {self.st.topo.by_id(self.st.host_id).name}, which replies when "
+                "every member's chunk is in (is every worker alive?)")
 
     def handle_frame(self, f: fr.Frame, now: float) -> list[Send]:
         reply = msgpack.unpackb(f.payload)
