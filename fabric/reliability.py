@@ -46,6 +46,7 @@ __all__ = [
     "PSN_BITS",
     "PSN_MOD",
     "PSN_MASK",
+    "RttEstimator",
     "SACK_BITS",
     "RTO_ALPHA",
     "RTO_BETA",
@@ -494,6 +495,40 @@ register_policy("gbn", GoBackN)
 # ---------------------------------------------------------------------------
 
 
+class RttEstimator:
+    """RFC 6298 §2: smoothed RTT, its variation and the retransmit timeout.
+
+    The project's one RTO estimator: streams (:class:`Sender`) and the
+    aggregation windows (:class:`fabric.timers.ChunkTimers`) both use it.
+    """
+
+    def __init__(self, rto_initial: float = DEFAULT_RTO_INITIAL,
+                 rto_min: float = DEFAULT_RTO_MIN, rto_max: float = DEFAULT_RTO_MAX,
+                 granularity: float = DEFAULT_GRANULARITY) -> None:
+        self.srtt: float | None = None
+        self.rttvar: float | None = None
+        self.min_rtt: float | None = None
+        self.rto_min, self.rto_max, self.granularity = rto_min, rto_max, granularity
+        self.rto = rto_initial
+
+    def sample(self, rtt: float) -> None:
+        """Feed one RTT measurement (never from a retransmitted frame: Karn)."""
+        r = max(rtt, 0.0)
+        if self.srtt is None or self.rttvar is None:  # §2.2: first measurement
+            self.srtt, self.rttvar = r, r / 2
+        else:  # §2.3: RTTVAR first, using the old SRTT
+            self.rttvar = (1 - RTO_BETA) * self.rttvar + RTO_BETA * abs(self.srtt - r)
+            self.srtt = (1 - RTO_ALPHA) * self.srtt + RTO_ALPHA * r
+        self.min_rtt = r if self.min_rtt is None else min(self.min_rtt, r)
+        rto = self.srtt + max(self.granularity, RTO_K * self.rttvar)
+        # §2.4/2.5 clamps; a new sample also ends any backoff
+        self.rto = min(max(rto, self.rto_min), self.rto_max)
+
+    def backoff(self) -> None:
+        """§5.5: the timer expired: RTO = RTO * 2, bounded by ``rto_max``."""
+        self.rto = min(self.rto * 2, self.rto_max)
+
+
 @dataclass(slots=True)
 class _Flight(Generic[H]):
     psn: int
@@ -584,10 +619,7 @@ class Sender(Generic[H]):
         self._acked_out: list[H] = []
         self.error: ReliabilityError | None = None
 
-        self._srtt: float | None = None
-        self._rttvar: float | None = None
-        self._min_rtt: float | None = None
-        self._rto = rto_initial
+        self._rtt = RttEstimator(rto_initial, rto_min, rto_max, granularity)
 
         self._sent = 0
         self._retransmitted = 0
@@ -611,7 +643,7 @@ class Sender(Generic[H]):
     @property
     def rto(self) -> float:
         """The current retransmission timeout (backed off after expiries)."""
-        return self._rto
+        return self._rtt.rto
 
     @property
     def next_psn(self) -> int:
@@ -708,7 +740,7 @@ class Sender(Generic[H]):
         # and the receiver repeats its gap NACK meanwhile; answering each one
         # would resend the frame several times per round trip and exhaust its
         # retry limit on a healthy link).
-        guard = self._srtt if self._srtt is not None else self._min_rtt
+        guard = self._rtt.srtt if self._rtt.srtt is not None else self._rtt.min_rtt
         if f.retransmissions and (guard is None or now - f.last_sent < guard):
             self._nacks_ignored += 1
             return []
@@ -726,7 +758,7 @@ class Sender(Generic[H]):
         for f in self._flight.values():
             if not f.acked and (oldest is None or f.last_sent < oldest):
                 oldest = f.last_sent
-        return None if oldest is None else oldest + self._rto
+        return None if oldest is None else oldest + self._rtt.rto
 
     def handle_timer(self, now: float) -> list[Transmit[H]]:
         """Fire the RTO if due: retransmit what the policy says, double the RTO."""
@@ -734,12 +766,12 @@ class Sender(Generic[H]):
         deadline = self.get_timer()
         if deadline is None or now < deadline:
             return []
-        rto = self._rto
+        rto = self._rtt.rto
         expired = [f.psn for f in self._flight.values() if not f.acked and f.last_sent + rto <= now]
         self._timeouts += 1
         # RFC 6298 §5.5: back off the timer (RTO = RTO * 2), bounded by rto_max.
         # The backed-off value stays until a valid RTT sample (Karn, §5.7).
-        self._rto = min(self._rto * 2, self.rto_max)
+        self._rtt.backoff()
         out = self._retransmit(expired, now, timeout=True)
         out.extend(self._pump(now))
         return out
@@ -763,10 +795,10 @@ class Sender(Generic[H]):
             acks_invalid=self._acks_invalid,
             nacks_received=self._nacks,
             nacks_ignored=self._nacks_ignored,
-            srtt=self._srtt,
-            rttvar=self._rttvar,
-            rto=self._rto,
-            min_rtt=self._min_rtt,
+            srtt=self._rtt.srtt,
+            rttvar=self._rtt.rttvar,
+            rto=self._rtt.rto,
+            min_rtt=self._rtt.min_rtt,
             inflight=sum(1 for f in self._flight.values() if not f.acked),
             queued=len(self._queue),
         )
@@ -812,14 +844,14 @@ class Sender(Generic[H]):
                 sample = f
             elif (
                 f.retransmissions
-                and self._min_rtt is not None
-                and now - f.last_sent < SPURIOUS_RTT_FRACTION * self._min_rtt
+                and self._rtt.min_rtt is not None
+                and now - f.last_sent < SPURIOUS_RTT_FRACTION * self._rtt.min_rtt
             ):
                 # Acked faster than any round trip we ever measured: the ACK
                 # answers an earlier copy, so the last retransmission was spurious.
                 self._spurious += 1
         if sample is not None:
-            self._update_rtt(now - sample.last_sent)
+            self._rtt.sample(now - sample.last_sent)
         self._acked += len(newly)
         self._acked_out.extend(f.handle for f in newly)
         while self._flight:
@@ -829,21 +861,6 @@ class Sender(Generic[H]):
             del self._flight[self._una]
             self._span_bytes -= first.size
             self._una = psn_add(self._una, 1)
-
-    def _update_rtt(self, r: float) -> None:
-        r = max(r, 0.0)
-        if self._srtt is None or self._rttvar is None:
-            # RFC 6298 §2.2: first measurement.
-            self._srtt = r
-            self._rttvar = r / 2
-        else:
-            # RFC 6298 §2.3: RTTVAR first, using the old SRTT.
-            self._rttvar = (1 - RTO_BETA) * self._rttvar + RTO_BETA * abs(self._srtt - r)
-            self._srtt = (1 - RTO_ALPHA) * self._srtt + RTO_ALPHA * r
-        self._min_rtt = r if self._min_rtt is None else min(self._min_rtt, r)
-        rto = self._srtt + max(self.granularity, RTO_K * self._rttvar)
-        # RFC 6298 §2.4/2.5 clamps; a new sample also ends any backoff.
-        self._rto = min(max(rto, self.rto_min), self.rto_max)
 
     def _detect_by_threshold(self) -> list[int]:
         """PSNs with at least ``packet_threshold`` frames sent after them acknowledged.

@@ -4,45 +4,17 @@ A worker with chunks outstanding at the switch keeps one timer per chunk. When
 a chunk's result does not come back in time, the worker sends its
 contribution again (flagged RETX); the switch's contributor bitmap makes the
 copy count once and answers a finished chunk with the kept result
-(docs/AGGREGATION.md). The timeout follows RFC 6298 (SRTT, RTTVAR, Karn's
-rule, exponential backoff), with the constants of fabric.reliability.
+(docs/AGGREGATION.md). The timeout is the one RFC 6298 estimator of
+fabric.reliability (SRTT, RTTVAR, Karn's rule, exponential backoff).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fabric.reliability import (
-    DEFAULT_GRANULARITY,
-    DEFAULT_RTO_INITIAL,
-    DEFAULT_RTO_MAX,
-    DEFAULT_RTO_MIN,
-    PACKET_THRESHOLD,
-    RTO_ALPHA,
-    RTO_BETA,
-    RTO_K,
-)
+from fabric.reliability import PACKET_THRESHOLD, RttEstimator
 
-
-class RttEstimator:
-    """RFC 6298 §2: smoothed RTT, its variation and the retransmit timeout."""
-
-    def __init__(self, rto_initial: float = DEFAULT_RTO_INITIAL, rto_min: float = DEFAULT_RTO_MIN,
-                 rto_max: float = DEFAULT_RTO_MAX) -> None:
-        self.srtt: float | None = None
-        self.rttvar = 0.0
-        self.rto_min, self.rto_max = rto_min, rto_max
-        self.rto = rto_initial
-
-    def sample(self, rtt: float) -> None:
-        """Feed one RTT measurement (never from a retransmitted frame: Karn)."""
-        if self.srtt is None:  # §2.2: first measurement
-            self.srtt, self.rttvar = rtt, rtt / 2
-        else:  # §2.3
-            self.rttvar = (1 - RTO_BETA) * self.rttvar + RTO_BETA * abs(self.srtt - rtt)
-            self.srtt = (1 - RTO_ALPHA) * self.srtt + RTO_ALPHA * rtt
-        rto = self.srtt + max(DEFAULT_GRANULARITY, RTO_K * self.rttvar)
-        self.rto = min(max(rto, self.rto_min), self.rto_max)
+__all__ = ["ChunkTimers", "RttEstimator"]
 
 
 @dataclass
