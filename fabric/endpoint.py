@@ -290,10 +290,10 @@ class Endpoint:
             leaf = prog.leaf() if isinstance(prog, Chain) else prog
             if more and isinstance(leaf, InaAllreduce) and leaf.data and leaf.region is None:
                 try:
-                    rop, _fl, _s, rjob, psn, _k, _o, length = fr.peek(hdr[:nh])
+                    rop, _fl, rsrc, rjob, psn, _k, _o, length = fr.peek(hdr[:nh])
                 except fr.FrameError:
-                    rop, rjob, psn, length = Op.NACK, -1, 0, 0
-                if rop is Op.RESULT and rjob == leaf.js.job:
+                    rop, rsrc, rjob, psn, length = Op.NACK, -1, -1, 0, 0
+                if rop is Op.RESULT and rjob == leaf.js.job and rsrc == self.switch_id:
                     spot = leaf.landing(psn, length)
                     if spot is None:  # a late copy (we resent), or a bad length
                         sock.recv(copy=False)

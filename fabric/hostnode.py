@@ -64,8 +64,9 @@ class HostAggregator:
             self.stats.duplicates += 1
             return []
         else:
-            if data.size != p.acc.size:
-                raise FrameError(NackCode.MALFORMED, f"chunk {chunk} sizes differ between members")
+            if data.size != p.acc.size or data.dtype != p.acc.dtype:
+                raise FrameError(NackCode.MALFORMED,
+                                 f"chunk {chunk} sizes or dtypes differ between members")
             reduce(p.acc, data, out=p.acc)
         self.stats.copies += 1  # into the accumulator
         p.seen.add(src)

@@ -174,6 +174,8 @@ def _serve_host(ep: Endpoint, aggregator: HostAggregator) -> None:
                     "stats", **aggregator.stats.__dict__)))
         except FrameError as exc:
             log.warning("refused a frame: %s", exc)
+        except Exception as exc:  # the guard: no frame may stop the host node
+            log.warning("refused a frame (%s: %s)", type(exc).__name__, exc)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -214,8 +214,8 @@ class Request(Program):
     def wants(self, f: fr.Frame) -> bool:
         if f.op is Op.NACK:
             return f.src == self.dst and f.psn == 0 and f.job == 0
-        if f.op is not Op.CTRL:
-            return False
+        if f.op is not Op.CTRL or f.src != self.dst:
+            return False  # only the node we asked answers (a forged reply is not taken)
         try:
             m = control.parse(f.payload)
         except fr.FrameError:
@@ -436,7 +436,9 @@ class InaAllreduce(Program):
         return out
 
     def wants(self, f: fr.Frame) -> bool:
-        return f.job == self.js.job and (f.op is Op.RESULT or f.op is Op.NACK)
+        # results and refusals come from our switch only
+        return (f.job == self.js.job and f.src == self.st.switch_id
+                and (f.op is Op.RESULT or f.op is Op.NACK))
 
     def handle_frame(self, f: fr.Frame, now: float) -> list[Send]:
         i = (f.psn - self.base) & PSN_MASK
@@ -688,7 +690,8 @@ class HostPsAllreduce(Program):
         return [self._frame(i) for i in range(min(self.S, self.nch))]
 
     def wants(self, f: fr.Frame) -> bool:
-        return f.op is Op.WRITE and f.flow == HOST_PS_FLOW and f.msg == self.msg
+        return (f.op is Op.WRITE and f.flow == HOST_PS_FLOW and f.msg == self.msg
+                and f.src == self.st.host_id)
 
     def waiting_for(self) -> str:
         assert self.st.host_id is not None

@@ -1,0 +1,118 @@
+"""The collective programs without sockets: a fake clock, frames handed in."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from fabric import control
+from fabric import frame as fr
+from fabric.errors import FabricTimeout, PeerFailed
+from fabric.frame import NackCode, Op
+from fabric.programs import (
+    CTRL_RETRY_S,
+    HostRingAllreduce,
+    InaAllreduce,
+    JobState,
+    NodeState,
+    Request,
+    Tensor,
+)
+from fabric.topology import star
+
+
+def _state(name: str = "w0", world: int = 3) -> NodeState:
+    return NodeState(star(world), name, timeout_s=1.0)
+
+
+def _reply(src: int, dst: int, t: str, **fields) -> fr.Frame:
+    return fr.decode(fr.encode(Op.CTRL, src=src, dst=dst, payload=control.pack(t, **fields)))
+
+
+def test_request_resends_with_backoff_then_times_out() -> None:
+    st = _state()
+    req = Request(st, "barrier", "barrier_done", id=1, n=3)
+    assert len(req.start(0.0)) == 1
+    due = req.get_timer()
+    assert due == pytest.approx(CTRL_RETRY_S)
+    sends = req.handle_timer(due)
+    assert len(sends) == 1 and req.get_timer() == pytest.approx(due + 2 * CTRL_RETRY_S)
+    with pytest.raises(FabricTimeout, match="barrier"):
+        t = 0.0
+        while True:
+            t = req.get_timer()
+            req.handle_timer(t)
+
+
+def test_request_takes_its_answer_only_from_the_node_asked() -> None:
+    st = _state()
+    req = Request(st, "job", "job_reply", job=1, match=lambda m: m.get("job") == 1)
+    req.start(0.0)
+    forged = _reply(src=st.worker_ids[1], dst=st.node_id, t="job_reply", job=1, granted=True)
+    assert not req.wants(forged)
+    other_job = _reply(src=st.switch_id, dst=st.node_id, t="job_reply", job=2, granted=True)
+    assert not req.wants(other_job)
+    real = _reply(src=st.switch_id, dst=st.node_id, t="job_reply", job=1, granted=False)
+    assert req.wants(real)
+    req.handle_frame(real, 0.01)
+    assert req.done and req.result["granted"] is False
+
+
+def test_a_refused_control_request_fails_at_once_a_damaged_one_is_resent() -> None:
+    st = _state()
+    req = Request(st, "region", "region_reply", key=5)
+    req.start(0.0)
+    damaged = fr.decode(fr.encode_nack(src=st.switch_id, dst=st.node_id, flow=0, psn=0,
+                                       code=NackCode.BAD_CHECKSUM))
+    assert req.handle_frame(damaged, 0.0) == [] and not req.done
+    refused = fr.decode(fr.encode_nack(src=st.switch_id, dst=st.node_id, flow=0, psn=0,
+                                       code=NackCode.PERMISSION))
+    with pytest.raises(PeerFailed, match="PERMISSION"):
+        req.handle_frame(refused, 0.0)
+
+
+def _result(st: NodeState, js: JobState, psn: int, data: np.ndarray, src: int | None = None):
+    h = fr.encode_header(Op.RESULT, src=st.switch_id if src is None else src, dst=st.node_id,
+                         job=js.job, psn=psn, dtype=fr.dtype_from_name("int32"), payload=data)
+    return fr.decode(h, memoryview(data.view(np.uint8)))
+
+
+def test_ina_window_is_self_clocked_and_forged_results_are_ignored() -> None:
+    st = _state()
+    x = np.arange(10, dtype=np.int32)
+    out = np.zeros_like(x)
+    js = JobState(job=7, slots=2, slot_elems=3, granted=True, reason="")
+    prog = InaAllreduce(st, Tensor(10, "int32", x, out), "sum", js)
+    first = prog.start(0.0)
+    assert len(first) == 2  # the window: 2 of the 4 chunks
+    assert not prog.wants(_result(st, js, 0, x[:3] * 3, src=st.worker_ids[1]))
+    for i in range(4):
+        seg = x[i * 3:(i + 1) * 3] * 3
+        f = _result(st, js, i, seg)
+        assert prog.wants(f)
+        sends = prog.handle_frame(f, 0.001 * (i + 1))
+        assert len(sends) == (1 if i + 2 < 4 else 0)
+    assert prog.done
+    np.testing.assert_array_equal(out, x * 3)
+
+
+def test_ring_takes_frames_of_a_later_step_early() -> None:
+    """The left neighbour may be a step ahead: its frames wait for our step."""
+    st = _state("w1", world=2)
+    x = np.arange(6, dtype=np.int32)
+    out = np.empty_like(x)
+    prog = HostRingAllreduce(st, Tensor(6, "int32", x, out), "sum")
+    assert prog.start(0.0)
+    left = st.worker_ids[0]
+
+    def frame(step: int, data: np.ndarray) -> fr.Frame:
+        h = fr.encode_header(Op.WRITE, src=left, dst=st.node_id, flow=3, psn=step << 16,
+                             msg=prog.msg, dtype=fr.dtype_from_name("int32"), payload=data)
+        return fr.decode(h, memoryview(data.view(np.uint8)))
+
+    # step 1 (all-gather) arrives before step 0 (reduce-scatter)
+    assert prog.handle_frame(frame(1, np.array([100, 200, 300], np.int32)), 0.0) == []
+    sends = prog.handle_frame(frame(0, np.array([10, 10, 10], np.int32)), 0.0)
+    assert sends and prog.done
+    # rank 1 reduces segment 0 (x[:3] + left), then gathers segment 1 from the left
+    np.testing.assert_array_equal(out, [10, 11, 12, 100, 200, 300])
