@@ -67,6 +67,22 @@ class LinkShaper:
         self.busy_s += wire
         return self._free_at + self._latency_s
 
+    def schedule_cut_through(self, nbytes: int, now: float, tail_in: float,
+                             packet: int) -> tuple[float, float]:
+        """``(head, tail)`` arrival of a frame sent as ``packet``-byte packets that
+        starts entering at ``now`` and has fully entered by ``tail_in``: a switch
+        forwards each packet as it comes (cut-through), so a frame crosses several
+        hops in one serialisation time plus one packet time per hop."""
+        start = now if now > self._free_at else self._free_at
+        wire = self.params.serialization_us(nbytes) / 1e6
+        pkt = self.params.serialization_us(min(packet, nbytes)) / 1e6
+        end = max(start + wire, tail_in + pkt)  # never done before the tail came in
+        self._free_at = end
+        self.frames += 1
+        self.bytes += nbytes
+        self.busy_s += wire
+        return start + pkt + self._latency_s, end + self._latency_s
+
     def backlog_s(self, now: float) -> float:
         """How long a frame entering now would wait for the link to be free."""
         return max(self._free_at - now, 0.0)
@@ -108,13 +124,18 @@ class LinkPipeline:
     """Faults, then shaping, then the hold queue, for one direction of one link."""
 
     def __init__(self, params: LinkParams | None = None, faults: FaultSpec | None = None,
-                 *, seed: int = 0, stream: str = "") -> None:
+                 *, seed: int = 0, stream: str = "", cut_through: int = 0,
+                 to_switch: bool = False) -> None:
         self.shaper = LinkShaper(params) if params is not None else None
         if self.shaper is not None and not self.shaper.active:
             self.shaper = None
         self.injector = (FaultInjector(faults, seed, stream=stream)
                          if faults is not None and not faults.clean else None)
-        self._held: list[tuple[float, int, Item]] = []
+        # cut-through (simulation): packets of this many bytes; a frame into a
+        # switch is handed over when its head arrives, into a node at its tail
+        self.cut_through = cut_through if self.shaper is not None else 0
+        self.to_switch = to_switch
+        self._held: list[tuple[float, int, Item, float]] = []
         self._seq = itertools.count()
         # Without corruption the injector decides on an 8-byte token that stands
         # for the frame, so a large payload is not copied per link.
@@ -127,24 +148,30 @@ class LinkPipeline:
         """False when frames pass straight through (no shaping, no faults)."""
         return self.shaper is not None or self.injector is not None
 
-    def push(self, item: Item, now: float) -> None:
-        """A frame ``(header, payload)`` enters the link at ``now``."""
+    def push(self, item: Item, now: float, tail: float | None = None) -> None:
+        """A frame ``(header, payload)`` enters the link at ``now`` (cut-through:
+        its last byte has entered by ``tail``)."""
         inj = self.injector
         if inj is None:
-            self._shape(item, now)
+            self._shape(item, now, tail)
             return
         for at, arrived in self._inject(inj, item, now):
-            self._shape(arrived, max(at, now))
+            self._shape(arrived, max(at, now), tail)
 
     def pop_due(self, now: float) -> list[Item]:
         """Every frame whose arrival time has come, in arrival order."""
+        return [item for item, _tail in self.pop_due_timed(now)]
+
+    def pop_due_timed(self, now: float) -> list[tuple[Item, float]]:
+        """Like :meth:`pop_due`, with each frame's tail arrival time (cut-through)."""
         if self.injector is not None and self.injector.next_deadline() is not None:
             for at, arrived in self._resolve(self.injector.poll(now)):
-                self._shape(arrived, max(at, now))
-        out: list[Item] = []
+                self._shape(arrived, max(at, now), None)
+        out: list[tuple[Item, float]] = []
         held = self._held
         while held and held[0][0] <= now:
-            out.append(heapq.heappop(held)[2])
+            _due, _seq, item, tail = heapq.heappop(held)
+            out.append((item, tail))
         return out
 
     def get_timer(self) -> float | None:
@@ -169,12 +196,17 @@ class LinkPipeline:
             faults=self.injector.statistics() if self.injector is not None else None)
 
     # ------------------------------------------------------------------ internals
-    def _shape(self, item: Item, now: float) -> None:
+    def _shape(self, item: Item, now: float, tail: float | None) -> None:
         if self.shaper is None:
-            due = now
+            due = end = now if tail is None else max(now, tail)
+        elif self.cut_through:
+            head, end = self.shaper.schedule_cut_through(
+                wire_bytes(item[0], item[1]), now, now if tail is None else tail,
+                self.cut_through)
+            due = head if self.to_switch else end
         else:
-            due = self.shaper.schedule(wire_bytes(item[0], item[1]), now)
-        heapq.heappush(self._held, (due, next(self._seq), item))
+            due = end = self.shaper.schedule(wire_bytes(item[0], item[1]), now)
+        heapq.heappush(self._held, (due, next(self._seq), item, end))
 
     def _inject(self, inj: FaultInjector, item: Item, now: float) -> list[tuple[float, Item]]:
         header, payload = item

@@ -82,3 +82,19 @@ def test_ring_over_ina_tends_to_the_textbook_ratio_on_shaped_links() -> None:
                                              1 << 20).results)
     ratio = res["host-ring"] / res["ina"]
     assert 1.3 < ratio < 2.0, ratio  # 2(n-1)/n = 1.5, plus the ring's per-step hops
+
+
+def test_cut_through_ring_meets_the_bandwidth_bound() -> None:
+    """With cut-through switches and no latency, ring / in-network time tends to
+    2(n-1)/n on a non-blocking leaf/spine (the bandwidth-bound ratio)."""
+    from fabric.sim import TimingModel
+    from fabric.sim.cli import _scale_workload
+
+    topo = leaf_spine(2, 8, leaf_bandwidth_gbps=100.0, hosts=0)
+    t = {}
+    for path in ("ina", "host-ring"):
+        res = Simulation(topo, timing=TimingModel(cut_through_bytes=4096)).run(
+            _scale_workload, path, 4 << 20)
+        t[path] = max(res.results)
+    n = 16
+    assert abs(t["host-ring"] / t["ina"] / (2 * (n - 1) / n) - 1) < 0.05, t

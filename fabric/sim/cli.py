@@ -102,6 +102,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--link-gbps", type=float, default=100.0, help="worker link bandwidth")
     s.add_argument("--latency-us", type=float, default=1.0, help="one-way latency per link")
     s.add_argument("--mtu", type=int, default=256 * 1024, help="bytes per frame")
+    s.add_argument("--cut-through", type=int, default=4096, metavar="BYTES",
+                   help="switches forward packets of this size as they arrive, as hardware "
+                   "does (0: store and forward whole frames, as the emulator does)")
     _add_outputs(s)
     s.set_defaults(sim_func=run_scale)
     p.set_defaults(sim_func=None)
@@ -133,6 +136,9 @@ def add_allreduce_arguments(p: argparse.ArgumentParser) -> None:
                    help="service time per frame in a switch (0: ideal hardware)")
     p.add_argument("--node-frame-us", type=float, default=0.0,
                    help="service time per frame in a node")
+    p.add_argument("--cut-through", type=int, default=0, metavar="BYTES",
+                   help="switches forward packets of this size as they arrive (0: store "
+                   "and forward whole frames, as the emulator does)")
     _add_outputs(p)
 
 
@@ -201,10 +207,13 @@ def run_allreduce(args: argparse.Namespace) -> int:
     for flag in ("json", "markdown", "plot"):
         if getattr(args, flag):
             check_output_file(f"--{flag}", getattr(args, flag))
+    if not 0 <= args.cut_through <= 1 << 24:
+        raise UsageError("--cut-through must be 0 (store and forward) .. 16 MiB")
     timing = TimingModel(switch_frame_s=_positive("--switch-frame-us", args.switch_frame_us,
                                                   True) / 1e6,
                          node_frame_s=_positive("--node-frame-us", args.node_frame_us,
-                                                True) / 1e6)
+                                                True) / 1e6,
+                         cut_through_bytes=args.cut_through)
     if args.faults:
         from fabric.faults import FaultSpecError, parse_faults
 
@@ -217,7 +226,8 @@ def run_allreduce(args: argparse.Namespace) -> int:
     print(f"# semfab sim allreduce (virtual time): sizes {report.format_size(sizes[0])}.."
           f"{report.format_size(sizes[-1])} x{args.factor:g}, dtype {args.dtype}, op {args.op}, "
           f"warmup {args.warmup}, iters {args.iters}, seed {args.seed}, faults "
-          f"{args.faults or 'none'}, {'timing-only' if args.timing_only else 'with data'}")
+          f"{args.faults or 'none'}, {'timing-only' if args.timing_only else 'with data'}, "
+          + (f"cut-through {args.cut_through} B" if args.cut_through else "store and forward"))
     for w in workers:
         try:
             topo = load(args.topology) if args.topology else star(
@@ -320,12 +330,15 @@ def run_scale(args: argparse.Namespace) -> int:
     _positive("--latency-us", args.latency_us, zero_ok=True)
     if not 64 <= args.mtu <= 1 << 24:
         raise UsageError("--mtu must be 64 B .. 16 MiB")
+    if not 0 <= args.cut_through <= 1 << 24:
+        raise UsageError("--cut-through must be 0 (store and forward) .. 16 MiB")
     for flag in ("json", "markdown", "plot"):
         if getattr(args, flag):
             check_output_file(f"--{flag}", getattr(args, flag))
     print(f"# semfab sim scale (virtual time): {report.format_size(size)} float32 per worker, "
           f"{args.link_gbps:g} Gbit/s worker links, {args.latency_us:g} us per link, "
-          f"mtu {args.mtu}, timing-only payloads")
+          f"mtu {args.mtu}, " + (f"cut-through {args.cut_through} B packets" if args.cut_through
+                                   else "store and forward") + ", timing-only payloads")
     header = (f"{'workers':>8s} {'ratio':>5s} {'path':>9s} {'time(ms)':>10s} {'busbw':>8s} "
               f"{'ideal(ms)':>10s} {'of ideal':>8s} {'events':>9s} {'wall(s)':>8s}")
     print(header, flush=True)
@@ -336,7 +349,8 @@ def run_scale(args: argparse.Namespace) -> int:
                                   args.mtu)
             for path in paths:
                 t0 = time.monotonic()
-                sim = Simulation(topo, timeout_s=3600.0)
+                sim = Simulation(topo, timeout_s=3600.0,
+                                 timing=TimingModel(cut_through_bytes=args.cut_through))
                 res = sim.run(_scale_workload, path, size // 4)
                 wall = time.monotonic() - t0
                 t = max(res.results)

@@ -62,6 +62,9 @@ class TimingModel:
     switch_byte_s: float = 0.0
     node_frame_s: float = 0.0
     node_byte_s: float = 0.0
+    #: 0: store and forward (as the emulator's links); else the packet size of
+    #: cut-through switching (hardware: a frame crosses hops in one serialisation)
+    cut_through_bytes: int = 0
 
     @property
     def ideal(self) -> bool:
@@ -137,8 +140,10 @@ class Simulation:
             spec = spec_all if spec_all is not None else (
                 FaultSpec(loss=link.params.loss) if link.params.loss else None)
             for x, y in ((a, b), (b, a)):
-                self.pipes[(x, y)] = LinkPipeline(link.params, spec, seed=seed,
-                                                  stream=f"{x}>{y}")
+                self.pipes[(x, y)] = LinkPipeline(
+                    link.params, spec, seed=seed, stream=f"{x}>{y}",
+                    cut_through=self.timing.cut_through_bytes,
+                    to_switch=topo.node(y).is_switch)
         for node in self.nodes.values():
             node.uplink = self.pipes[(node.name, node.state.switch_name)]
         self._workers = [self.nodes[w.name] for w in topo.workers]
@@ -188,8 +193,9 @@ class Simulation:
             if kind == _PIPE:
                 self._on_pipe(obj, t)
             elif kind == _SWITCH_IN:
-                sw, port, header, payload = obj
-                self._switch_out(sw, self.switches[sw].handle(port, header, payload, t), t)
+                sw, port, header, payload, tail = obj
+                self._switch_out(sw, self.switches[sw].handle(port, header, payload, t), t,
+                                 max(tail, t))
             elif kind == _NODE_TIMER:
                 self._on_node_timer(obj, t)
             elif kind == _RESUME:
@@ -204,10 +210,11 @@ class Simulation:
         heapq.heappush(self._heap, (t, next(self._seq), kind, obj))
 
     # ------------------------------------------------------------------ links
-    def _send(self, src: str, dst: str, header: Any, payload: Any, t: float) -> None:
+    def _send(self, src: str, dst: str, header: Any, payload: Any, t: float,
+              tail: float | None = None) -> None:
         key = (src, dst)
         pipe = self.pipes[key]
-        pipe.push((header, payload), t)
+        pipe.push((header, payload), t, tail)
         due = pipe.get_timer()
         if due is not None:
             at = self._pipe_at.get(key)
@@ -220,9 +227,9 @@ class Simulation:
             del self._pipe_at[key]
         pipe = self.pipes[key]
         src, dst = key
-        for header, payload in pipe.pop_due(t):
+        for (header, payload), tail in pipe.pop_due_timed(t):
             self.frames += 1
-            self._arrive(src, dst, header, payload, t)
+            self._arrive(src, dst, header, payload, t, tail)
         due = pipe.get_timer()
         if due is not None:
             at = self._pipe_at.get(key)
@@ -230,7 +237,8 @@ class Simulation:
                 self._pipe_at[key] = due
                 self._push(due, _PIPE, key)
 
-    def _arrive(self, src: str, dst: str, header: Any, payload: Any, t: float) -> None:
+    def _arrive(self, src: str, dst: str, header: Any, payload: Any, t: float,
+                tail: float) -> None:
         core = self.switches.get(dst)
         if core is not None:
             tm = self.timing
@@ -238,15 +246,17 @@ class Simulation:
                 start = max(t, self._sw_busy[dst])
                 done = start + tm.switch_frame_s + tm.switch_byte_s * wire_bytes(header, payload)
                 self._sw_busy[dst] = done
-                self._push(done, _SWITCH_IN, (dst, src.encode(), header, payload))
+                self._push(done, _SWITCH_IN, (dst, src.encode(), header, payload, tail))
                 return
-            self._switch_out(dst, core.handle(src.encode(), header, payload, t), t)
+            self._switch_out(dst, core.handle(src.encode(), header, payload, t), t, tail)
             return
         self._node_frame(self.nodes[dst], header, payload, t)
 
-    def _switch_out(self, sw: str, outputs: list[tuple[bytes, Any, Any]], t: float) -> None:
+    def _switch_out(self, sw: str, outputs: list[tuple[bytes, Any, Any]], t: float,
+                    tail: float | None = None) -> None:
+        # what a frame causes streams out behind it: its tail bounds theirs
         for port, header, payload in outputs:
-            self._send(sw, port.decode(), header, payload, t)
+            self._send(sw, port.decode(), header, payload, t, tail)
         if outputs:
             self._schedule_switch_timer(sw)
 
