@@ -12,7 +12,7 @@ from fabric.topology import leaf_spine, star
 from kernels.reference import expected_allreduce
 from tests import fabric_tasks as tasks
 
-PATHS = ("ina", "host-ring", "host-ps")
+PATHS = ("ina", "ina-mem", "host-ring", "host-ps")
 
 
 @pytest.mark.parametrize("topo", [star(4), star(8), leaf_spine(2, 4), leaf_spine(3, 3)],

@@ -22,7 +22,7 @@ from bench import report
 from fabric.errors import UsageError
 from fabric.sim.engine import Simulation, SimulationError, TimingModel
 
-SIM_PATHS = ("ina", "host-ring", "host-ps")
+SIM_PATHS = ("ina", "ina-mem", "host-ring", "host-ps")
 NOTE = "simulated (virtual time)"
 
 
@@ -171,7 +171,7 @@ def _paths(text: str) -> list[str]:
     bad = [p for p in paths if p not in SIM_PATHS]
     if bad or not paths:
         raise UsageError(f"unknown path(s) {', '.join(bad) or text!r}; the simulator runs "
-                         f"{', '.join(SIM_PATHS)} (ina-mem and the peers are emulation only)")
+                         f"{', '.join(SIM_PATHS)} (the peers gloo and MPI are emulation only)")
     return paths
 
 

@@ -33,8 +33,10 @@ from fabric.hostnode import HostAggregator
 from fabric.link import LinkPipeline, wire_bytes
 from fabric.programs import (
     HOST_PS_FLOW,
+    Chain,
     NodeState,
     Program,
+    Request,
     Tensor,
     allreduce_program,
     barrier_program,
@@ -42,6 +44,7 @@ from fabric.programs import (
 )
 from fabric.topology import Topology
 from fabric.workload import Allreduce, Barrier, Clock, Compute, Context, check_workload
+from kernels.dtypes import UFUNCS
 from switchd.core import SwitchCore
 
 __all__ = ["SimResult", "Simulation", "SimulationError", "TimingModel"]
@@ -106,6 +109,44 @@ class _Node:
         self.uplink: LinkPipeline | None = None
 
 
+class ArrayMemoryPlane:
+    """The simulated memory plane: regions are arrays the simulated nodes own
+    (``registry``: path -> bytes); without an array (timing-only) a region has
+    a size and no bytes, and the reduction only costs the time its frames name."""
+
+    def __init__(self, registry: dict[str, np.ndarray]) -> None:
+        self.registry = registry
+        self._regions: dict[int, np.ndarray | None] = {}
+
+    def prepare(self, backend: str) -> None:
+        """Any backend: the simulator reduces with NumPy."""
+
+    def attach(self, key: int, path: str, size: int) -> None:
+        arr = self.registry.get(path)
+        if arr is not None and arr.nbytes < size:
+            raise ValueError(f"region {path} has {arr.nbytes} B, asked {size} B")
+        if arr is None and not path.startswith("sim-timing:"):
+            raise ValueError(f"no simulated region at {path}")
+        self._regions[key] = arr
+
+    def detach(self, key: int) -> None:
+        self._regions.pop(key, None)
+
+    def reduce(self, dtype: np.dtype[Any], op: str, refs: list[tuple[int, int]],
+               count: int) -> None:
+        views = []
+        for key, offset in refs:
+            arr = self._regions[key]
+            if arr is None:
+                return  # timing-only
+            views.append(arr[offset: offset + count * dtype.itemsize].view(dtype))
+        acc = views[0].copy()
+        for v in views[1:]:
+            UFUNCS[op](acc, v, out=acc)
+        for v in views:
+            np.copyto(v, acc)
+
+
 # event kinds
 _PIPE, _NODE_TIMER, _RESUME, _SWITCH_IN, _SWITCH_TIMER = range(5)
 
@@ -123,8 +164,11 @@ class Simulation:
         self._seq = itertools.count()
         self.events = 0
         self.frames = 0
-        self.switches = {s.name: SwitchCore(topo, s.name, memory_budget=memory_budget)
+        self.regions: dict[str, np.ndarray] = {}  # simulated "device memory", by path
+        self.switches = {s.name: SwitchCore(topo, s.name, memory_budget=memory_budget,
+                                            memory=ArrayMemoryPlane(self.regions))
                          for s in topo.switches}
+        self._keys = itertools.count(1)
         self._sw_busy = dict.fromkeys(self.switches, 0.0)
         self.nodes: dict[str, _Node] = {}
         for n in topo.nodes:
@@ -401,9 +445,11 @@ class Simulation:
     def _program(self, node: _Node, op: Any) -> Program:
         st = node.state
         if isinstance(op, Allreduce):
-            if op.path not in ("ina", "host-ring", "host-ps"):
-                raise UsageError(f"path {op.path!r} is not simulated; choose ina, host-ring "
+            if op.path not in ("ina", "ina-mem", "host-ring", "host-ps"):
+                raise UsageError(f"unknown path {op.path!r}; choose ina, ina-mem, host-ring "
                                  "or host-ps")
+            if op.path == "ina-mem":
+                return self._mem_program(node, op)
             if op.numerics not in ("float", "fixed"):
                 raise UsageError(f"numerics must be 'float' or 'fixed', not {op.numerics!r}")
             if op.x is not None:
@@ -421,6 +467,53 @@ class Simulation:
         if isinstance(op, Barrier):
             return barrier_program(st)
         raise UsageError(f"a workload yielded {op!r}, not an operation of its context")
+
+
+    def _mem_program(self, node: _Node, op: Allreduce) -> Program:
+        """ina-mem: register the node's region (once), stage the tensor into it, let
+        the switch reduce in place, copy the result out."""
+        from kernels.dtypes import dtype_name, np_dtype
+
+        st = node.state
+        if op.x is not None:
+            x = np.ascontiguousarray(op.x).reshape(-1)
+            dtype, count = dtype_name(x.dtype), x.size
+        else:
+            x, dtype, count = None, op.dtype, op.count
+        if count <= 0:
+            raise UsageError("a timing-only allreduce needs count > 0")
+        if op.numerics != "float":
+            raise UsageError("fixed-point numerics on ina-mem are emulation only")
+        nbytes = count * np_dtype(dtype).itemsize
+        out = op.out if op.out is not None else (np.empty_like(x) if x is not None else None)
+
+        def steps() -> Generator[Program, Any, Any]:
+            reg = getattr(st, "sim_region", None)
+            if reg is None or reg[1] < nbytes:
+                key = next(self._keys)
+                path = f"sim:{node.name}:{key}" if x is not None else f"sim-timing:{key}"
+                if x is not None:
+                    self.regions[path] = np.zeros(nbytes, np.uint8)
+                reply = yield Request(st, "region", "region_reply", key=key, size=nbytes,
+                                      path=path, match=lambda m: m.get("key") == key)
+                if not reply.get("ok"):
+                    raise SimulationError(f"{node.name}: region refused: {reply.get('reason')}")
+                reg = (key, nbytes, path)
+                st.sim_region = reg  # type: ignore[attr-defined]
+            key, _size, path = reg
+            work = None
+            if x is not None:
+                work = self.regions[path][:nbytes].view(x.dtype)
+                np.copyto(work, x)
+            t = Tensor(count, dtype, work, work)
+            yield allreduce_program(st, t, op.op, "ina-mem", data=x is not None,
+                                    region=(key, 0))
+            if x is not None and out is not None:
+                assert work is not None
+                np.copyto(out, work)
+            return out
+
+        return Chain(steps())
 
 
 def _bytes_view(payload: Any) -> memoryview:
