@@ -261,7 +261,7 @@ def _run_sim(args: argparse.Namespace) -> int:
         ns.link_gbps = 100.0
         print("# --sim: links of the default star at 100 Gbit/s (set --link-gbps)")
     for name, default in (("timing_only", False), ("faults", None), ("switch_frame_us", 0.0),
-                          ("node_frame_us", 0.0), ("cut_through", 0)):
+                          ("node_frame_us", 0.0), ("cut_through", 0), ("calibration", None)):
         if not hasattr(ns, name):
             setattr(ns, name, default)
     return simcli.run_allreduce(ns)

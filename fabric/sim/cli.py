@@ -13,6 +13,7 @@ write files. Every figure is virtual time and is marked so.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import time
 from collections.abc import Generator
@@ -107,6 +108,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "does (0: store and forward whole frames, as the emulator does)")
     _add_outputs(s)
     s.set_defaults(sim_func=run_scale)
+    c = sub.add_parser("calibrate", help="measure this machine's emulator (per-frame and "
+                       "per-byte costs) for --calibration",
+                       description="Launch stars of 2 and 4 workers and fit the switch's and "
+                       "a node's service times (see fabric.sim.calibrate).")
+    c.add_argument("--iters", type=int, default=20, help="timed repetitions per measurement")
+    c.add_argument("--json", metavar="PATH", help="write the fit (for --calibration)")
+
+    def _calibrate(args: argparse.Namespace) -> int:
+        from fabric.sim import calibrate
+
+        return calibrate.run(args)
+
+    c.set_defaults(sim_func=_calibrate)
     p.set_defaults(sim_func=None)
 
 
@@ -139,6 +153,9 @@ def add_allreduce_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cut-through", type=int, default=0, metavar="BYTES",
                    help="switches forward packets of this size as they arrive (0: store "
                    "and forward whole frames, as the emulator does)")
+    p.add_argument("--calibration", metavar="FILE",
+                   help="service times measured by `semfab sim calibrate --json FILE` "
+                   "(simulate this emulator rather than ideal switches)")
     _add_outputs(p)
 
 
@@ -214,6 +231,11 @@ def run_allreduce(args: argparse.Namespace) -> int:
                          node_frame_s=_positive("--node-frame-us", args.node_frame_us,
                                                 True) / 1e6,
                          cut_through_bytes=args.cut_through)
+    if getattr(args, "calibration", None):
+        from fabric.sim import calibrate
+
+        timing = dataclasses.replace(calibrate.load(args.calibration),
+                                     cut_through_bytes=args.cut_through)
     if args.faults:
         from fabric.faults import FaultSpecError, parse_faults
 
