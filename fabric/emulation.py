@@ -12,7 +12,18 @@ from collections.abc import Callable, Generator
 from typing import Any
 
 from fabric.errors import UsageError
-from fabric.workload import Allreduce, Barrier, Clock, Compute, Context, check_workload
+from fabric.workload import (
+    Allreduce,
+    Barrier,
+    Clock,
+    Compute,
+    Context,
+    Recv,
+    Send,
+    Together,
+    check_workload,
+    stream_program,
+)
 
 __all__ = ["run_in_emulation"]
 
@@ -34,6 +45,11 @@ def run_in_emulation(ep: Any, fn: Callable[..., Generator[Any, Any, Any]], *args
                 raise UsageError("timing-only allreduce (x=None) runs in simulation only")
             value = ep.allreduce(op.x, op=op.op, path=op.path, out=op.out,
                                  numerics=op.numerics)
+        elif isinstance(op, (Send, Recv, Together)):
+            if any(getattr(o, "x", 0) is None or getattr(o, "out", 0) is None
+                   for o in (op.ops if isinstance(op, Together) else (op,))):
+                raise UsageError("timing-only streams (no array) run in simulation only")
+            value = ep.run(stream_program(ep.state, op), f"{type(op).__name__.lower()}")
         elif isinstance(op, Barrier):
             ep.barrier()
             value = None

@@ -128,7 +128,6 @@ class Endpoint:
         self.bad_frames = 0
         self.stale_replies = 0
         self.dropped = 0  # unsolicited frames dropped from a full stash
-        self.streams: dict[int, int] = {}  # p2p stream ids per peer (fabric.p2p)
         self.scratch: np.ndarray | None = None  # staging region for ina-mem
         self.fixed_scratch: np.ndarray | None = None  # int32 region for fixed-point ina-mem
         self._hello()
@@ -210,8 +209,8 @@ class Endpoint:
             except fr.FrameError:
                 self.bad_frames += 1
                 return
-        elif f.op is Op.NACK or f.op is Op.ACK and f.flow == 0:
-            self.stale_replies += 1
+        elif f.op is Op.NACK or f.op is Op.ACK:
+            self.stale_replies += 1  # feedback for something already finished
             return
         self.stash.append(f)
         self._stash_bytes += len(f.payload)

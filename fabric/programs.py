@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Generator
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import msgpack
@@ -807,3 +807,242 @@ def fixed_program(st: NodeState, t: Tensor, path: str) -> Program:
         return out
 
     return Chain(steps())
+
+
+# ---------------------------------------------------------------------- p2p streams
+#: Flows of point-to-point streams: data and FIN travel on P2P_FLOW, ACK/NACK
+#: back on P2P_FLOW + 1, so A -> B and B -> A streams never take each other's
+#: frames (other flows: 2 host-ps, 3 ring).
+P2P_FLOW = 16
+#: A FIN tells the receiver the sender saw every ACK it needed.
+P2P_FIN = 0xFFFF_FFFF
+#: How long a finished receiver keeps answering retransmissions without a FIN.
+LINGER_S = 1.0
+#: Retransmissions of one frame before a stream fails, and the RTO ceiling: a
+#: fabric's round trip is milliseconds, and go-back-N under heavy loss needs
+#: many rounds for a tail frame.
+STREAM_MAX_RETRIES = 64
+STREAM_RTO_MAX_S = 0.25
+#: Frames in flight per stream (a deeper window only queues in the sockets).
+STREAM_WINDOW = 16
+STREAM_FRAME_BYTES = 64 * 1024
+
+
+def _zero_bytes(n: int) -> np.ndarray:
+    """A shared read-only zero payload of ``n`` bytes (timing-only streams)."""
+    z = _ZEROS.get(("bytes", n))
+    if z is None:
+        z = _ZEROS[("bytes", n)] = np.zeros(n, np.uint8)
+        z.flags.writeable = False
+    return z
+
+
+def _stream_id(st: NodeState, direction: str, peer: int) -> int:
+    """The next stream id of this direction with ``peer``; both ends count alike."""
+    streams: dict[tuple[str, int], int] = st.__dict__.setdefault("streams", {})
+    sid = streams.get((direction, peer), 0) + 1
+    streams[(direction, peer)] = sid
+    return sid & 0xFFFF
+
+
+class StreamSend(Program):
+    """Send bytes reliably to another worker as WRITEs (selective repeat or go-back-N
+    by name), under the pure :class:`fabric.reliability.Sender`."""
+
+    def __init__(self, st: NodeState, dst_rank: int, data: np.ndarray | None, nbytes: int = 0,
+                 *, policy: str = "selective", frame_bytes: int = STREAM_FRAME_BYTES,
+                 window_frames: int = STREAM_WINDOW) -> None:
+        from fabric.reliability import Sender
+
+        if not 0 <= dst_rank < st.world or dst_rank == st.rank:
+            raise UsageError(f"{st.name}: send to rank {dst_rank}: not another worker's rank "
+                             f"(0..{st.world - 1}, not {st.rank})")
+        self.st = st
+        self.buf = byte_view(data) if data is not None else None
+        self.nbytes = self.buf.nbytes if self.buf is not None else nbytes
+        self.dst = st.worker_ids[dst_rank]
+        self.sid = _stream_id(st, "to", self.dst)
+        self.fb = frame_bytes
+        self.nframes = max(-(-self.nbytes // frame_bytes), 1)
+        self.peer = st.topo.by_id(self.dst).name
+        self.sender: Sender[int] = Sender(
+            P2P_FLOW, policy=policy, window_frames=window_frames,
+            max_retries=STREAM_MAX_RETRIES, rto_max=STREAM_RTO_MAX_S, peer=self.peer,
+            operation="WRITE stream")
+        self.t0 = 0.0
+
+    def _put(self, transmits: list[Any]) -> list[Send]:
+        out: list[Send] = []
+        st = self.st
+        for t in transmits:
+            off = t.handle * self.fb
+            n = min(self.fb, self.nbytes - off)
+            part = self.buf[off: off + n] if self.buf is not None else _zero_bytes(n)
+            out.append((fr.encode_header(Op.WRITE, src=st.node_id, dst=self.dst, flow=P2P_FLOW,
+                                         job=self.sid, psn=t.psn, offset=off, flags=t.flags,
+                                         payload=part, crc=st.crc), part))
+        return out
+
+    def _check_done(self, now: float, out: list[Send]) -> list[Send]:
+        if self.sender.done and not self.done:
+            self.done = True
+            stats = {**asdict(self.sender.statistics()), "seconds": now - self.t0}
+            self.result = stats
+            self.st.retransmits += self.sender.statistics().retransmitted
+            out.append((fr.encode_header(Op.ACK, src=self.st.node_id, dst=self.dst,
+                                         flow=P2P_FLOW, job=self.sid, psn=P2P_FIN), None))
+        return out
+
+    def start(self, now: float) -> list[Send]:
+        self.t0 = now
+        frames = ((i, min(self.fb, self.nbytes - i * self.fb)) for i in range(self.nframes))
+        return self._put(self.sender.send_many(frames, now))
+
+    def wants(self, f: fr.Frame) -> bool:
+        return (f.flow == P2P_FLOW + 1 and f.src == self.dst and f.job == self.sid
+                and (f.op is Op.ACK or f.op is Op.NACK))
+
+    def handle_frame(self, f: fr.Frame, now: float) -> list[Send]:
+        if f.op is Op.ACK:
+            out = self._put(self.sender.handle_ack(f.psn, f.sack, now))
+        else:
+            out = self._put(self.sender.handle_nack(f.psn, f.nack_code, now))
+        return self._check_done(now, out)
+
+    def get_timer(self) -> float | None:
+        return None if self.done else self.sender.get_timer()
+
+    def handle_timer(self, now: float) -> list[Send]:
+        return self._check_done(now, self._put(self.sender.handle_timer(now)))
+
+    def waiting_for(self) -> str:
+        return f"worker {self.peer} (ACKs of WRITE stream {self.sid})"
+
+
+class StreamRecv(Program):
+    """Receive a stream from another worker into ``out`` (each slice stored at its
+    offset on first arrival), answering with ACK + SACK and gap NACKs."""
+
+    def __init__(self, st: NodeState, src_rank: int, out: np.ndarray | None, nbytes: int = 0,
+                 *, policy: str = "selective", frame_bytes: int = STREAM_FRAME_BYTES,
+                 window_frames: int = STREAM_WINDOW) -> None:
+        from fabric.reliability import Receiver
+
+        if not 0 <= src_rank < st.world or src_rank == st.rank:
+            raise UsageError(f"{st.name}: receive from rank {src_rank}: not another worker's "
+                             f"rank (0..{st.world - 1}, not {st.rank})")
+        self.st = st
+        self.buf = byte_view(out) if out is not None else None
+        self.nbytes = self.buf.nbytes if self.buf is not None else nbytes
+        self.src = st.worker_ids[src_rank]
+        self.sid = _stream_id(st, "from", self.src)
+        self.fb = frame_bytes
+        self.nframes = max(-(-self.nbytes // frame_bytes), 1)
+        self.receiver: Receiver[int] = Receiver(P2P_FLOW, policy=policy, ordered=False,
+                                                window=window_frames)
+        self.got = bytearray(self.nframes)
+        self.count = 0
+        self.last_heard = 0.0
+        self.finished_at: float | None = None
+        self.result = out
+
+    def start(self, now: float) -> list[Send]:
+        self.last_heard = now
+        return []
+
+    def wants(self, f: fr.Frame) -> bool:
+        return f.flow == P2P_FLOW and f.src == self.src and f.job == self.sid and (
+            f.op is Op.WRITE or (f.op is Op.ACK and f.psn == P2P_FIN))
+
+    def _acks(self, ack: Any) -> list[Send]:
+        if ack is None:
+            return []
+        return [(h, None) for h in ack.frames(src=self.st.node_id, dst=self.src,
+                                              flow=P2P_FLOW + 1, job=self.sid, crc=self.st.crc)]
+
+    def handle_frame(self, f: fr.Frame, now: float) -> list[Send]:
+        self.last_heard = now
+        if f.op is Op.ACK:  # FIN: the sender has every ACK it needs
+            if self.count == self.nframes:
+                self.done = True
+            return []
+        index = f.offset // self.fb
+        if index >= self.nframes or f.offset % self.fb or f.offset + f.length > self.nbytes:
+            return []  # not ours (or damaged): never write outside the buffer
+        delivered, ack = self.receiver.handle_frame(f.psn, index, now, flags=f.flags)
+        for d in delivered:
+            if not self.got[d.handle]:
+                self.got[d.handle] = 1
+                self.count += 1
+                if self.buf is not None:
+                    self.buf[f.offset: f.offset + f.length] = np.frombuffer(f.payload, np.uint8)
+        if self.count == self.nframes and self.finished_at is None:
+            self.finished_at = now
+        return self._acks(ack)
+
+    def get_timer(self) -> float | None:
+        if self.done:
+            return None
+        t = self.receiver.get_timer()
+        # finished: linger for retransmissions (our last ACK may be lost); else give up
+        end = self.last_heard + (LINGER_S if self.finished_at is not None else self.st.timeout_s)
+        return end if t is None else min(t, end)
+
+    def handle_timer(self, now: float) -> list[Send]:
+        if self.finished_at is not None and now - self.last_heard >= LINGER_S:
+            self.done = True
+            return []
+        if now - self.last_heard >= self.st.timeout_s:
+            raise FabricTimeout(
+                f"{self.st.name}: WRITE stream {self.sid} from "
+                f"{self.st.topo.by_id(self.src).name}: nothing for {self.st.timeout_s:g}s "
+                f"({self.count}/{self.nframes} frames)")
+        return self._acks(self.receiver.handle_timer(now))
+
+    def waiting_for(self) -> str:
+        return f"worker {self.st.topo.by_id(self.src).name} (WRITE stream {self.sid})"
+
+
+class Parallel(Program):
+    """Several programs at once (e.g. a send and a receive): each frame goes to the
+    first that wants it; done when all are; results in order."""
+
+    def __init__(self, progs: list[Program]) -> None:
+        self.progs = progs
+
+    def _finish(self) -> None:
+        if all(p.done for p in self.progs):
+            self.done = True
+            self.result = [p.result for p in self.progs]
+
+    def start(self, now: float) -> list[Send]:
+        out = [s for p in self.progs for s in p.start(now)]
+        self._finish()
+        return out
+
+    def wants(self, f: fr.Frame) -> bool:
+        return any(not p.done and p.wants(f) for p in self.progs)
+
+    def handle_frame(self, f: fr.Frame, now: float) -> list[Send]:
+        for p in self.progs:
+            if not p.done and p.wants(f):
+                out = p.handle_frame(f, now)
+                self._finish()
+                return out
+        return []
+
+    def get_timer(self) -> float | None:
+        times = [t for p in self.progs if not p.done and (t := p.get_timer()) is not None]
+        return min(times, default=None)
+
+    def handle_timer(self, now: float) -> list[Send]:
+        out: list[Send] = []
+        for p in self.progs:
+            t = None if p.done else p.get_timer()
+            if t is not None and t <= now:
+                out.extend(p.handle_timer(now))
+        self._finish()
+        return out
+
+    def waiting_for(self) -> str:
+        return "; ".join(p.waiting_for() for p in self.progs if not p.done) or "nobody"

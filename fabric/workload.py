@@ -27,8 +27,8 @@ import numpy as np
 
 from fabric.errors import UsageError
 
-__all__ = ["Allreduce", "Barrier", "Clock", "Compute", "Context", "Operation",
-           "check_workload"]
+__all__ = ["Allreduce", "Barrier", "Clock", "Compute", "Context", "Operation", "Recv", "Send",
+           "Together", "check_workload", "stream_program"]
 
 
 @dataclass(frozen=True)
@@ -42,6 +42,34 @@ class Allreduce:
     numerics: str = "float"
     count: int = 0
     dtype: str = "float32"
+
+
+@dataclass(frozen=True)
+class Send:
+    """Send ``x``'s bytes (or, timing-only, ``nbytes``) to worker ``dst`` as a
+    reliable WRITE stream under retransmit ``policy``."""
+
+    dst: int
+    x: np.ndarray | None
+    nbytes: int = 0
+    policy: str = "selective"
+
+
+@dataclass(frozen=True)
+class Recv:
+    """Receive a stream from worker ``src`` into ``out`` (or ``nbytes``, timing-only)."""
+
+    src: int
+    out: np.ndarray | None
+    nbytes: int = 0
+    policy: str = "selective"
+
+
+@dataclass(frozen=True)
+class Together:
+    """Run several sends and receives at once (``sendrecv``); yields their results."""
+
+    ops: tuple[Send | Recv, ...]
 
 
 @dataclass(frozen=True)
@@ -61,7 +89,7 @@ class Clock:
     """Yields the current time in seconds (virtual in simulation)."""
 
 
-Operation = Allreduce | Barrier | Compute | Clock
+Operation = Allreduce | Send | Recv | Together | Barrier | Compute | Clock
 
 
 class Context:
@@ -75,6 +103,21 @@ class Context:
                   count: int = 0, dtype: str = "float32") -> Allreduce:
         """An allreduce; ``x=None`` with ``count``/``dtype`` is timing-only (simulation)."""
         return Allreduce(x, op, path, out, numerics, count, dtype)
+
+    def send(self, x: np.ndarray | None, dst: int, *, nbytes: int = 0,
+             policy: str = "selective") -> Send:
+        """A reliable stream of ``x``'s bytes to worker ``dst``."""
+        return Send(dst, x, nbytes, policy)
+
+    def recv(self, out: np.ndarray | None, src: int, *, nbytes: int = 0,
+             policy: str = "selective") -> Recv:
+        """Receive worker ``src``'s stream into ``out``."""
+        return Recv(src, out, nbytes, policy)
+
+    def sendrecv(self, x: np.ndarray | None, dst: int, out: np.ndarray | None, src: int, *,
+                 nbytes: int = 0, policy: str = "selective") -> Together:
+        """Send to ``dst`` and receive from ``src`` at the same time."""
+        return Together((Send(dst, x, nbytes, policy), Recv(src, out, nbytes, policy)))
 
     def barrier(self) -> Barrier:
         """A barrier over every worker."""
@@ -95,3 +138,18 @@ def check_workload(fn: Callable[..., Any]) -> None:
         name = getattr(fn, "__qualname__", repr(fn))
         raise UsageError(f"workload {name} must be a generator function that yields its "
                          "operations (y = yield ctx.allreduce(x)); it cannot block")
+
+
+def stream_program(st: Any, op: Send | Recv | Together) -> Any:
+    """The program of a stream operation over node state ``st`` (both worlds)."""
+    from fabric.programs import Parallel, StreamRecv, StreamSend
+
+    if isinstance(op, Together):
+        return Parallel([stream_program(st, o) for o in op.ops])
+    if isinstance(op, Send):
+        if op.x is None and op.nbytes <= 0:
+            raise UsageError("a timing-only send needs nbytes > 0")
+        return StreamSend(st, op.dst, op.x, op.nbytes, policy=op.policy)
+    if op.out is None and op.nbytes <= 0:
+        raise UsageError("a timing-only receive needs nbytes > 0")
+    return StreamRecv(st, op.src, op.out, op.nbytes, policy=op.policy)

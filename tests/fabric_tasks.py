@@ -123,3 +123,29 @@ def fixed_sum_workload(ctx, paths, count: int):
         x = (np.sin(np.arange(count, dtype=np.float64) * (ctx.rank + 1)) * 3).astype(np.float32)
         out[path] = np.asarray((yield ctx.allreduce(x, path=path, numerics="fixed")))
     return out
+
+
+def pairwise_stream_workload(ctx, nbytes: int, policy: str = "selective"):
+    """Round k: every rank streams to and from rank ^ k at the same time (both
+    directions of every pair of a power-of-two world); counts wrong bytes."""
+    wrong = 0
+    for k in range(1, ctx.world):
+        peer = ctx.rank ^ k
+        x = ((np.arange(nbytes) * 7 + ctx.rank * 31 + k) % 251).astype(np.uint8)
+        out = np.zeros(nbytes, np.uint8)
+        yield ctx.sendrecv(x, peer, out, peer, policy=policy)
+        want = ((np.arange(nbytes) * 7 + peer * 31 + k) % 251).astype(np.uint8)
+        wrong += int((out != want).sum())
+    return wrong
+
+
+def timed_stream_workload(ctx, nbytes: int):
+    """Rank 0 streams ``nbytes`` to rank 1; returns the time at rank 0."""
+    yield ctx.barrier()
+    t0 = yield ctx.clock()
+    if ctx.rank == 0:
+        yield ctx.send(np.ones(nbytes, np.uint8), 1)
+    elif ctx.rank == 1:
+        yield ctx.recv(np.zeros(nbytes, np.uint8), 0)
+    t1 = yield ctx.clock()
+    return t1 - t0

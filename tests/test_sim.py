@@ -98,3 +98,12 @@ def test_cut_through_ring_meets_the_bandwidth_bound() -> None:
         t[path] = max(res.results)
     n = 16
     assert abs(t["host-ring"] / t["ina"] / (2 * (n - 1) / n) - 1) < 0.05, t
+
+
+@pytest.mark.parametrize("policy", ["selective", "gbn"])
+def test_bidirectional_streams_between_every_pair_under_loss(policy: str) -> None:
+    topo = star(4, bandwidth_gbps=10.0)
+    res = Simulation(topo, seed=11, faults="loss=0.01").run(
+        tasks.pairwise_stream_workload, 300_001, policy)
+    assert res.results == [0, 0, 0, 0]
+    assert res.retransmits > 0

@@ -41,3 +41,20 @@ def test_simulated_time_follows_emulated_time_on_slow_links(tmp_path) -> None:
                                  count)) for _ in range(3))[1]
     sim = max(Simulation(topo).run(tasks.timed_allreduce_workload, "ina", count).results)
     assert abs(sim - emu) / emu < 0.10, (sim, emu)
+
+
+def test_streams_in_both_directions_at_once_exact_in_emulation(tmp_path) -> None:
+    """Every pair of 4 workers streams both ways at the same moment, under 1% loss."""
+    with launch(workers=4, run_dir=tmp_path, timeout_s=60, faults="loss=0.01",
+                seed=3) as fab:
+        assert fab.run(run_in_emulation, tasks.pairwise_stream_workload, 100_003) == [0] * 4
+
+
+def test_simulated_stream_time_follows_emulated_time_on_a_slow_link(tmp_path) -> None:
+    topo = star(2, bandwidth_gbps=0.05)
+    nbytes = 1 << 20  # ~170 ms on the wire
+    with launch(topology=topo, run_dir=tmp_path, timeout_s=60) as fab:
+        emu = sorted(fab.run(run_in_emulation, tasks.timed_stream_workload, nbytes)[0]
+                     for _ in range(3))[1]
+    sim = Simulation(topo).run(tasks.timed_stream_workload, nbytes).results[0]
+    assert abs(sim - emu) / emu < 0.10, (sim, emu)

@@ -43,7 +43,18 @@ from fabric.programs import (
     fixed_program,
 )
 from fabric.topology import Topology
-from fabric.workload import Allreduce, Barrier, Clock, Compute, Context, check_workload
+from fabric.workload import (
+    Allreduce,
+    Barrier,
+    Clock,
+    Compute,
+    Context,
+    Recv,
+    Send,
+    Together,
+    check_workload,
+    stream_program,
+)
 from kernels.dtypes import UFUNCS
 from switchd.core import SwitchCore
 
@@ -464,6 +475,8 @@ class Simulation:
             if op.count <= 0:
                 raise UsageError("a timing-only allreduce needs count > 0")
             return allreduce_program(st, Tensor(op.count, op.dtype), op.op, op.path, data=False)
+        if isinstance(op, (Send, Recv, Together)):
+            return stream_program(st, op)
         if isinstance(op, Barrier):
             return barrier_program(st)
         raise UsageError(f"a workload yielded {op!r}, not an operation of its context")
