@@ -35,13 +35,16 @@ from fabric.frame import NackCode, Op
 from fabric.semantic import SemanticCounts
 from fabric.shm import SharedRegion
 from fabric.topology import Topology
+from kernels.dtypes import DTYPES as _REGISTRY_DTYPES
+from kernels.dtypes import OPS as _REGISTRY_OPS
 
 log = logging.getLogger("semfab.endpoint")
 
 #: Allreduce paths, in the order benchmarks show them.
 PATHS = ("ina", "ina-mem", "host-ps", "host-ring")
-OPS = ("sum", "max", "min")
-DTYPE_NAMES = ("float32", "float16", "bfloat16", "int32", "int64")
+#: From the one registry of dtypes and ops (kernels.dtypes).
+OPS = _REGISTRY_OPS
+DTYPE_NAMES = tuple(_REGISTRY_DTYPES)
 DEFAULT_TIMEOUT_S = 30.0
 #: Control message types that answer a request (see :meth:`Endpoint.defer`).
 CTRL_REPLIES = frozenset({"welcome", "barrier_done", "job_reply", "region_reply", "stats"})

@@ -125,12 +125,15 @@ class LinkPipeline:
 
     def __init__(self, params: LinkParams | None = None, faults: FaultSpec | None = None,
                  *, seed: int = 0, stream: str = "", cut_through: int = 0,
-                 to_switch: bool = False) -> None:
+                 to_switch: bool = False, injector: FaultInjector | None = None) -> None:
         self.shaper = LinkShaper(params) if params is not None else None
         if self.shaper is not None and not self.shaper.active:
             self.shaper = None
-        self.injector = (FaultInjector(faults, seed, stream=stream)
-                         if faults is not None and not faults.clean else None)
+        if injector is not None:  # a caller's own, already seeded
+            self.injector: FaultInjector | None = injector
+        else:
+            self.injector = (FaultInjector(faults, seed, stream=stream)
+                             if faults is not None and not faults.clean else None)
         # cut-through (simulation): packets of this many bytes; a frame into a
         # switch is handed over when its head arrives, into a node at its tail
         self.cut_through = cut_through if self.shaper is not None else 0

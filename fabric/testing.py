@@ -20,13 +20,13 @@ or in one call: ``simulate_transfer("selective", "loss=0.01", messages=1000)``.
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 from fabric.faults import FaultInjector, FaultSpec, FaultStats, parse_faults
 from fabric.frame import Flag, FrameError, Op, decode, encode
+from fabric.link import LinkPipeline
 from fabric.reliability import (
     Ack,
     Receiver,
@@ -35,6 +35,7 @@ from fabric.reliability import (
     SenderStats,
     Transmit,
 )
+from fabric.topology import LinkParams
 
 __all__ = [
     "FakeClock",
@@ -81,11 +82,10 @@ class LinkStats:
 class MemoryLink:
     """A one-way in-memory link: frames go in, come out at their arrival time.
 
-    The injector decides loss, corruption, duplication, reordering and delay.
-    With ``bandwidth_gbps`` the link also serialises frames (a frame occupies
-    the sender side for ``len * 8 / bandwidth``, queued behind earlier ones)
-    before the injector's propagation delay, so extra retransmissions cost
-    time, as on a real link.
+    Built on :class:`fabric.link.LinkPipeline`, the link model of both worlds:
+    the injector decides loss, corruption, duplication, reordering and delay
+    first; then, with ``bandwidth_gbps``, the link serialises each frame (queued
+    behind earlier ones), so extra retransmissions cost time, as on a real link.
     """
 
     def __init__(
@@ -102,47 +102,31 @@ class MemoryLink:
         self.clock = clock
         self.bandwidth_gbps = bandwidth_gbps
         self.name = name
-        self._heap: list[tuple[float, int, bytes]] = []
-        self._seq = 0
-        self._busy_until = 0.0
+        params = LinkParams(bandwidth_gbps=bandwidth_gbps) if bandwidth_gbps else None
+        self.pipe = LinkPipeline(params, injector=self.injector)
         self._sent = 0
         self._delivered = 0
 
     def send(self, data: bytes) -> None:
         """Put one frame on the link at the clock's current time."""
         self._sent += 1
-        t = self.clock.now
-        if self.bandwidth_gbps is not None:
-            t = max(t, self._busy_until) + len(data) * 8 / (self.bandwidth_gbps * 1e9)
-            self._busy_until = t
-        self._push(self.injector.apply(data, t))
+        self.pipe.push((data, None), self.clock.now)
 
     def next_delivery(self) -> float | None:
         """The earliest time something arrives (or a held frame is released)."""
-        times = [self._heap[0][0]] if self._heap else []
-        held = self.injector.next_deadline()
-        if held is not None:
-            times.append(held)
-        return min(times, default=None)
+        return self.pipe.get_timer()
 
     def receive(self, now: float | None = None) -> list[bytes]:
         """Frames that have arrived by ``now`` (default: the clock), in arrival order."""
         now = self.clock.now if now is None else now
-        self._push(self.injector.poll(now))
-        out: list[bytes] = []
-        while self._heap and self._heap[0][0] <= now:
-            out.append(heapq.heappop(self._heap)[2])
+        # a corrupted frame comes back split at its header: one contiguous frame again
+        out = [bytes(h) + (bytes(p) if p is not None else b"") for h, p in self.pipe.pop_due(now)]
         self._delivered += len(out)
         return out
 
     def statistics(self) -> LinkStats:
         """Counters so far."""
-        return LinkStats(self._sent, self._delivered, len(self._heap), self.injector.statistics())
-
-    def _push(self, items: Iterable[tuple[float, bytes]]) -> None:
-        for at, data in items:
-            self._seq += 1  # ties arrive in send order
-            heapq.heappush(self._heap, (at, self._seq, data))
+        return LinkStats(self._sent, self._delivered, len(self.pipe), self.injector.statistics())
 
 
 @dataclass(frozen=True, slots=True)
