@@ -254,18 +254,7 @@ class Endpoint:
 
         now = time.monotonic()
         self._send_all(prog.start(now))
-        if self.stash and not prog.done:  # frames that came before we asked
-            keep: deque[fr.Frame] = deque()
-            while self.stash and not prog.done:
-                f = self.stash.popleft()
-                self._stash_bytes -= len(f.payload)
-                if prog.wants(f):
-                    self._send_all(prog.handle_frame(f, time.monotonic()))
-                else:
-                    keep.append(f)
-            for f in reversed(keep):
-                self.stash.appendleft(f)
-                self._stash_bytes += len(f.payload)
+        stage = self._replay(prog, None)  # frames that came before we asked
         sock, hdr = self.sock, memoryview(self.hdr)
         quiet_until = time.monotonic() + self.timeout_s
         bounce: memoryview | None = None
@@ -277,6 +266,7 @@ class Endpoint:
                 now = time.monotonic()
                 if timer is not None and now >= timer:
                     self._send_all(prog.handle_timer(now))
+                    stage = self._replay(prog, stage)
                 elif now >= quiet_until:
                     raise FabricTimeout(
                         f"{self.name}: {what}: nothing within {self.timeout_s:g}s from "
@@ -326,6 +316,7 @@ class Endpoint:
                     if isinstance(prog, Chain):
                         sends.extend(prog.poke(now))
                     self._send_all(sends)
+                    stage = self._replay(prog, stage)
                     quiet_until = now + self.timeout_s
                     continue
             payload = sock.recv(copy=False).buffer if more else None
@@ -338,10 +329,35 @@ class Endpoint:
             if prog.wants(f):
                 now = time.monotonic()
                 self._send_all(prog.handle_frame(f, now))
+                stage = self._replay(prog, stage)
                 quiet_until = now + self.timeout_s
             else:
                 self.defer(f)
         return prog.result
+
+    def _replay(self, prog: Any, stage: Any) -> Any:
+        """Hand the stash to ``prog`` when its running step is new (a chain moved on:
+        frames of the new step may have come early, during the previous one).
+        Returns the step now running."""
+        from fabric.programs import Chain
+
+        while not prog.done:
+            now_stage = prog.leaf() if isinstance(prog, Chain) else prog
+            if now_stage is stage or not self.stash:
+                return now_stage
+            stage = now_stage
+            keep: deque[fr.Frame] = deque()
+            while self.stash and not prog.done:
+                f = self.stash.popleft()
+                self._stash_bytes -= len(f.payload)
+                if prog.wants(f):
+                    self._send_all(prog.handle_frame(f, time.monotonic()))
+                else:
+                    keep.append(f)
+            for f in reversed(keep):
+                self.stash.appendleft(f)
+                self._stash_bytes += len(f.payload)
+        return stage
 
     def _send_all(self, sends: list[tuple[bytes, Any]]) -> None:
         for header, payload in sends:

@@ -107,3 +107,20 @@ def test_bidirectional_streams_between_every_pair_under_loss(policy: str) -> Non
         tasks.pairwise_stream_workload, 300_001, policy)
     assert res.results == [0, 0, 0, 0]
     assert res.retransmits > 0
+
+
+def test_frames_of_a_later_step_that_came_early_are_not_lost() -> None:
+    """w1's ring frames reach w0 while w0 still waits for its (slow) job reply: the
+    refused ina-mem job falls back to host-ring, whose frames were stashed early."""
+    from fabric.topology import loads
+    from tests.test_fabric_e2e import TWO_LEAVES
+
+    slow = TWO_LEAVES.replace('a = "w0"\nb = "leaf0"\nclass = "scaleup"',
+                              'a = "w0"\nb = "leaf0"\nclass = "scaleup"\nlatency_us = 2000')
+    topo = loads(slow)
+    assert topo.link_between("w0", "leaf0").params.latency_us == 2000
+    res = Simulation(topo).run(tasks.seeded_sum_workload, ("ina-mem",), 5003, "int32")
+    want = expected_allreduce(2, 1, 5003, "int32", "sum", seed=5)
+    for out in res.results:
+        np.testing.assert_array_equal(out["ina-mem"], want)
+    assert all("one switch" in f for st in res.nodes.values() for f in st.fallbacks)

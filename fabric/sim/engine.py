@@ -101,7 +101,7 @@ class SimResult:
 
 class _Node:
     __slots__ = ("state", "ctx", "gen", "prog", "stash", "host", "done", "result", "error",
-                 "busy", "timer_at", "uplink", "name", "port")
+                 "busy", "timer_at", "uplink", "name", "port", "stage")
 
     def __init__(self, state: NodeState) -> None:
         self.state = state
@@ -118,6 +118,7 @@ class _Node:
         self.busy = 0.0
         self.timer_at: float | None = None
         self.uplink: LinkPipeline | None = None
+        self.stage: Program | None = None  # the step running when the stash was last replayed
 
 
 class ArrayMemoryPlane:
@@ -379,6 +380,12 @@ class Simulation:
             self._resume(node, prog.result)
         else:
             self._schedule_node_timer(node)
+            if prog is not None and node.stash:
+                # a chain moved on: frames of its new step may have come early
+                stage = prog.leaf() if isinstance(prog, Chain) else prog
+                if stage is not node.stage:
+                    node.stage = stage
+                    self._replay_stash(node, t)
 
     def _schedule_node_timer(self, node: _Node) -> None:
         if node.prog is None:
