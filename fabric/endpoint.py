@@ -215,6 +215,10 @@ class Endpoint:
         elif f.op is Op.NACK or f.op is Op.ACK:
             self.stale_replies += 1  # feedback for something already finished
             return
+        answer = self.state.answer_stale(f)
+        if answer:  # a peer retries something we finished: tell it again
+            self._send_all(answer)
+            return
         self.stash.append(f)
         self._stash_bytes += len(f.payload)
         while len(self.stash) > STASH_FRAMES or self._stash_bytes > STASH_BYTES:

@@ -6,6 +6,7 @@ replies to send. The node process (fabric.node) feeds it from its socket.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,8 +37,13 @@ class HostStats:
 class HostAggregator:
     """Sum host-ps chunks from every member; reply once all have arrived."""
 
+    #: Completed chunks whose reply is kept, so a member that lost it and sends its
+    #: chunk again gets the reply again (counted once).
+    KEPT = 4096
+
     def __init__(self) -> None:
         self._pending: dict[tuple[int, int], _Pending] = {}
+        self._done: OrderedDict[tuple[int, int], tuple[frozenset[int], bytes]] = OrderedDict()
         self.stats = HostStats()
 
     def on_message(self, src: int, body: bytes | memoryview) -> list[tuple[int, bytes]]:
@@ -57,6 +63,10 @@ class HostAggregator:
         self.stats.encodes += 1  # unpack
         self.stats.copies += 1  # unpack copied the payload out of the message
         key = (seq, chunk)
+        kept = self._done.get(key)
+        if kept is not None:  # our reply was lost: send it again, to this member only
+            self.stats.duplicates += 1
+            return [(src, kept[1])] if src in kept[0] else []
         p = self._pending.get(key)
         if p is None:
             p = self._pending[key] = _Pending(np.array(data, copy=True), members)
@@ -81,4 +91,7 @@ class HostAggregator:
         self.stats.encodes += 1
         self.stats.copies += 1
         self.stats.completed += 1
+        self._done[key] = (frozenset(p.members), reply)
+        while len(self._done) > self.KEPT:
+            self._done.popitem(last=False)
         return [(member, reply) for member in p.members]

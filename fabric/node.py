@@ -28,7 +28,7 @@ from fabric import control, transport
 from fabric import frame as fr
 from fabric.endpoint import Endpoint
 from fabric.errors import UsageError, check_seconds
-from fabric.frame import FrameError, Op
+from fabric.frame import Flag, FrameError, Op
 from fabric.hostnode import HostAggregator
 from fabric.launcher import NODE_ENV
 from fabric.topology import Node, Topology, TopologyError, load
@@ -168,7 +168,7 @@ def _serve_host(ep: Endpoint, aggregator: HostAggregator) -> None:
                 for dst, body in aggregator.on_message(f.src, f.payload):
                     ep.send(fr.encode_header(Op.WRITE, src=ep.node_id, dst=dst,
                                              flow=HOST_PS_FLOW, psn=f.psn, msg=f.msg,
-                                             payload=body), body)
+                                             payload=body, crc=bool(f.flags & Flag.CRC)), body)
             elif f.op is Op.CTRL and control.parse(f.payload).get("t") == "stats":
                 ep.send(fr.encode(Op.CTRL, src=ep.node_id, dst=f.src, payload=control.pack(
                     "stats", **aggregator.stats.__dict__)))

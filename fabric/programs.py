@@ -22,6 +22,7 @@ when it refuses.
 from __future__ import annotations
 
 import itertools
+from collections import OrderedDict
 from collections.abc import Callable, Generator
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -130,10 +131,26 @@ class NodeState:
         self.retransmits = 0
         self.duplicates = 0
         self._route_cost: dict[int, tuple[int, int]] = {}
+        # ring collectives finished here, by (left neighbour, msg): late retransmissions
+        # of their frames are acknowledged again (answer_stale)
+        self.ring_done: OrderedDict[tuple[int, int], None] = OrderedDict()
 
     def sem(self, path: str) -> SemanticCounts:
         """The semantic-distance counters of ``path``."""
         return self.semantics.setdefault(path, SemanticCounts())
+
+    def answer_stale(self, f: fr.Frame) -> list[Send]:
+        """What to answer a frame no running program wants (both drivers ask).
+
+        A retransmitted ring frame of a collective this node already finished
+        means the left neighbour lost our step ACK: acknowledge it again, or
+        it would resend until its timeout.
+        """
+        if f.op is Op.WRITE and f.flow == RING_FLOW:
+            if (f.src, f.msg) in self.ring_done:
+                return [(fr.encode_header(Op.ACK, src=self.node_id, dst=f.src, flow=RING_FLOW,
+                                          psn=f.psn >> 16, msg=f.msg, crc=self.crc), None)]
+        return []
 
     def chunk_elems(self, path: str, itemsize: int) -> int:
         """Elements of one chunk on ``path`` (one frame on the frame plane)."""
@@ -536,6 +553,16 @@ class HostRingAllreduce(Program):
         self.early: dict[int, fr.Frame] = {}  # frames of later steps, by psn
         self.result = t.out
         self.hops, self.crossings = st.route_cost(self.right)
+        # loss recovery: the frames of each step stay kept until the right neighbour
+        # ACKs the step; a step without its ACK by the RTO is sent again
+        self.unacked: dict[int, list[Send]] = {}
+        self.sent_at: dict[int, float] = {}
+        self.resent: set[int] = set()
+        self.rtt: RttEstimator = st.__dict__.setdefault(
+            "ring_rtt", RttEstimator(rto_min=AGG_RTO_MIN_S))
+        self.deadline: float | None = None
+        self.received_all = False
+        self.now = 0.0
 
     def _segment(self, k: int) -> tuple[int, int]:
         return self.bounds[k], self.bounds[k + 1]
@@ -567,7 +594,19 @@ class HostRingAllreduce(Program):
                                          dtype=self.code, payload=part, crc=st.crc), part))
             sem.hops += self.hops
             sem.crossings += self.crossings
+        self.unacked[step] = out
+        self.sent_at[step] = self.now
+        if self.deadline is None:
+            self.deadline = self.now + self.rtt.rto
         return out
+
+    def _keep_before_overwrite(self, k: int) -> None:
+        """Segment ``k`` is about to change: unacknowledged frames that view it get
+        their own copy first (a resend must carry what was sent)."""
+        for step, frames in self.unacked.items():
+            if self._ks(step)[0] == k and frames and frames[0][1] is not None \
+                    and np.shares_memory(frames[0][1], self.staged):
+                self.unacked[step] = [(h, np.array(p, copy=True)) for h, p in frames]
 
     def _begin_step(self) -> list[Send]:
         _s, recv_k, _ = self._ks(self.step)
@@ -584,31 +623,88 @@ class HostRingAllreduce(Program):
                 np.copyto(self.t.out, self.t.x)
             self.done = True
             return []
+        self.now = now
         out = self._begin_step()
-        while self.expect == 0 and not self.done:  # empty segments (tiny tensors)
+        while self.expect == 0 and not self.received_all:  # empty segments (tiny tensors)
+            out.append(self._step_ack(self.step))
             out.extend(self._finish_step())
         return out
 
     def wants(self, f: fr.Frame) -> bool:
-        return (f.op is Op.WRITE and f.flow == RING_FLOW and f.src == self.left_id
-                and f.msg == self.msg)
+        return f.flow == RING_FLOW and f.msg == self.msg and (
+            (f.op is Op.WRITE and f.src == self.left_id)
+            or (f.op is Op.ACK and f.src == self.right))
+
+    def get_timer(self) -> float | None:
+        return None if self.done else self.deadline
+
+    def handle_timer(self, now: float) -> list[Send]:
+        self.now = now
+        if self.deadline is None or now < self.deadline:
+            return []
+        first = min(self.sent_at.values(), default=now)
+        if now - first >= self.st.timeout_s:
+            raise FabricTimeout(
+                f"{self.st.name}: allreduce {self.label}: no ACK of ring step "
+                f"{min(self.unacked)} within {self.st.timeout_s:g}s from "
+                f"worker {self.st.topo.by_id(self.right).name} (its right neighbour)")
+        out = [fr_ for step in sorted(self.unacked) for fr_ in self.unacked[step]]
+        self.resent.update(self.unacked)
+        self.st.retransmits += len(out)
+        self.rtt.backoff()
+        self.deadline = now + self.rtt.rto
+        return out
+
+    def _acked(self, step: int, now: float) -> None:
+        if self.unacked.pop(step, None) is None:
+            return
+        sent = self.sent_at.pop(step)
+        if step not in self.resent:  # Karn: no sample from a resent step
+            self.rtt.sample(now - sent)
+        self.deadline = None if not self.unacked else now + self.rtt.rto
+        self._maybe_done()
+
+    def _maybe_done(self) -> None:
+        if self.received_all and not self.unacked and not self.done:
+            self.done = True
+            nch = -(-self.n // self.E)
+            sem = self.st.sem(self.label)
+            sem.copies += nch
+            sem.chunks += nch
+            if self.data and self.t.out is not None:
+                assert self.staged is not None
+                np.copyto(self.t.out, self.staged)
+            done = self.st.ring_done
+            done[(self.left_id, self.msg)] = None
+            while len(done) > 1024:
+                done.popitem(last=False)
 
     def waiting_for(self) -> str:
         return (f"worker {self.st.topo.by_id(self.left_id).name} (ring step {self.step}, "
                 "its left neighbour)")
 
+    def _step_ack(self, step: int) -> Send:
+        return (fr.encode_header(Op.ACK, src=self.st.node_id, dst=self.left_id, flow=RING_FLOW,
+                                 psn=step, msg=self.msg, crc=self.st.crc), None)
+
     def handle_frame(self, f: fr.Frame, now: float) -> list[Send]:
-        if f.psn >> 16 < self.step:
-            return []  # a late copy of an earlier step
+        self.now = now
+        if f.op is Op.ACK:
+            self._acked(f.psn, now)
+            return []
+        if f.psn >> 16 < self.step or self.received_all:
+            # a resent frame of a step we have: our ACK was lost, say it again
+            return [self._step_ack(f.psn >> 16)]
         # frames of later steps wait here (the left neighbour is ahead of us)
         self.early.setdefault(f.psn, f)
         out: list[Send] = []
-        while not self.done:
+        while not self.received_all:
             ready = [p for p in self.early if p >> 16 == self.step]
             for psn in ready:
                 self._take(self.early.pop(psn))
             if self.expect:
                 return out
+            out.append(self._step_ack(self.step))
             out.extend(self._finish_step())
         return out
 
@@ -620,6 +716,8 @@ class HostRingAllreduce(Program):
         _s, recv_k, combine = self._ks(self.step)
         if self.data:
             assert self.staged is not None
+            if self.unacked:
+                self._keep_before_overwrite(recv_k)
             lo, hi = self._segment(recv_k)
             a, b = lo + j * self.E, min(hi, lo + (j + 1) * self.E)
             incoming = np.frombuffer(f.payload, dtype=self.staged.dtype)
@@ -635,17 +733,12 @@ class HostRingAllreduce(Program):
         self.expect -= 1
 
     def _finish_step(self) -> list[Send]:
-        """This step's segment is complete: begin the next (or finish)."""
+        """This step's segment is complete: begin the next (or finish once the right
+        neighbour has ACKed every step we sent)."""
         self.step += 1
         if self.step == 2 * (self.W - 1):
-            self.done = True
-            nch = -(-self.n // self.E)
-            sem = self.st.sem(self.label)
-            sem.copies += nch
-            sem.chunks += nch
-            if self.data and self.t.out is not None:
-                assert self.staged is not None
-                np.copyto(self.t.out, self.staged)
+            self.received_all = True
+            self._maybe_done()
             return []
         return self._begin_step()
 
@@ -668,6 +761,10 @@ class HostPsAllreduce(Program):
         self.left = self.nch
         self.hops, self.crossings = st.route_cost(st.host_id)
         self.result = t.out
+        # a lost message or reply is sent again: the host answers a chunk it already
+        # completed from its kept replies (fabric.hostnode), so a resend counts once
+        rtt = st.__dict__.setdefault("host_rtt", RttEstimator(rto_min=AGG_RTO_MIN_S))
+        self.timers = ChunkTimers(rtt, st.timeout_s)
 
     def _frame(self, i: int) -> Send:
         st, E = self.st, self.E
@@ -681,13 +778,29 @@ class HostPsAllreduce(Program):
         sem.crossings += self.crossings
         assert st.host_id is not None
         return (fr.encode_header(Op.WRITE, src=st.node_id, dst=st.host_id, flow=HOST_PS_FLOW,
-                                 psn=i, msg=self.msg, payload=body), body)
+                                 psn=i, msg=self.msg, payload=body, crc=st.crc), body)
 
     def start(self, now: float) -> list[Send]:
         self.st.sem(self.label).copies += self.nch
         if self.nch == 0:
             self.done = True
-        return [self._frame(i) for i in range(min(self.S, self.nch))]
+        first = range(min(self.S, self.nch))
+        for i in first:
+            self.timers.sent(i, now)
+        return [self._frame(i) for i in first]
+
+    def get_timer(self) -> float | None:
+        return None if self.done else self.timers.next_deadline()
+
+    def handle_timer(self, now: float) -> list[Send]:
+        resend, dead = self.timers.expired(now)
+        if dead:
+            raise FabricTimeout(
+                f"{self.st.name}: allreduce host-ps: no reply for chunk {dead[0]} within "
+                f"{self.st.timeout_s:g}s ({self.timers.retransmits} retransmissions) from "
+                f"{self.waiting_for()}")
+        self.st.retransmits += len(resend)
+        return [self._frame(i) for i in resend]
 
     def wants(self, f: fr.Frame) -> bool:
         return (f.op is Op.WRITE and f.flow == HOST_PS_FLOW and f.msg == self.msg
@@ -699,19 +812,28 @@ class HostPsAllreduce(Program):
                 "every member's chunk is in (is every worker alive?)")
 
     def handle_frame(self, f: fr.Frame, now: float) -> list[Send]:
-        reply = msgpack.unpackb(f.payload)
+        try:
+            reply = msgpack.unpackb(f.payload)
+            i = int(reply["chunk"])
+            data = np.frombuffer(reply["data"], dtype=self.staged.dtype)
+        except Exception:  # damaged on the way: the chunk's timer sends it again
+            return []
         sem = self.st.sem(self.label)
         sem.encodes += 1
         sem.copies += 1
-        i = int(reply["chunk"])
         if not 0 <= i < self.nch or self.got[i]:
+            self.st.duplicates += 1
+            return []
+        E = self.E
+        if data.size != min(self.t.count - i * E, E):
             return []
         self.got[i] = 1
         self.left -= 1
+        _, fast = self.timers.acked(i, now)
+        out = [self._frame(k) for k in fast]
+        self.st.retransmits += len(fast)
         assert self.t.out is not None
-        E = self.E
-        np.copyto(self.t.out[i * E:(i + 1) * E], np.frombuffer(reply["data"],
-                                                                dtype=self.t.out.dtype))
+        np.copyto(self.t.out[i * E:(i + 1) * E], data)
         sem.copies += 1 + float(reply["h_copies"])
         sem.encodes += float(reply["h_encodes"])
         sem.hops += self.hops
@@ -721,7 +843,10 @@ class HostPsAllreduce(Program):
             sem.copies += self.nch
             sem.chunks += self.nch
             return []
-        return [self._frame(i + self.S)] if i + self.S < self.nch else []
+        if i + self.S < self.nch:
+            out.append(self._frame(i + self.S))
+            self.timers.sent(i + self.S, now)
+        return out
 
 
 def allreduce_program(st: NodeState, t: Tensor, op: str = "sum", path: str = "ina", *,

@@ -216,3 +216,14 @@ def test_tree_aggregation_exact_under_faults(tmp_path, faults: str) -> None:
         res = fab.run(tasks.lossy_allreduce, "ina", 20_000, 3)
         assert [r["wrong"] for r in res] == [0, 0]
         assert sum(r["retransmits"] for r in res) > 0
+
+
+@pytest.mark.parametrize("faults", ["loss=0.1", "loss=0.03,dup=0.03,reorder=0.05:2,corrupt=0.01"])
+def test_every_path_recovers_from_faults(tmp_path, faults: str) -> None:
+    """Host-staged paths too: host-ps resends a chunk whose reply is late (the host
+    answers again from its kept replies), host-ring resends a step its right
+    neighbour did not acknowledge."""
+    with launch(workers=2, run_dir=tmp_path, timeout_s=30, faults=faults, seed=7) as fab:
+        for path in ("ina", "ina-mem", "host-ps", "host-ring"):
+            res = fab.run(tasks.allreduce_check, path, 40_003, "float32", "sum", 16384)
+            assert [r["wrong"] for r in res] == [0, 0], (path, faults)

@@ -113,6 +113,13 @@ def test_ring_takes_frames_of_a_later_step_early() -> None:
     # step 1 (all-gather) arrives before step 0 (reduce-scatter)
     assert prog.handle_frame(frame(1, np.array([100, 200, 300], np.int32)), 0.0) == []
     sends = prog.handle_frame(frame(0, np.array([10, 10, 10], np.int32)), 0.0)
-    assert sends and prog.done
+    assert [h for h, _ in sends if fr.peek(h)[0] is Op.ACK]  # step ACKs to the left
+    assert not prog.done  # until the right neighbour ACKs what we sent
+    for step in (0, 1):
+        ack = fr.decode(fr.encode_header(Op.ACK, src=left, dst=st.node_id, flow=3, psn=step,
+                                         msg=prog.msg))
+        assert prog.wants(ack)
+        prog.handle_frame(ack, 0.01)
+    assert prog.done
     # rank 1 reduces segment 0 (x[:3] + left), then gathers segment 1 from the left
     np.testing.assert_array_equal(out, [10, 11, 12, 100, 200, 300])

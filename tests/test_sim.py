@@ -124,3 +124,15 @@ def test_frames_of_a_later_step_that_came_early_are_not_lost() -> None:
     for out in res.results:
         np.testing.assert_array_equal(out["ina-mem"], want)
     assert all("one switch" in f for st in res.nodes.values() for f in st.fallbacks)
+
+
+@pytest.mark.parametrize("faults", ["loss=0.05", "loss=0.03,dup=0.05,reorder=0.1:3"])
+def test_host_staged_paths_recover_from_loss_exactly(faults: str) -> None:
+    topo = leaf_spine(2, 2, leaf_bandwidth_gbps=10.0)
+    res = Simulation(topo, seed=5, faults=faults).run(
+        tasks.seeded_sum_workload, ("host-ring", "host-ps", "ina"), 150_001, "int32")
+    want = expected_allreduce(4, 1, 150_001, "int32", "sum", seed=5)
+    for out in res.results:
+        for path in ("host-ring", "host-ps", "ina"):
+            np.testing.assert_array_equal(out[path], want, err_msg=path)
+    assert res.retransmits > 0

@@ -28,7 +28,7 @@ import numpy as np
 from fabric import frame as fr
 from fabric.errors import SemfabError, UsageError
 from fabric.faults import FaultSpec, parse_faults
-from fabric.frame import FrameError, Op
+from fabric.frame import Flag, FrameError, Op
 from fabric.hostnode import HostAggregator
 from fabric.link import LinkPipeline, wire_bytes
 from fabric.programs import (
@@ -348,6 +348,8 @@ class Simulation:
         prog = node.prog
         if prog is not None and prog.wants(f):
             self._step(node, lambda: prog.handle_frame(f, t), t)
+        elif (answer := node.state.answer_stale(f)):
+            self._node_send(node, answer, t)  # a peer retries something we finished
         elif f.op is not Op.NACK and f.op is not Op.ACK:
             node.stash.append(f)  # for a later program (a peer ahead of us)
             if len(node.stash) > STASH_LIMIT:
@@ -362,7 +364,8 @@ class Simulation:
         except FrameError:
             return
         sends = [(fr.encode_header(Op.WRITE, src=node.state.node_id, dst=dst, flow=HOST_PS_FLOW,
-                                   psn=f.psn, msg=f.msg, payload=body), body)
+                                   psn=f.psn, msg=f.msg, payload=body,
+                                   crc=bool(f.flags & Flag.CRC)), body)
                  for dst, body in replies]
         self._node_send(node, sends, t)
 
