@@ -38,9 +38,15 @@ __all__ = [
     "busbw_factor",
     "dtype_itemsize",
     "environment",
+    "failures",
     "format_allreduce_table",
+    "format_footer",
+    "format_side_by_side",
     "format_size",
+    "format_text_header",
+    "format_text_row",
     "latency_stats",
+    "merge_runs",
     "parse_size",
     "plot_busbw",
     "progress",
@@ -337,9 +343,15 @@ class AllreduceRow:
     """One (path, workers, size) result of an allreduce benchmark.
 
     A row with ``time_us is None`` did not run; its ``note`` says why
-    (e.g. ``"unavailable: mpi4py is not installed ..."``). Semantic-distance
-    counters (copies, encodes, crossings, hops) are per chunk and None when the
-    path cannot know them (the real-library peers).
+    (``"unavailable: ..."`` when a peer is not installed, anything else, e.g.
+    ``"failed: ..."``, when it broke). Semantic-distance counters (copies,
+    encodes, crossings, hops) are per chunk and None when the path cannot know
+    them (the real-library peers).
+
+    ``samples_us`` are the timed iterations (max over ranks). A row merged from
+    ``runs`` > 1 independent runs (:func:`merge_runs`) has ``time_us`` the
+    median of the runs' times, ``time_min_us``..``time_max_us`` their spread,
+    and the percentiles of every run's samples together.
     """
 
     path: str
@@ -362,15 +374,47 @@ class AllreduceRow:
     hops: int | None = None
     chunks: int | None = None
     note: str = ""
+    runs: int = 1
+    time_min_us: float | None = None
+    time_max_us: float | None = None
+    failed_runs: int = 0
+    samples_us: list[float] | None = dataclasses.field(default=None, repr=False)
 
     @property
     def ran(self) -> bool:
         """True when the row carries a measurement (False: see ``note``)."""
         return self.time_us is not None
 
+    @property
+    def status(self) -> str:
+        """``"ok"``, ``"failed"`` (wrong elements, an error, a failed run) or
+        ``"unavailable"`` (a peer that is not installed: not a failure)."""
+        if self.failed_runs or (self.ran and self.wrong > 0):
+            return "failed"
+        if self.ran:
+            return "ok"
+        return "unavailable" if self.note.startswith("unavailable") else "failed"
+
+    @property
+    def ok(self) -> bool:
+        """True when the row ran and nothing in it failed."""
+        return self.status == "ok"
+
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready dict; the nccl-style keys first, then the extra fields."""
-        return dataclasses.asdict(self)
+        """JSON-ready dict: the fields, then ``ok`` and ``status``."""
+        return {**dataclasses.asdict(self), "ok": self.ok, "status": self.status}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> AllreduceRow:
+        """A row from :meth:`to_dict` output (a saved JSON run); unknown keys are ignored."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        missing = [k for k in ("path", "workers", "size_bytes") if k not in data]
+        if missing:
+            raise ValueError(f"a result row lacks {', '.join(missing)}")
+        kw = {k: v for k, v in data.items() if k in names}
+        kw.setdefault("dtype", "float32")
+        kw.setdefault("count", 0)
+        return cls(**kw)
 
     @classmethod
     def from_samples(
@@ -398,7 +442,7 @@ class AllreduceRow:
         """
         stats = latency_stats(samples_us)
         time_us = stats["p50"]
-        algbw = size_bytes / time_us / 1e3 if time_us > 0 else math.inf  # B/us -> GB/s
+        algbw = _algbw(size_bytes, time_us)
         return cls(
             path=path,
             workers=workers,
@@ -420,6 +464,7 @@ class AllreduceRow:
             hops=hops,
             chunks=chunks,
             note=note,
+            samples_us=[float(v) for v in samples_us],
         )
 
     @classmethod
@@ -443,6 +488,74 @@ class AllreduceRow:
         )
 
 
+def _algbw(size_bytes: int, time_us: float) -> float:
+    return size_bytes / time_us / 1e3 if time_us > 0 else math.inf  # B/us -> GB/s
+
+
+def _row_key(row: AllreduceRow) -> tuple[str, int, str, str, int]:
+    return (row.path, row.workers, row.dtype, row.redop, row.size_bytes)
+
+
+def merge_runs(runs: Sequence[Sequence[AllreduceRow]],
+               collective: str = "allreduce") -> list[AllreduceRow]:
+    """One row per (path, workers, dtype, op, size) from K independent runs.
+
+    ``time_us`` is the median of the runs' times (each run's own median), with
+    ``time_min_us``/``time_max_us`` the spread over runs; algbw and busbw
+    follow from that median; p50/p99/min/max are over every run's samples
+    together. Wrong elements add up over runs, a run that failed counts in
+    ``failed_runs`` (and its note is kept), so a row is failed when any run
+    was. Order: first appearance.
+    """
+    groups: dict[tuple[str, int, str, str, int], list[AllreduceRow]] = {}
+    for rows in runs:
+        for r in rows:
+            groups.setdefault(_row_key(r), []).append(r)
+    out: list[AllreduceRow] = []
+    for group in groups.values():
+        first = group[0]
+        ran = [r for r in group if r.ran and r.time_us is not None]
+        failed = [r for r in group if r.status == "failed"]
+        notes: list[str] = []
+        for r in group:
+            if r.note and r.note not in notes:
+                notes.append(r.note)
+        if not ran:
+            merged = dataclasses.replace(first, runs=len(group), failed_runs=len(failed),
+                                         note="; ".join(notes))
+            out.append(merged)
+            continue
+        times = [r.time_us for r in ran if r.time_us is not None]
+        median = float(np.median(times))
+        samples = [s for r in ran for s in (r.samples_us or [r.time_us or 0.0])]
+        stats = latency_stats(samples)
+        algbw = _algbw(first.size_bytes, median)
+        checked = [r.wrong for r in ran if r.wrong >= 0]
+        out.append(dataclasses.replace(
+            ran[0],
+            time_us=median,
+            algbw_gbps=algbw,
+            busbw_gbps=algbw * busbw_factor(collective, first.workers),
+            wrong=sum(checked) if checked else -1,
+            p50_us=stats["p50"],
+            p99_us=stats["p99"],
+            min_us=stats["min"],
+            max_us=stats["max"],
+            note="; ".join(notes),
+            runs=len(group),
+            time_min_us=min(times),
+            time_max_us=max(times),
+            failed_runs=len(failed),
+            samples_us=samples,
+        ))
+    return out
+
+
+def failures(rows: Iterable[AllreduceRow]) -> list[AllreduceRow]:
+    """The rows that failed (wrong elements, an error, a failed run)."""
+    return [r for r in rows if r.status == "failed"]
+
+
 # --------------------------------------------------------------------------
 # Markdown table
 # --------------------------------------------------------------------------
@@ -457,8 +570,11 @@ def _fmt_time(us: float | None) -> str:
 def _fmt_bw(gbps: float | None) -> str:
     if gbps is None:
         return "—"
-    # nccl-tests prints two decimals; below 1 GB/s a third keeps small sizes readable.
-    return f"{gbps:.2f}" if gbps >= 1 else f"{gbps:.3f}"
+    if not math.isfinite(gbps):
+        return "inf"
+    # nccl-tests prints two decimals; below 1 GB/s three significant digits keep
+    # small sizes readable (0.000137, not 0.000).
+    return f"{gbps:.2f}" if gbps >= 1 else f"{gbps:.3g}"
 
 
 def _fmt_counters(row: AllreduceRow) -> str:
@@ -526,6 +642,174 @@ def format_allreduce_table(rows: Iterable[AllreduceRow]) -> str:
         out.append("```")
         out.append("")
     return "\n".join(out).rstrip("\n") + "\n"
+
+
+# --------------------------------------------------------------------------
+# Plain text, nccl-tests layout (printed as rows finish)
+# --------------------------------------------------------------------------
+
+# (title, unit, width); numbers right-aligned, the note last and free.
+_TEXT_COLUMNS: tuple[tuple[str, str, int], ...] = (
+    ("size", "(B)", 12),
+    ("count", "(elements)", 12),
+    ("type", "", 9),
+    ("redop", "", 6),
+    ("path", "", 12),
+    ("workers", "", 8),
+    ("time", "(us)", 11),
+    ("algbw", "(GB/s)", 9),
+    ("busbw", "(GB/s)", 9),
+    ("#wrong", "", 7),
+    ("p50", "(us)", 11),
+    ("p99", "(us)", 11),
+)
+
+
+def _cells_line(cells: Sequence[str], first: str = " ") -> str:
+    parts = []
+    for (title, _unit, width), cell in zip(_TEXT_COLUMNS, cells, strict=True):
+        # the path is a name: left-aligned, like nccl-tests' type and redop are not
+        parts.append("  " + cell.ljust(width - 2) if title == "path" else cell.rjust(width))
+    return first + "".join(parts)
+
+
+def format_text_header() -> str:
+    """The two ``#`` lines naming the columns of :func:`format_text_row`."""
+    titles = _cells_line([c[0] for c in _TEXT_COLUMNS], "#") + "  note"
+    units = _cells_line([c[1] for c in _TEXT_COLUMNS], "#")
+    return titles + "\n" + units.rstrip()
+
+
+def format_text_row(row: AllreduceRow) -> str:
+    """One fixed-width line of a row (nccl-tests layout); a row that did not run
+    shows dashes and its note."""
+    dash = "-"
+    wrong = _fmt_wrong(row).replace("—", dash)
+    cells = [
+        str(row.size_bytes), str(row.count), row.dtype, row.redop, row.path, str(row.workers),
+        _fmt_time(row.time_us).replace("—", dash), _fmt_bw(row.algbw_gbps).replace("—", dash),
+        _fmt_bw(row.busbw_gbps).replace("—", dash), wrong,
+        _fmt_time(row.p50_us).replace("—", dash), _fmt_time(row.p99_us).replace("—", dash),
+    ]
+    line = _cells_line(cells)
+    if row.status == "failed" and row.ran and row.wrong > 0:
+        line += "  FAILED: wrong elements"
+    if row.note:
+        line += "  " + row.note.replace("\n", " ")
+    return line
+
+
+def _spread(row: AllreduceRow) -> str:
+    if row.runs <= 1 or row.time_min_us is None or row.time_max_us is None:
+        return ""
+    return f"{_fmt_time(row.time_min_us)}..{_fmt_time(row.time_max_us)}"
+
+
+def format_side_by_side(rows: Iterable[AllreduceRow], markdown: bool = False,
+                        marks: dict[str, str] | None = None) -> str:
+    """Every path at each size, side by side: one table per (workers, dtype, op).
+
+    Per path the busbw (GB/s) and the time (us); rows merged from several runs
+    add the spread of the time over runs (min..max). ``marks`` puts a marker
+    after a path's name (e.g. ``{"gloo": "*"}``, explained by the caller). The
+    last line of each table is the average busbw of each path (nccl-tests'
+    "Avg bus bandwidth", per path). ``markdown`` gives Markdown tables.
+    """
+    marks = marks or {}
+    tables: dict[tuple[int, str, str], dict[str, dict[int, AllreduceRow]]] = {}
+    for r in rows:
+        by_path = tables.setdefault((r.workers, r.dtype, r.redop), {})
+        by_path.setdefault(r.path, {})[r.size_bytes] = r
+    out: list[str] = []
+    for (workers, dtype, redop), by_path in tables.items():
+        paths = list(by_path)
+        sizes = sorted({s for per in by_path.values() for s in per})
+        spread = any(r.runs > 1 for per in by_path.values() for r in per.values())
+        sub = ["busbw", "time"] + (["spread"] if spread else [])
+        unit = {"busbw": "(GB/s)", "time": "(us)", "spread": "(us, runs)"}
+        title = (f"{workers} worker{'s' if workers != 1 else ''}, {dtype} {redop}: busbw and "
+                 "time per path" + (" (time: median over runs, spread min..max)"
+                                    if spread else ""))
+        table: list[list[str]] = []
+        for size in sizes:
+            line = [str(size)]
+            for path in paths:
+                cell = by_path[path].get(size)
+                if cell is None or not cell.ran:
+                    line += ["-"] * len(sub)
+                    continue
+                line += [_fmt_bw(cell.busbw_gbps), _fmt_time(cell.time_us)]
+                if spread:
+                    line.append(_spread(cell) or "-")
+            table.append(line)
+        avg = ["avg busbw"]
+        for path in paths:
+            ran = [r.busbw_gbps for r in by_path[path].values()
+                   if r.ran and r.busbw_gbps is not None and math.isfinite(r.busbw_gbps)]
+            avg += [_fmt_bw(sum(ran) / len(ran)) if ran else "-"] + [""] * (len(sub) - 1)
+        if markdown:
+            head = ["size(B)"] + [f"{p}{marks.get(p, '')} {c}{unit[c]}" for p in paths
+                                  for c in sub]
+            out.append(f"#### {title}")
+            out.append("")
+            out.append("| " + " | ".join(head) + " |")
+            out.append("|" + "|".join("---:" for _ in head) + "|")
+            for line in [*table, avg]:
+                out.append("| " + " | ".join(c or " " for c in line) + " |")
+            out.append("")
+            continue
+        widths = {"busbw": 10, "time": 11, "spread": 18}
+        group_w = sum(widths[c] for c in sub)
+        out.append(f"# {title}")
+        out.append("#" + " " * 11 + "".join(
+            f"{(p + marks.get(p, '')):>{group_w}s}" for p in paths))
+        out.append("#" + f"{'size(B)':>11s}" + "".join(
+            f"{c:>{widths[c]}s}" for _ in paths for c in sub))
+        out.append("#" + " " * 11 + "".join(
+            f"{unit[c]:>{widths[c]}s}" for _ in paths for c in sub))
+        for line in table:
+            cells = iter(line[1:])
+            out.append(" " + f"{line[0]:>11s}" + "".join(
+                f"{next(cells):>{widths[c]}s}" for _ in paths for c in sub))
+        cells = iter(avg[1:])
+        out.append("#" + f"{'avg busbw':>11s}" + "".join(
+            f"{next(cells):>{widths[c]}s}" for _ in paths for c in sub).rstrip())
+        out.append("")
+    return "\n".join(out).rstrip("\n") + "\n"
+
+
+def format_footer(rows: Sequence[AllreduceRow], elapsed_s: float | None = None) -> list[str]:
+    """nccl-tests' closing lines, with every failure named.
+
+    ``# Out of bounds values : OK|FAILED`` (wrong elements anywhere),
+    ``# Avg bus bandwidth`` (mean busbw of every row that ran, as nccl-tests
+    averages its sizes), then a count of rows, failed and unavailable, and one
+    line per failed row saying why.
+    """
+    ran = [r for r in rows if r.ran and r.busbw_gbps is not None
+           and math.isfinite(r.busbw_gbps)]
+    wrong = [r for r in rows if r.ran and r.wrong > 0]
+    failed = failures(rows)
+    unavailable = [r for r in rows if r.status == "unavailable"]
+    avg = (f"{sum(r.busbw_gbps or 0.0 for r in ran) / len(ran):.4g}  (GB/s, mean over "
+           f"{len(ran)} rows that ran)" if ran else "N/A (no row ran)")
+    oob = "OK" if not wrong else f"FAILED ({len(wrong)} row{'s' if len(wrong) != 1 else ''} " \
+        "with wrong elements)"
+    lines = [f"# Out of bounds values : {oob}", f"# Avg bus bandwidth    : {avg}"]
+    took = f" in {elapsed_s:.1f} s" if elapsed_s is not None else ""
+    lines.append(f"# {len(rows)} rows{took}: {len(rows) - len(failed) - len(unavailable)} ok, "
+                 f"{len(failed)} failed, {len(unavailable)} unavailable")
+    for r in failed:
+        why = []
+        if r.ran and r.wrong > 0:
+            why.append(f"{r.wrong} wrong elements")
+        if r.failed_runs and r.runs > 1:
+            why.append(f"failed in {r.failed_runs} of {r.runs} runs")
+        if r.note and not (r.ran and r.wrong > 0 and not r.failed_runs):
+            why.append(r.note)
+        lines.append(f"# FAILED: {r.path} x{r.workers} {format_size(r.size_bytes)} {r.dtype} "
+                     f"{r.redop}: {'; '.join(why) or 'failed'}")
+    return lines
 
 
 # --------------------------------------------------------------------------

@@ -139,9 +139,27 @@ def test_row_dict_has_the_json_keys() -> None:
         "wrong", "p50_us", "p99_us", "copies", "encodes", "crossings", "hops",
     }
     assert required <= set(d)
-    assert set(d) - required == {"count", "redop", "min_us", "max_us", "chunks", "note"}
+    assert set(d) - required == {"count", "redop", "min_us", "max_us", "chunks", "note",
+                                 "runs", "time_min_us", "time_max_us", "failed_runs",
+                                 "samples_us", "ok", "status"}
     assert d["hops"] is None and d["wrong"] == -1
+    assert d["ok"] is True and d["status"] == "ok" and d["samples_us"] == [10.0]
     json.dumps(d, allow_nan=False)
+    # a saved row reads back (unknown keys such as ok/status are derived, not stored)
+    back = AllreduceRow.from_dict(json.loads(json.dumps(d)))
+    assert back == row
+
+
+def test_row_status() -> None:
+    ok = AllreduceRow.from_samples("ina", 2, 4096, "float32", "sum", [10.0], 0)
+    wrong = AllreduceRow.from_samples("ina", 2, 4096, "float32", "sum", [10.0], 5)
+    unchecked = AllreduceRow.from_samples("ina", 2, 4096, "float32", "sum", [10.0], -1)
+    missing = AllreduceRow.unavailable("mpi", 2, 4096, "float32", "unavailable: no mpirun")
+    broke = AllreduceRow.unavailable("mpi", 2, 4096, "float32", "failed: mpirun exited 1")
+    assert [r.status for r in (ok, wrong, unchecked, missing, broke)] == [
+        "ok", "failed", "ok", "unavailable", "failed"]
+    assert report.failures([ok, wrong, unchecked, missing, broke]) == [wrong, broke]
+    assert not wrong.ok and not missing.ok and not wrong.to_dict()["ok"]
 
 
 def test_unavailable_row() -> None:
@@ -203,6 +221,98 @@ def test_table_failed_footer_and_unchecked() -> None:
     assert "| 8192 | 2048 | float32 | sum | 60.00 |" in text
     assert "| N/A |" in text  # not checked
     assert "| — |" in text  # counters unknown
+
+
+# --------------------------------------------------------------------------
+# several runs, plain text rows, side by side, footer
+# --------------------------------------------------------------------------
+
+
+def test_merge_runs_median_spread_and_failures() -> None:
+    run = [
+        [AllreduceRow.from_samples("ina", 2, 4096, "float32", "sum", [10.0, 11.0], 0),
+         AllreduceRow.from_samples("host-ring", 2, 4096, "float32", "sum", [40.0], 0)],
+        [AllreduceRow.from_samples("ina", 2, 4096, "float32", "sum", [20.0, 21.0], 0),
+         AllreduceRow.unavailable("host-ring", 2, 4096, "float32", "failed: timeout")],
+        [AllreduceRow.from_samples("ina", 2, 4096, "float32", "sum", [30.0, 33.0], 2),
+         AllreduceRow.from_samples("host-ring", 2, 4096, "float32", "sum", [50.0], 0)],
+    ]
+    ina, ring = report.merge_runs(run)
+    # per-run medians 10.5, 20.5, 31.5: the median over runs and the spread
+    assert ina.time_us == 20.5 and (ina.time_min_us, ina.time_max_us) == (10.5, 31.5)
+    assert ina.runs == 3 and ina.busbw_gbps == pytest.approx(4096 / 20.5e-6 / 1e9)
+    # percentiles over every sample of every run
+    assert (ina.min_us, ina.max_us) == (10.0, 33.0) and len(ina.samples_us or []) == 6
+    assert ina.wrong == 2 and ina.status == "failed" and ina.failed_runs == 1
+    # one failed run makes the merged row failed, with the failure's note kept
+    assert ring.status == "failed" and ring.failed_runs == 1 and "timeout" in ring.note
+    assert ring.time_us == 45.0 and ring.runs == 3
+
+
+def test_text_rows_line_up_under_the_header() -> None:
+    header = report.format_text_header().splitlines()
+    assert len(header) == 2 and all(h.startswith("#") for h in header)
+    for word in ("size", "count", "type", "redop", "path", "workers", "time", "algbw",
+                 "busbw", "#wrong", "p50", "p99"):
+        assert word in header[0]
+    ok = AllreduceRow.from_samples("host-ring", 4, 1 << 20, "float32", "sum", [100.0], 0)
+    line = report.format_text_row(ok)
+    assert not line.startswith("#")
+    assert line.split() == ["1048576", "262144", "float32", "sum", "host-ring", "4", "100.0",
+                            "10.49", "15.73", "0", "100.0", "100.0"]
+    # every number ends under the end of its column title
+    title_end = {w: header[0].index(w) + len(w) for w in ("size", "busbw", "p99")}
+    assert line.index("1048576") + 7 == title_end["size"]
+    assert line.index("15.73") + 5 == title_end["busbw"]
+    assert line.rfind("100.0") + 5 == title_end["p99"]
+    bad = report.format_text_row(
+        AllreduceRow.from_samples("ina", 2, 4096, "float32", "sum", [10.0], 3))
+    assert "FAILED" in bad
+    gone = report.format_text_row(AllreduceRow.unavailable("mpi", 2, 4096, "float32",
+                                                           "unavailable: no mpirun"))
+    assert gone.split()[6:12] == ["-"] * 6 and gone.endswith("unavailable: no mpirun")
+
+
+def test_side_by_side_every_path_at_each_size() -> None:
+    rows = [
+        AllreduceRow.from_samples("ina", 2, 4096, "float32", "sum", [10.0], 0),
+        AllreduceRow.from_samples("host-ring", 2, 4096, "float32", "sum", [20.0], 0),
+        AllreduceRow.from_samples("ina", 2, 8192, "float32", "sum", [10.0], 0),
+        AllreduceRow.unavailable("gloo", 2, 4096, "float32", "unavailable: torch"),
+        AllreduceRow.from_samples("ina", 4, 4096, "float32", "sum", [30.0], 0),
+    ]
+    text = report.format_side_by_side(rows, marks={"gloo": "*"})
+    assert "# 2 workers, float32 sum" in text and "# 4 workers, float32 sum" in text
+    two = text.split("# 4 workers")[0].splitlines()
+    assert "ina" in two[1] and "host-ring" in two[1] and "gloo*" in two[1]
+    row_4k = next(ln for ln in two if ln.split()[:1] == ["4096"])
+    # busbw and time of ina, of host-ring, then dashes for gloo
+    assert row_4k.split() == ["4096", "0.41", "10.00", "0.205", "20.00", "-", "-"]
+    row_8k = next(ln for ln in two if ln.split()[:1] == ["8192"])
+    assert row_8k.split() == ["8192", "0.819", "10.00", "-", "-", "-", "-"]
+    avg = next(ln for ln in two if "avg busbw" in ln)
+    assert avg.split()[3:] == [f"{(4096 / 10e-6 + 8192 / 10e-6) / 2 / 1e9:.3g}", "0.205", "-"]
+    md = report.format_side_by_side(rows, markdown=True)
+    assert "| size(B) | ina busbw(GB/s) | ina time(us) | host-ring busbw(GB/s) |" in md
+    merged = report.format_side_by_side(report.merge_runs([rows, rows]))
+    assert "spread" in merged and "10.00..10.00" in merged
+
+
+def test_footer_names_failures() -> None:
+    rows = [
+        AllreduceRow.from_samples("ina", 2, 4096, "float32", "sum", [10.0], 0),
+        AllreduceRow.from_samples("ina", 2, 8192, "float32", "sum", [10.0], 7),
+        AllreduceRow.unavailable("mpi", 2, 4096, "float32", "failed: mpirun exited 1"),
+        AllreduceRow.unavailable("gloo", 2, 4096, "float32", "unavailable: torch"),
+    ]
+    lines = report.format_footer(rows, 1.5)
+    assert lines[0] == "# Out of bounds values : FAILED (1 row with wrong elements)"
+    assert lines[1].startswith("# Avg bus bandwidth    : ")
+    assert "4 rows in 1.5 s: 1 ok, 2 failed, 1 unavailable" in lines[2]
+    assert "# FAILED: ina x2 8K float32 sum: 7 wrong elements" in lines
+    assert "# FAILED: mpi x2 4K float32 sum: failed: mpirun exited 1" in lines
+    good = report.format_footer(rows[:1])
+    assert good[0] == "# Out of bounds values : OK" and len(good) == 3
 
 
 # --------------------------------------------------------------------------
