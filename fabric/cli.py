@@ -143,6 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
                      "fabric.node")
     _add_lazy_parser(sub, "stats", "show the live counters of a running fabric's switches",
                      "fabric.launch_cli", adder="add_stats_arguments", runner="run_stats")
+    _add_lazy_parser(sub, "compare", "saved allreduce runs side by side: busbw, time and the "
+                     "ratio to the first, per path, workers and size", "bench.compare")
 
     topo = sub.add_parser("topo", help="check or generate topology files",
                           description="Topology files (TOML): see docs/TOPOLOGY.md.")
