@@ -471,7 +471,7 @@ def header_lines(args: argparse.Namespace, plan: Plan) -> list[str]:
     ]
     if plan.peers and _shaped(topo0):
         lines.append(f"# note: {', '.join(plan.peers)} traffic is not shaped by the emulator: "
-                     "the peers run over loopback, outside the emulated links")
+                     "the peers use this host's own transports, outside the emulated links")
     warnings = []
     busy, how = _busy(args, plan)
     if busy > _cores():
@@ -517,7 +517,8 @@ def _row_notes(args: argparse.Namespace, topos: dict[int, Any]) -> Callable[
         if topo is None:
             topo = topos[row.workers] = _topology(args, row.workers)
         if row.path in PEERS:
-            return ("not shaped: peer traffic runs over loopback, outside the emulated links"
+            return ("not shaped: peer traffic uses this host's own transports, not the "
+                    "emulated links"
                     if _shaped(topo) and not row.note.startswith("unavailable") else "")
         rate = _worker_link_gbps(topo)
         if rate and row.ran and row.busbw_gbps and row.busbw_gbps * 8 > rate * 1.02:
@@ -611,7 +612,7 @@ def run(args: argparse.Namespace) -> int:
     print()
     print(side, end="")
     if shaped_peers:
-        print(f"# * {', '.join(shaped_peers)}: traffic not shaped by the emulator (loopback)")
+        print(f"# * {', '.join(shaped_peers)}: traffic not shaped by the emulator (own transports)")
     print()
     footer = report.format_footer(rows, elapsed)
     print("\n".join(footer), flush=True)

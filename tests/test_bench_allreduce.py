@@ -244,7 +244,8 @@ def test_peers_say_their_traffic_is_not_shaped(fake: dict[str, Any],
     assert "# note: gloo, mpi traffic is not shaped by the emulator" in text
     peer_rows = [r for r in _rows(text) if r.split()[4] in ("gloo", "mpi")]
     assert len(peer_rows) == 4
-    assert all("not shaped: peer traffic runs over loopback" in r for r in peer_rows)
+    assert all("not shaped: peer traffic uses this host's own transports" in r
+               for r in peer_rows)
     ina_rows = [r for r in _rows(text) if r.split()[4] == "ina"]
     # 4 KiB in 10 us is 3.3 Gbit/s of busbw on a 0.5 Gbit/s link: explained, not hidden
     assert all("busbw above the 0.5 Gbit/s link" in r for r in ina_rows)
