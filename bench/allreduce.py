@@ -170,7 +170,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--link-latency-us", type=float, default=0.0,
                    help="one-way latency added on every link of the default star")
     p.add_argument("--faults", metavar="SPEC",
-                   help='faults on every switch port, e.g. "loss=0.01" (see docs/RELIABILITY.md)')
+                   help="faults on every link, e.g. 'loss=0.01,reorder=0.05:2' "
+                   "(docs/RELIABILITY.md)")
     p.add_argument("--json", metavar="PATH",
                    help="write every row and every setting of the run as JSON")
     p.add_argument("--markdown", metavar="PATH", help="write the header and tables as Markdown")
