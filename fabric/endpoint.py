@@ -245,6 +245,21 @@ class Endpoint:
                 return f
             self.defer(f)
 
+    def drain_idle(self) -> None:
+        """Between operations: take what arrived and apply :meth:`defer` to it (late
+        retransmissions of finished collectives are answered, the rest kept)."""
+        while True:
+            try:
+                parts = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            try:
+                f = fr.decode(parts[0].buffer, parts[1].buffer if len(parts) > 1 else None)
+            except fr.FrameError:
+                self.bad_frames += 1
+                continue
+            self.defer(f)
+
     # ------------------------------------------------------------------ programs
     def run(self, prog: Any, what: str) -> Any:
         """Run a pure program (fabric.programs) over this node's socket; its result.

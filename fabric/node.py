@@ -114,8 +114,9 @@ def run(args: argparse.Namespace) -> int:
     poller = zmq.Poller()
     if ctl is not None:
         poller.register(ctl, zmq.POLLIN)
-    if aggregator is not None:
-        poller.register(ep.sock, zmq.POLLIN)
+    # a worker between tasks still reads its socket: a neighbour may be resending
+    # the end of a collective we finished (answered through the endpoint's rule)
+    poller.register(ep.sock, zmq.POLLIN)
     parent = os.getppid()
     try:
         while not stop:
@@ -125,6 +126,8 @@ def run(args: argparse.Namespace) -> int:
                 break
             if aggregator is not None and ep.sock in events:
                 _serve_host(ep, aggregator)
+            elif ep.sock in events:
+                ep.drain_idle()
             if ctl is not None and ctl in events:
                 msg = control.parse(ctl.recv())
                 if msg["t"] == "shutdown":
