@@ -182,12 +182,14 @@ class Simulation:
                          for s in topo.switches}
         self._keys = itertools.count(1)
         self._sw_busy = dict.fromkeys(self.switches, 0.0)
+        spec_all = parse_faults(faults) if faults is not None else None
+        lossless = (spec_all is None or spec_all.clean) and not any(
+            lk.params.loss for lk in topo.links)
         self.nodes: dict[str, _Node] = {}
         for n in topo.nodes:
             if not n.is_switch:
                 self.nodes[n.name] = _Node(NodeState(topo, n.name, timeout_s=timeout_s,
-                                                     crc=crc))
-        spec_all = parse_faults(faults) if faults is not None else None
+                                                     crc=crc, lossless=lossless))
         # one pipeline per link direction: (from, to) -> pipeline
         self.pipes: dict[tuple[str, str], LinkPipeline] = {}
         self._pipe_at: dict[tuple[str, str], float] = {}
