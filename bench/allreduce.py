@@ -597,7 +597,10 @@ def run(args: argparse.Namespace) -> int:
         for w in plan.workers:
             if plan.ours:
                 _run_fabric(args, plan, w, printer, bar)
-            for rep in range(repeat):
+            for rep in range(repeat if plan.peers else 0):
+                if repeat > 1:
+                    print(f"# run {rep + 1} of {repeat}, {w} workers: "
+                          f"{', '.join(plan.peers)}", flush=True)
                 for dtype in plan.dtypes:
                     for op in plan.ops:
                         for peer in plan.peers:
