@@ -313,7 +313,7 @@ def test_sim_still_delegates_with_nccl_names(capsys: pytest.CaptureFixture[str])
             "--paths", "ina,host-ring", "-w", "0", "-n", "1", "-d", "bf16", "-o", "max"]
     assert main(argv) == 0
     out = capsys.readouterr().out
-    assert "virtual time" in out and "dtype bfloat16, op max" in out
+    assert "virtual time" in out and "| 4096 | 2048 | bfloat16 | max |" in out
     assert "# Out of bounds values : OK" in out
 
 
