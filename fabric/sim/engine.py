@@ -271,9 +271,12 @@ class Simulation:
     def _send(self, src: str, dst: str, header: Any, payload: Any, t: float,
               tail: float | None = None) -> None:
         key = (src, dst)
-        pipe = self.pipes[key]
-        pipe.push((header, payload), t, tail)
-        due = pipe.get_timer()
+        self.pipes[key].push((header, payload), t, tail)
+        self._schedule_pipe(key)
+
+    def _schedule_pipe(self, key: tuple[str, str]) -> None:
+        """One pending event per link direction, at its earliest delivery."""
+        due = self.pipes[key].get_timer()
         if due is not None:
             at = self._pipe_at.get(key)
             if at is None or due < at:
@@ -283,17 +286,11 @@ class Simulation:
     def _on_pipe(self, key: tuple[str, str], t: float) -> None:
         if self._pipe_at.get(key) == t:
             del self._pipe_at[key]
-        pipe = self.pipes[key]
         src, dst = key
-        for (header, payload), tail in pipe.pop_due_timed(t):
+        for (header, payload), tail in self.pipes[key].pop_due_timed(t):
             self.frames += 1
             self._arrive(src, dst, header, payload, t, tail)
-        due = pipe.get_timer()
-        if due is not None:
-            at = self._pipe_at.get(key)
-            if at is None or due < at:
-                self._pipe_at[key] = due
-                self._push(due, _PIPE, key)
+        self._schedule_pipe(key)
 
     def _arrive(self, src: str, dst: str, header: Any, payload: Any, t: float,
                 tail: float) -> None:
