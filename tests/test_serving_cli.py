@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -16,6 +17,7 @@ import pytest
 
 from bench import tokens as bench_tokens
 from fabric.errors import UsageError
+from fabric.serving import assets
 from fabric.serving import cli as serve_cli
 
 pytestmark = pytest.mark.timeout(150)
@@ -116,3 +118,40 @@ def test_serve_flags_parse() -> None:
     args = _args(serve_cli.add_arguments, ["--transport", "host-staged", "--detok", "batched",
                                            "--port", "0"])
     assert args.transport == "host-staged" and args.workers == 1
+
+
+def _listening() -> socket.socket:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen()
+    return s
+
+
+def test_serve_reports_a_port_in_use_at_once(tmp_path: Path) -> None:
+    with _listening() as busy:
+        port = busy.getsockname()[1]
+        env = {**os.environ, "SEMFAB_CACHE_DIR": str(tmp_path / "cache"),
+               "SEMFAB_RUN_DIR": str(tmp_path / "runs")}
+        t0 = time.monotonic()
+        proc = subprocess.run([sys.executable, "-m", "fabric", "serve", "--port", str(port)],
+                              capture_output=True, text=True, env=env, timeout=60)
+        took = time.monotonic() - t0
+    assert proc.returncode == 2
+    assert proc.stderr.startswith(f"semfab: error: port {port} is in use on 127.0.0.1")
+    assert len(proc.stderr.strip().splitlines()) == 1 and not proc.stdout
+    assert not (tmp_path / "runs").exists()  # refused before anything was launched
+    assert took < 20
+
+
+def test_a_port_taken_after_the_check_fails_the_chain_in_one_line(tmp_path: Path) -> None:
+    from fabric.serving.config import ServeConfig
+    from fabric.serving.runner import ServingChain
+
+    with _listening() as busy:
+        port = busy.getsockname()[1]
+        cfg = ServeConfig(port=port, backend="numpy", step_ms=2,
+                          assets_dir=str(assets.ensure_assets(tmp_path / "cache")))
+        with pytest.raises(UsageError, match=f"^port {port} is in use on 127.0.0.1"):
+            ServingChain(cfg, workers=1, run_dir=tmp_path / "run", timeout_s=20).start()
+    ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    assert str(tmp_path / "run") not in ps

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fabric.frame import FrameError
-from fabric.serving import api, assets, detok, metrics, records, trace
+from fabric.serving import api, assets, detok, metrics, prom, records, trace
 from fabric.serving.metrics import ClientResult
 
 
@@ -201,6 +201,10 @@ MODELS = ("semfab-toy",)
     ({"model": "semfab-toy", "prompt": "x", "stream_options": {}}, 400, "stream_options"),
     ({"model": "semfab-toy", "prompt": "x", "stop": ["\n"]}, 400, "stop"),
     ({"model": "semfab-toy", "prompt": "x", "logprobs": 2}, 400, "logprobs"),
+    ({"model": "semfab-toy", "prompt": "x", "seed": "7"}, 400, "seed"),
+    ({"model": "semfab-toy", "prompt": "x", "seed": True}, 400, "seed"),
+    ({"model": "semfab-toy", "prompt": "x", "seed": 1 << 64}, 400, "seed"),
+    ({"model": "semfab-toy", "prompt": "x", "ignore_eos": 1}, 400, "ignore_eos"),
 ])
 def test_completion_request_errors(body, status, param) -> None:
     with pytest.raises(api.ApiError) as err:
@@ -218,7 +222,10 @@ def test_valid_requests() -> None:
         ("hi", True, True, 0.0, 16)
     r = api.parse_completion({"model": "semfab-toy", "prompt": [1, 2, 3], "stop": None},
                              MODELS, 4096)
-    assert r.prompt_ids == [1, 2, 3]
+    assert r.prompt_ids == [1, 2, 3] and r.seed is None
+    r = api.parse_completion({"model": "semfab-toy", "prompt": "x", "seed": -3,
+                              "ignore_eos": True}, MODELS, 4096)
+    assert r.seed == -3
     c = api.parse_chat({"model": "semfab-toy", "max_completion_tokens": 5, "messages": [
         {"role": "system", "content": "be brief"},
         {"role": "user", "content": [{"type": "text", "text": "hello"}]}]}, MODELS, 4096)
@@ -406,3 +413,30 @@ def _properly_nested(spans: list[tuple[int, int]]) -> bool:
             return False
         stack.append(end)
     return True
+
+
+def test_prometheus_histogram_counter_and_gauge_render_the_text_format() -> None:
+    r = prom.Registry()
+    h = r.add(prom.Histogram("x_seconds", "a histogram", [0.1, 1.0], ("layer",)))
+    h.observe(0.05, "a")
+    h.observe(0.1, "a")  # le: a value on a bound counts in that bucket
+    h.observe(5.0, "a", count=2)
+    c = r.add(prom.Counter("y_total", 'counts "quoted"\nthings', ("kind",)))
+    c.inc(2, 'a"b')
+    r.add(prom.Counter("z_total", "read when rendered", fn=lambda: 7))
+    r.add(prom.Gauge("g", "a gauge", fn=lambda: 1.5))
+    text = r.render()
+    assert text.endswith("\n")
+    lines = text.splitlines()
+    assert "# TYPE x_seconds histogram" in lines
+    assert lines[2:7] == ['x_seconds_bucket{layer="a",le="0.1"} 2',
+                          'x_seconds_bucket{layer="a",le="1"} 2',
+                          'x_seconds_bucket{layer="a",le="+Inf"} 4',
+                          'x_seconds_sum{layer="a"} 10.15', 'x_seconds_count{layer="a"} 4']
+    assert '# HELP y_total counts "quoted"\\nthings' in lines
+    assert 'y_total{kind="a\\"b"} 2' in lines and "z_total 7" in lines and "g 1.5" in lines
+    assert h.count("a") == 4 and h.count("b") == 0
+    with pytest.raises(ValueError):
+        c.inc(-1, "a")
+    with pytest.raises(ValueError):
+        r.add(prom.Gauge("g", "twice"))

@@ -70,6 +70,7 @@ class GenRequest:
     include_usage: bool
     model: str
     detokenize: bool | None  # None: the server's setting
+    seed: int | None = None  # sampling seed: the same seed gives the same text
 
 
 def parse_json(raw: bytes) -> Any:
@@ -131,9 +132,18 @@ def _common(body: Any, models: tuple[str, ...], limit: int) -> dict[str, Any]:
     detokenize = body.get("detokenize")
     if detokenize is not None and not isinstance(detokenize, bool):
         raise ApiError(400, "'detokenize' must be a boolean", "detokenize")
+    seed = body.get("seed")
+    if seed is not None:
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise ApiError(400, f"'seed' must be an integer, got {seed!r}", "seed")
+        if not -(1 << 63) <= seed < 1 << 64:
+            raise ApiError(400, "'seed' must fit in 64 bits", "seed")
+    ignore_eos = body.get("ignore_eos")
+    if ignore_eos is not None and not isinstance(ignore_eos, bool):
+        raise ApiError(400, "'ignore_eos' must be a boolean", "ignore_eos")
     return {"model": model, "stream": bool(stream), "include_usage": include_usage,
             "temperature": None if temperature is None else float(temperature),
-            "detokenize": detokenize, "limit": limit}
+            "detokenize": detokenize, "limit": limit, "seed": seed}
 
 
 def parse_completion(body: Any, models: tuple[str, ...], limit: int,
@@ -159,7 +169,7 @@ def parse_completion(body: Any, models: tuple[str, ...], limit: int,
                        "or a list of token ids", "prompt")
     max_tokens = _int(body, "max_tokens", default_max_tokens, 1, limit)
     return GenRequest("completion", text, ids, max_tokens, c["temperature"], c["stream"],
-                      c["include_usage"], c["model"], c["detokenize"])
+                      c["include_usage"], c["model"], c["detokenize"], c["seed"])
 
 
 def _content_text(content: Any, i: int) -> str:
@@ -203,7 +213,7 @@ def parse_chat(body: Any, models: tuple[str, ...], limit: int,
         else "max_tokens"
     max_tokens = _int(body, name, min(default_max_tokens, limit), 1, limit)
     return GenRequest("chat", chat_prompt(messages), None, max_tokens, c["temperature"],
-                      c["stream"], c["include_usage"], c["model"], c["detokenize"])
+                      c["stream"], c["include_usage"], c["model"], c["detokenize"], c["seed"])
 
 
 def _dumps(obj: Any) -> str:

@@ -178,9 +178,12 @@ class CorpusWalk:
         return cls(np.load(d / "corpus_ids.npy"), np.load(d / "jump_ok.npy"),
                    np.load(d / "line_starts.npy"))
 
-    def start_for(self, prompt_ids: list[int]) -> int:
-        """Where a prompt's sequence starts: a line start chosen by a hash of the prompt."""
+    def start_for(self, prompt_ids: list[int], seed: int | None = None) -> int:
+        """Where a prompt's sequence starts: a line start chosen by a hash of the prompt
+        (and of the request's seed, when it samples with one)."""
         h = zlib.crc32(np.asarray(prompt_ids, dtype=np.int64).tobytes())
+        if seed is not None:
+            h = zlib.crc32((seed & 0xFFFF_FFFF_FFFF_FFFF).to_bytes(8, "little"), h)
         return int(self.line_starts[h % self.line_starts.size])
 
     def step(self, toy: np.ndarray, cursors: np.ndarray) -> np.ndarray:

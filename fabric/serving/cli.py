@@ -8,6 +8,7 @@ prints the URL and serves until Ctrl-C, which stops everything.
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 
 from fabric.serving.config import DETOK_AT, DETOK_MODES, DETOKENIZERS, TRANSPORTS
@@ -38,17 +39,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=0, help="port (0: any free port)")
     p.add_argument("--record", action="store_true",
                    help="keep per-token timelines (memory grows with traffic)")
-    p.add_argument("--run-dir", help="folder for the fabric's logs (default: runs/<stamp>)")
+    p.add_argument("--run-dir", help="folder for the fabric's logs (default: runs/<stamp>, "
+                   "removed after a clean stop)")
+    p.add_argument("--keep-runs", action="store_true",
+                   help="keep the fabric's run folder after a clean stop")
 
 
 def run(args: argparse.Namespace) -> int:
     """Serve until Ctrl-C; 0 on a clean stop, 1 if the host task failed."""
+    from fabric.errors import UsageError
     from fabric.serving.config import ServeConfig
+    from fabric.serving.http import check_listen
     from fabric.serving.runner import ServingChain
 
     if args.workers < 1:
-        from fabric.errors import UsageError
-
         raise UsageError("--workers must be >= 1")
     cfg = ServeConfig(
         transport=args.transport, detok=args.detok, detok_at=args.detok_at,
@@ -57,32 +61,50 @@ def run(args: argparse.Namespace) -> int:
         backend=args.backend, temperature=args.temperature, model=args.model, host=args.host,
         port=args.port, record=args.record,
     ).check()
+    check_listen(cfg.host, cfg.port)  # a busy port, now rather than after the launch
+    if args.run_dir:
+        from fabric.launch_cli import check_dir
+
+        check_dir("--run-dir", args.run_dir)
     chain = ServingChain(cfg, workers=args.workers, run_dir=args.run_dir)
+    code = 1
+    keep = bool(args.run_dir or args.keep_runs)
     try:
         chain.start()
         print(f"semfab serve: {cfg.label()} on {args.workers} worker(s), model {cfg.model!r}")
         print(f"  OpenAI base URL: {chain.url}/v1")
+        print(f"  Prometheus metrics: {chain.url}/metrics")
         print(f"  try: curl -N {chain.url}/v1/completions -H 'Content-Type: application/json' "
               f"-d '{{\"model\": \"{cfg.model}\", \"prompt\": \"Hello\", \"max_tokens\": 32, "
               f"\"stream\": true}}'")
         assert chain.fab is not None
-        print(f"  logs: {chain.fab.run_dir}    stop: Ctrl-C", flush=True)
+        kept = "" if keep else " (removed at a clean stop; --keep-runs keeps them)"
+        print(f"  logs: {chain.fab.run_dir}{kept}    stop: Ctrl-C", flush=True)
         while not chain.wait_host(1.0):
             pass
         print("semfab serve: the host task ended", file=sys.stderr)
-        return 1
+        return code
     except KeyboardInterrupt:
         print("\nsemfab serve: stopping", file=sys.stderr)
-        return 0
+        code = 0
+        return code
     finally:
         chain.close()
+        if code == 0 and not keep and chain.fab is not None:  # a failed run keeps its logs
+            shutil.rmtree(chain.fab.run_dir, ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m fabric.serving.cli ...`."""
+    from fabric.errors import UsageError
+
     p = argparse.ArgumentParser(prog="semfab serve", description=__doc__)
     add_arguments(p)
-    return run(p.parse_args(argv))
+    try:
+        return run(p.parse_args(argv))
+    except UsageError as exc:
+        print(f"semfab: error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

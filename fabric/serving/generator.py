@@ -64,10 +64,13 @@ class _Batch:
         self.pos = np.zeros(cap, np.int32)
         self.cursor = np.zeros(cap, np.int64)
         self.temp = np.zeros(cap, np.float64)
+        self.seed = np.zeros(cap, np.uint64)  # the request's own seed, where it gave one
+        self.seeded = np.zeros(cap, bool)
         self.fresh = np.zeros(cap, bool)  # admitted this step: needs prefill
         self.prompts: list[list[int]] = [[] for _ in range(cap)]
 
-    def add(self, rid: int, prompt: list[int], max_tokens: int, temp: float, cursor: int) -> None:
+    def add(self, rid: int, prompt: list[int], max_tokens: int, temp: float, cursor: int,
+            seed: int | None = None) -> None:
         j = self.n
         self.rid[j] = rid
         self.index[j] = 0
@@ -76,6 +79,8 @@ class _Batch:
         self.pos[j] = 0
         self.cursor[j] = cursor
         self.temp[j] = temp
+        self.seeded[j] = seed is not None
+        self.seed[j] = 0 if seed is None else seed & 0xFFFF_FFFF_FFFF_FFFF
         self.fresh[j] = True
         self.prompts[j] = prompt or [0]
         self.n += 1
@@ -84,7 +89,7 @@ class _Batch:
         last = self.n - 1
         if j != last:
             for a in (self.rid, self.index, self.max_tokens, self.toy, self.hidden, self.pos,
-                      self.cursor, self.temp, self.fresh):
+                      self.cursor, self.temp, self.seed, self.seeded, self.fresh):
                 a[j] = a[last]
             self.prompts[j] = self.prompts[last]
         self.n -= 1
@@ -240,24 +245,38 @@ class Generator:
         while self.pending and b.n < b.cap:
             m = self.pending.popleft()
             temp = self.cfg.temperature if m.get("temperature") is None else m["temperature"]
+            seed = m.get("seed")
             b.add(int(m["rid"]), list(m["prompt"]), int(m["max_tokens"]), float(temp),
-                  int(m["start"]))
+                  int(m["start"]), None if seed is None else int(seed))
             if self.cfg.record:
                 self.generated[int(m["rid"])] = []
             fresh = True
         return fresh
 
     def _step_rows(self, rows: np.ndarray) -> None:
-        """One decoder step for ``rows`` (grouped by temperature: one kernel call each)."""
+        """One decoder step for ``rows``: one kernel call per temperature, and one per
+        seeded sequence that samples.
+
+        The kernel's noise is keyed by (seed, row in the call, position), so a
+        sequence with its own seed runs alone (row 0): its tokens then depend
+        on its prompt, seed and temperature only, not on who shares the batch.
+        """
         b = self.batch
         temps = b.temp[rows]
+        alone = b.seeded[rows] & (temps > 0)
+        for j in rows[alone]:
+            self._call(np.array([j]), float(b.temp[j]), int(b.seed[j]))
+        rest, temps = rows[~alone], temps[~alone]
         for t in np.unique(temps):
-            r = rows[temps == t]
-            toks, hid = self.backend.decoder_step(self.weights, b.toy[r], b.hidden[r], b.pos[r],
-                                                  float(t), self.cfg.seed)
-            b.toy[r] = toks
-            b.hidden[r] = hid
-            b.pos[r] += 1
+            self._call(rest[temps == t], float(t), self.cfg.seed)
+
+    def _call(self, r: np.ndarray, temperature: float, seed: int) -> None:
+        b = self.batch
+        toks, hid = self.backend.decoder_step(self.weights, b.toy[r], b.hidden[r], b.pos[r],
+                                              temperature, seed)
+        b.toy[r] = toks
+        b.hidden[r] = hid
+        b.pos[r] += 1
 
     def _kernel(self) -> None:
         b = self.batch

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import itertools
 import json
 import logging
@@ -44,7 +45,7 @@ from fabric import frame as fr
 from fabric.frame import FrameError, Op
 from fabric.memory import AccessError, RegionInfo, RegionTable
 from fabric.semantic import SemanticCounts
-from fabric.serving import api
+from fabric.serving import api, prom
 from fabric.serving import records as rec
 from fabric.serving.config import ServeConfig
 from fabric.serving.detok import BatchPolicy, Detokenizer, byte_table, make_detokenizer
@@ -76,6 +77,7 @@ class Event:
     ids: list[int] | None = None  # detok near the client: the ids themselves
     finish: str | None = None
     error: api.ApiError | None = None
+    t_made: int = 0  # ns: when its text (or ids) was ready for presentation
 
 
 @dataclass
@@ -96,7 +98,10 @@ class Stream:
     received: int = 0  # tokens arrived
     unsent: int = 0  # first token not yet covered by an event
     pending: list[int] = field(default_factory=list)  # batched: ids waiting for a flush
+    pending_arrive: list[int] = field(default_factory=list)  # their arrival times
     pending_since: int = 0
+    last_gen: int = 0  # ns: when its previous token was generated
+    first_write: int = 0  # ns: when its first token went to the client
     timer: asyncio.TimerHandle | None = None
     done: bool = False  # the generator will send nothing more
     delivered: bool = False  # the whole response reached the client's socket
@@ -142,6 +147,68 @@ class HostCounters:
     detok_inconsistent: int = 0
 
 
+class HostMetrics:
+    """The host's Prometheus metrics, served on ``GET /metrics``.
+
+    Per-token layer times are observed as tokens pass (generation: since the
+    sequence's previous token, or the request's arrival for the first;
+    transport: generated -> arrived at the host; interpretation: arrived ->
+    the detokenizer call that took it; presentation: text ready -> written to
+    the client's socket); the counters are read from :class:`HostCounters`.
+    """
+
+    def __init__(self, host: TokenHost) -> None:
+        c = host.counters
+        r = self.registry = prom.Registry()
+        self.layer = r.add(prom.Histogram(
+            "semfab_layer_latency_seconds", "Per-token time spent in each layer of the chain",
+            prom.LAYER_BUCKETS, ("layer",)))
+        self.ttft = r.add(prom.Histogram(
+            "semfab_time_to_first_token_seconds",
+            "Request arrival to its first token written to the client", prom.REQUEST_BUCKETS))
+        self.e2e = r.add(prom.Histogram(
+            "semfab_e2e_request_latency_seconds",
+            "Request arrival to the end of its response (completed requests)",
+            prom.REQUEST_BUCKETS))
+        r.add(prom.Counter(
+            "semfab_requests_total", "Requests ended, by outcome", ("outcome",),
+            fn=lambda: {("completed",): c.completed, ("aborted",): c.aborted,
+                        ("rejected",): c.rejected}))
+        r.add(prom.Gauge("semfab_requests_running", "Requests in flight",
+                         fn=lambda: len(host.streams)))
+        self.prompt_tokens = r.add(prom.Counter("semfab_prompt_tokens_total",
+                                                "Prompt tokens of admitted requests"))
+        r.add(prom.Counter("semfab_generation_tokens_total",
+                           "Tokens that arrived at the host", fn=lambda: c.tokens))
+        r.add(prom.Counter("semfab_token_frames_total", "Token frames received",
+                           fn=lambda: c.frames))
+        r.add(prom.Counter(
+            "semfab_token_path_errors_total",
+            "Trouble on the token path, by kind (nothing is retransmitted)", ("kind",),
+            fn=lambda: {(k,): getattr(c, k) for k in (
+                "lost_frames", "reordered_frames", "refused_frames", "gap_tokens",
+                "duplicate_tokens", "stray_tokens", "nacks")}))
+        r.add(prom.Counter("semfab_detokenizer_seconds_total",
+                           "Time spent inside the detokenizer", fn=lambda: c.detok_ns / 1e9))
+        self._pending: list[tuple[str, float]] = []
+
+    def later(self, layer: str, ns: int) -> None:
+        """Observe a layer time once the frame in hand is handled (kept off its path)."""
+        self._pending.append((layer, ns / 1e9))
+
+    def flush(self) -> None:
+        """Observe what :meth:`later` kept."""
+        obs = self.layer.observe
+        for layer, seconds in self._pending:
+            obs(seconds, layer)
+        self._pending.clear()
+
+    def render(self) -> str:
+        """The exposition text."""
+        self.flush()
+        return self.registry.render()
+
+
 class TokenHost:
     """The host's side of the chain (see the module docstring)."""
 
@@ -165,6 +232,7 @@ class TokenHost:
         self.streams: dict[int, Stream] = {}
         self.rids = itertools.count(1)
         self.counters = HostCounters()
+        self.metrics = HostMetrics(self)
         self.sem = {layer: SemanticCounts() for layer in LAYERS}
         self.timelines: dict[int, dict[str, Any]] = {}
         # (ns, tokens) of recent detokenizer calls: the interpretation cost itself
@@ -378,12 +446,17 @@ class TokenHost:
             st.received = idx
         self.counters.tokens += 1
         st.ids.append(tok)
+        m = self.metrics
+        m.later("generation", t_gen - (st.last_gen or st.t_req))
+        m.later("transport", t_arrive - t_gen)
+        st.last_gen = t_gen
         tl = st.tl
         if tl is not None and idx < tl.size:
             tl[idx] = (tok, t_gen, t_sent, t_ri, t_ro, t_arrive, 0, 0, 0)
         st.received = idx + 1
         last = bool(flags & rec.LAST) or st.received >= st.req.max_tokens
         st.pending.append(tok)
+        st.pending_arrive.append(t_arrive)
         if len(st.pending) == 1:
             st.pending_since = t_arrive
         if self.policy.due(len(st.pending), st.pending_since, t_arrive, last):
@@ -410,11 +483,13 @@ class TokenHost:
         held, self._held = self._held, None
         for st, ev in held or ():
             st.push(ev)
+        self.metrics.flush()
 
     def _on_timer(self, st: Stream) -> None:
         st.timer = None
         if st.pending and not st.done:
             self._flush(st, False)
+        self.metrics.flush()
 
     def _flush(self, st: Stream, last: bool) -> None:
         """Detokenize the pending ids and hand the new text to the stream's handler.
@@ -425,11 +500,13 @@ class TokenHost:
             st.timer.cancel()
             st.timer = None
         ids = st.pending
+        arrived = st.pending_arrive
         st.pending = []
+        st.pending_arrive = []
         d = st.detok
         if d is None:
             self._hand_over(st, Event("", st.unsent, st.received, ids=ids,
-                          finish="length" if last else None))
+                          finish="length" if last else None, t_made=now_ns()))
             st.unsent = st.received
             if last:
                 self._finished(st)
@@ -451,9 +528,11 @@ class TokenHost:
         r1 = d.released
         if st.tl is not None and r1 > r0:
             st.tl["t_detok"][r0:r1] = t1
+        for t in arrived:
+            self.metrics.later("interpretation", t1 - t)
         if text or last:
             self._hand_over(st, Event(text, st.unsent, r1 if not last else st.received,
-                          finish="length" if last else None))
+                          finish="length" if last else None, t_made=t1))
             st.unsent = r1 if not last else st.received
         if last:
             self._finished(st)
@@ -502,9 +581,13 @@ class TokenHost:
         self.streams[rid] = st
         self.load[worker] += 1
         self.counters.requests += 1
+        self.metrics.prompt_tokens.inc(len(prompt_ids))
         toy = [int(t) % self.cfg.toy_vocab for t in prompt_ids[-256:]] or [0]
+        temperature = self.cfg.temperature if req.temperature is None else req.temperature
+        seed = req.seed if temperature > 0 else None  # greedy: a seed changes nothing
         self._send_ctrl(worker, rec.ADD, rid=rid, prompt=toy, max_tokens=req.max_tokens,
-                        temperature=req.temperature, start=self.walk.start_for(prompt_ids))
+                        temperature=temperature, seed=seed,
+                        start=self.walk.start_for(prompt_ids, seed))
         return st
 
     def close_stream(self, st: Stream, completed: bool) -> None:
@@ -518,6 +601,7 @@ class TokenHost:
             self._finished(st)
         if completed:
             self.counters.completed += 1
+            self.metrics.e2e.observe((now_ns() - st.t_req) / 1e9)
         else:
             self.counters.aborted += 1
         self.streams.pop(st.rid, None)
@@ -563,6 +647,13 @@ class TokenHost:
         s.copies += n  # the chunk string encoded to bytes
         s.crossings += n  # host -> client process
         st.last_activity = t
+        if n > 0:
+            m = self.metrics
+            if ev.t_made:
+                m.layer.observe((t - ev.t_made) / 1e9, "presentation", count=n)
+            if not st.first_write:
+                st.first_write = t
+                m.ttft.observe((t - st.t_req) / 1e9)
         if st.tl is not None and n > 0:
             st.tl["t_write"][ev.first: ev.last] = t
             st.tl["chunk"][ev.first: ev.last] = chunk
@@ -604,10 +695,17 @@ class TokenHost:
                 "detok_samples": np.array(self.detok_samples, dtype=np.int64).reshape(-1, 2)}
 
 
+def _write_ready(cfg: ServeConfig, info: dict[str, Any]) -> None:
+    if cfg.ready_file:
+        tmp = Path(cfg.ready_file + ".tmp")
+        tmp.write_text(json.dumps(info))
+        os.replace(tmp, cfg.ready_file)  # atomic: the launcher never reads half a file
+
+
 async def _serve(ep: Any, cfg: ServeConfig) -> dict[str, Any]:
     from aiohttp import web
 
-    from fabric.serving.http import make_app
+    from fabric.serving.http import make_app, port_in_use
 
     host = TokenHost(ep, cfg)
     loop = host.loop
@@ -630,13 +728,17 @@ async def _serve(ep: Any, cfg: ServeConfig) -> dict[str, Any]:
         await host.start()
         await runner.setup()
         site = web.TCPSite(runner, cfg.host, cfg.port, reuse_address=True)
-        await site.start()
+        try:
+            await site.start()
+        except OSError as exc:  # the launcher reports it in one line
+            error = port_in_use(cfg.host, cfg.port) if exc.errno == errno.EADDRINUSE else \
+                f"cannot listen on {cfg.host}:{cfg.port} ({exc.strerror or exc})"
+            _write_ready(cfg, {"error": error})
+            await host.shutdown()
+            return {**host.result(), "url": "", "error": error}
         addr = runner.addresses[0]
         url = f"http://{addr[0]}:{addr[1]}"
-        if cfg.ready_file:
-            tmp = Path(cfg.ready_file + ".tmp")
-            tmp.write_text(json.dumps({"url": url, "pid": os.getpid()}))
-            os.replace(tmp, cfg.ready_file)  # atomic: the launcher never reads half a file
+        _write_ready(cfg, {"url": url, "pid": os.getpid()})
         log.info("host0: serving %s at %s", cfg.label(), url)
         await host.stopped
         await host.shutdown()

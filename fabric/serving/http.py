@@ -6,6 +6,8 @@ Routes (OpenAI-compatible, plus two of semfab's own):
 * ``POST /v1/completions`` and ``POST /v1/chat/completions``, streamed as
   server-sent events with ``"stream": true``, one JSON body otherwise
 * ``GET  /health``
+* ``GET  /metrics`` -- Prometheus text format: per-layer latency histograms,
+  TTFT and end-to-end histograms, request and token counters
 * ``GET  /semfab/stats`` -- the host's live counters
 * ``POST /semfab/shutdown`` -- stop the chain (needs the run's secret in the
   ``X-Semfab-Secret`` header; the launcher uses it)
@@ -16,16 +18,19 @@ routes (404) and wrong methods (405).
 
 from __future__ import annotations
 
+import errno
 import hmac
 import json
 import logging
+import socket
 import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from fabric.serving import api
+from fabric.errors import UsageError
+from fabric.serving import api, prom
 
 if TYPE_CHECKING:
     from fabric.serving.host import Event, Stream, TokenHost
@@ -36,6 +41,39 @@ HOST_KEY = web.AppKey("host", object)
 #: The fast path writes only while the socket's send buffer holds less than this.
 FAST_WRITE_LIMIT = 64 * 1024
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def port_in_use(host: str, port: int) -> str:
+    """The one-line message for a port another process listens on."""
+    return (f"port {port} is in use on {host}: stop what listens there or choose another "
+            "--port (0: any free port)")
+
+
+def check_listen(host: str, port: int) -> None:
+    """UsageError now if the server could not listen on ``host:port`` (0: any port).
+
+    Binds and closes a socket on every address ``host`` resolves to, with the
+    options the server itself uses, so a busy port is reported before the
+    fabric is launched. A race with another process is still caught when the
+    server binds.
+    """
+    if port == 0:
+        return
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                   flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise UsageError(f"--host {host}: cannot resolve it ({exc.strerror})") from None
+    for family, kind, proto, _, addr in infos:
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind(addr)
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE:
+                    raise UsageError(port_in_use(host, port)) from None
+                raise UsageError(f"--host {host} --port {port}: cannot listen there "
+                                 f"({exc.strerror or exc})") from None
 
 
 def _json(obj: Any, status: int = 200) -> web.Response:
@@ -80,6 +118,12 @@ async def health(request: web.Request) -> web.Response:
     """``GET /health``: 200 while serving, 503 while shutting down."""
     host = _host(request)
     return _json({"status": "closing" if host.closing else "ok"}, 503 if host.closing else 200)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    """``GET /metrics``: the Prometheus text exposition format."""
+    body = _host(request).metrics.render()
+    return web.Response(body=body.encode(), headers={"Content-Type": prom.CONTENT_TYPE})
 
 
 async def stats(request: web.Request) -> web.Response:
@@ -249,6 +293,7 @@ def make_app(host: TokenHost) -> web.Application:
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
     app.router.add_get("/semfab/stats", stats)
     app.router.add_post("/semfab/shutdown", shutdown)
     return app
