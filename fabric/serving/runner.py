@@ -42,8 +42,19 @@ def hosts_needed(transports: list[str] | tuple[str, ...]) -> int:
 
 def launch_for(transports: list[str] | tuple[str, ...], workers: int = 1,
                **kwargs: Any) -> Fabric:
-    """A star fabric with the hosts the given transports need."""
-    return launch(topology=star(workers, hosts=hosts_needed(transports)), **kwargs)
+    """A star fabric with the hosts the given transports need.
+
+    Its run folder gets a ``fabric.json``, as `semfab launch` writes, so
+    `semfab stats` finds the fabric while it runs.
+    """
+    from fabric.launch_cli import _write_info
+
+    fab = launch(topology=star(workers, hosts=hosts_needed(transports)), **kwargs)
+    try:
+        _write_info(fab)
+    except OSError as exc:  # stats cannot find it; the chain itself still works
+        log.warning("could not write %s/fabric.json: %s", fab.run_dir, exc)
+    return fab
 
 
 class ServingChain:
@@ -101,15 +112,22 @@ class ServingChain:
         deadline = time.monotonic() + self.ready_timeout_s
         while True:
             if ready.is_file():
-                return str(json.loads(ready.read_text())["url"])
+                info = json.loads(ready.read_text())
+                if info.get("error"):  # e.g. the port is taken: the host said so
+                    raise UsageError(str(info["error"]))
+                return str(info["url"])
             if time.monotonic() > deadline:
                 raise FabricTimeout(f"the serving chain did not come up within "
                                     f"{self.ready_timeout_s:g}s (logs in {self.fab.run_dir})")
-            for name, task in self.tasks.items():
+            for name, task in list(self.tasks.items()):
                 try:
-                    self.fab.wait(task, timeout_s=0.05)
+                    got = self.fab.wait(task, timeout_s=0.05)
                 except FabricTimeout:
                     continue
+                del self.tasks[name]  # its result is in hand: stop() must not wait for it
+                self.results[name] = got if name == "workers" else got[0]
+                if ready.is_file() and json.loads(ready.read_text()).get("error"):
+                    break  # the host failed with a reason, and stopped the others
                 raise PeerFailed(f"the {name} task of the serving chain ended before it "
                                  f"was ready (logs in {self.fab.run_dir})")
 
