@@ -94,6 +94,9 @@ async def stream_request(session: Any, url: str, body: dict[str, Any], *,
                 if stop_after_events is not None and len(res.t_events) >= stop_after_events:
                     res.error = "closed by the client"
                     break
+            else:  # the server closed the stream: some send no [DONE] after the last chunk
+                if res.error is None and res.finish_reason is not None:
+                    res.ok = True
     except Exception as exc:  # reported per request; the benchmark counts failures
         res.error = f"{type(exc).__name__}: {exc}"
     res.t_end = now_ns()

@@ -34,7 +34,7 @@ event's gap -- and the first delivery within the TTFT SLO).
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,7 +43,6 @@ import numpy as np
 from fabric.serving.detok import completion_index
 
 LAYER_NAMES = ("generation", "transport", "interpretation", "presentation")
-StatsFn = Callable[[Iterable[float]], dict[str, float]]
 _SLO_RE = re.compile(r"^\s*(ttft|tpot|itl|e2el)\s*:\s*([0-9.]+)\s*(ms|s|us)?\s*$", re.I)
 
 
@@ -65,6 +64,13 @@ class ClientResult:
     finish_reason: str | None = None
     usage: dict[str, int] | None = None
     parse_ns: int = 0  # time spent decoding events (JSON, SSE)
+    input_len: int | None = None  # the prompt's length as the dataset estimated it
+
+    @property
+    def input_tokens(self) -> int:
+        """Prompt tokens: the server's count (usage) when it gave one, else the estimate."""
+        n = (self.usage or {}).get("prompt_tokens")
+        return int(n) if isinstance(n, int) else int(self.input_len or 0)
 
     @property
     def rid(self) -> int | None:
@@ -89,21 +95,78 @@ class ClientResult:
         return [t for t, c in zip(self.t_events, self.content, strict=True) if c]
 
 
-def stats(samples: Iterable[float]) -> dict[str, float]:
-    """mean, median (= p50), p90, p99, p99.9, min, max and std of ``samples``.
+def pkey(p: float) -> str:
+    """The key of percentile ``p`` in a stats dict: ``p99``, ``p99.9``, ``p50``."""
+    return f"p{p:g}"
+
+
+def stats(samples: Iterable[float], percentiles: Sequence[float] = ()) -> dict[str, float]:
+    """mean, median (= p50), p90, p99, p99.9, min, max and std of ``samples``,
+    plus ``percentiles`` (keys from :func:`pkey`).
 
     Percentiles interpolate linearly (NumPy's default), as
     ``bench.report.latency_stats`` does. An empty sample gives NaNs.
     """
     arr = np.asarray(list(samples), dtype=np.float64)
+    ps = sorted({50.0, 90.0, 99.0, 99.9, *map(float, percentiles)})
     if arr.size == 0:
         nan = float("nan")
-        return {k: nan for k in ("mean", "median", "p50", "p90", "p99", "p99.9", "min",
-                                 "max", "std")}
-    p50, p90, p99, p999 = np.percentile(arr, [50, 90, 99, 99.9])
-    return {"mean": float(arr.mean()), "median": float(p50), "p50": float(p50),
-            "p90": float(p90), "p99": float(p99), "p99.9": float(p999),
-            "min": float(arr.min()), "max": float(arr.max()), "std": float(arr.std())}
+        return {k: nan for k in ("mean", "median", *map(pkey, ps), "min", "max", "std")}
+    values = np.percentile(arr, ps)
+    out = {"mean": float(arr.mean()), "median": float(values[ps.index(50.0)])}
+    out.update({pkey(p): float(v) for p, v in zip(ps, values, strict=True)})
+    out.update({"min": float(arr.min()), "max": float(arr.max()), "std": float(arr.std())})
+    return out
+
+
+#: The client metrics ``--percentile-metrics`` may name (vllm bench serve's).
+PERCENTILE_METRICS = ("ttft", "tpot", "itl", "e2el")
+
+
+def parse_percentile_metrics(text: str) -> list[str]:
+    """``"ttft,itl"`` -> ``["ttft", "itl"]`` (ValueError naming an unknown one)."""
+    names = [p.strip().lower() for p in text.split(",") if p.strip()]
+    bad = [n for n in names if n not in PERCENTILE_METRICS]
+    if bad or not names:
+        raise ValueError(f"unknown metric {', '.join(bad) or '(empty list)'}; choose from "
+                         f"{', '.join(PERCENTILE_METRICS)}")
+    return list(dict.fromkeys(names))
+
+
+def parse_percentiles(text: str) -> list[float]:
+    """``"50,90,99"`` -> ``[50.0, 90.0, 99.0]``; each must be in (0, 100)."""
+    out: list[float] = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        try:
+            value = float(part)
+        except ValueError:
+            raise ValueError(f"percentile {part!r} is not a number") from None
+        if not 0 < value < 100:
+            raise ValueError(f"percentile {part} must be between 0 and 100 (exclusive)")
+        out.append(value)
+    if not out:
+        raise ValueError("no percentile given (e.g. 50,90,99)")
+    return sorted(set(out))
+
+
+def thin_percentiles(counts: Mapping[str, int], percentiles: Sequence[float]) -> list[str]:
+    """Warnings for percentiles that rest on a handful of samples.
+
+    Percentile ``p`` of ``n`` samples has ``n * min(p, 100 - p) / 100`` samples
+    beyond it; under one, it is an interpolation between the extreme samples
+    (p99 of fewer than 100 requests is almost the maximum). ``counts`` maps a
+    metric name to its sample count; one line per percentile.
+    """
+    out = []
+    for p in sorted(percentiles):
+        tail = min(p, 100.0 - p) / 100.0
+        need = int(np.ceil(1.0 / tail - 1e-9))
+        thin = [(name, n) for name, n in counts.items() if 0 < n < need]
+        if thin:
+            which = ", ".join(f"{name.upper()} ({n})" for name, n in thin)
+            out.append(f"{pkey(p)} rests on fewer than {need} samples for {which}: "
+                       "it is close to the extreme value, not a tail estimate")
+    return out
 
 
 def parse_slo(text: str) -> dict[str, float]:
@@ -204,6 +267,73 @@ def delivery_gaps(delivered: np.ndarray) -> np.ndarray:
     return np.asarray(gaps[inverse], dtype=np.int64)
 
 
+def client_summary(clients: Sequence[ClientResult], t_start: int, t_end: int,
+                   slo: Mapping[str, float], percentiles: Sequence[float] = (99.0,),
+                   output_tokens: Sequence[int | None] | None = None
+                   ) -> tuple[dict[str, Any], list[RequestMetrics]]:
+    """The client's view of one load level, as ``vllm bench serve`` reports it.
+
+    Throughputs divide by the level's wall time ``t_end - t_start`` (ns) and
+    count completed requests only; ``output_tokens`` (per client, None: the
+    usage the server sent, else the content events) overrides the output
+    lengths. Returns the row's fields (stats of TTFT, TPOT, ITL and E2EL in
+    ms, vllm's flat ``mean_ttft_ms``-style keys, goodput, per-request arrays)
+    and each request's metrics.
+    """
+    outs = list(output_tokens) if output_tokens is not None else [None] * len(clients)
+    per_req = [request_metrics(cr, n) for cr, n in zip(clients, outs, strict=True)]
+    pairs = [(cr, r) for cr, r in zip(clients, per_req, strict=True) if r.ok]
+    ok = [r for _, r in pairs]
+    duration_s = max((t_end - t_start) / 1e9, 1e-9)
+    n_in = sum(cr.input_tokens for cr, _ in pairs)
+    n_out = sum(r.output_tokens for r in ok)
+    met = [r for r in ok if _meets(r, slo)]
+    samples = {"ttft": [r.ttft_ms for r in ok],
+               "tpot": [r.tpot_ms for r in ok if np.isfinite(r.tpot_ms)],
+               "itl": [x for r in ok for x in r.itl_ms],
+               "e2el": [r.e2el_ms for r in ok]}
+    row: dict[str, Any] = {
+        "requests": len(clients), "completed": len(ok), "failed": len(clients) - len(ok),
+        "duration_s": duration_s,
+        "total_input_tokens": n_in, "total_output_tokens": n_out,
+        "input_tokens_from": ("server" if pairs and all(
+            isinstance((cr.usage or {}).get("prompt_tokens"), int) for cr, _ in pairs)
+            else "estimate"),
+        "request_throughput": len(ok) / duration_s,
+        "input_throughput_tok_s": n_in / duration_s,
+        "output_throughput_tok_s": n_out / duration_s,
+        "total_throughput_tok_s": (n_in + n_out) / duration_s,
+    }
+    for name, values in samples.items():
+        row[f"{name}_ms"] = stats(values, percentiles)
+    for name in PERCENTILE_METRICS:  # vllm's own key names, for tools that read its JSON
+        st = row[f"{name}_ms"]
+        row[f"mean_{name}_ms"] = st["mean"]
+        row[f"median_{name}_ms"] = st["median"]
+        row[f"std_{name}_ms"] = st["std"]
+        for p in percentiles:
+            row[f"p{p:g}_{name}_ms"] = st[pkey(p)]
+    row.update({
+        "goodput_req_s": len(met) / duration_s if slo else None,
+        "slo_ms": dict(slo),
+        "slo_attainment": len(met) / len(clients) if clients and slo else None,
+        "sample_counts": {k: len(v) for k, v in samples.items()},
+        "per_request": {
+            "start_ms": [(cr.t_send - t_start) / 1e6 for cr in clients],
+            "ttft_ms": [r.ttft_ms for r in per_req],
+            "tpot_ms": [r.tpot_ms for r in per_req],
+            "itl_ms": [r.itl_ms for r in per_req],
+            "e2el_ms": [r.e2el_ms for r in per_req],
+            "input_lens": [cr.input_tokens for cr in clients],
+            "output_lens": [r.output_tokens for r in per_req],
+            "ok": [r.ok for r in per_req],
+            "errors": [None if r.ok else _error_text(cr)
+                       for cr, r in zip(clients, per_req, strict=True)],
+        },
+    })
+    return row, per_req
+
+
 @dataclass
 class LevelInput:
     """Everything measured for one strategy at one concurrency."""
@@ -211,7 +341,7 @@ class LevelInput:
     transport: str
     detok: str
     detok_at: str
-    concurrency: int
+    concurrency: int | None  # None: an open loop with no cap
     clients: list[ClientResult]
     t_start: int
     t_end: int
@@ -226,24 +356,26 @@ def _decode(tokenizer: Any, ids: Sequence[int]) -> str:
 
 
 def level_row(li: LevelInput, tokenizer: Any, table: Sequence[bytes],
-              slo: Mapping[str, float], stats_fn: StatsFn = stats) -> dict[str, Any]:
+              slo: Mapping[str, float], percentiles: Sequence[float] = (99.0,)
+              ) -> dict[str, Any]:
     """One result row: client metrics, layers, correctness and experience."""
-    per_req = []
     layers: dict[str, list[np.ndarray]] = {k: [] for k in LAYER_NAMES}
     gaps_ok = 0
     gaps_all = 0
-    lost = mismatches = failed = held = intact_tokens = generated_tokens = 0
+    lost = mismatches = held = intact_tokens = generated_tokens = 0
     itl_slo = slo.get("itl", slo.get("tpot"))
+    outs: list[int | None] = []
     for cr in li.clients:
+        key = cr.key
+        tl = li.timelines.get(key) if key is not None else None
+        outs.append(int(tl["received"]) if tl is not None else None)
+    client, per_req = client_summary(li.clients, li.t_start, li.t_end, slo, percentiles, outs)
+    for cr, rm in zip(li.clients, per_req, strict=True):
         key = cr.key
         tl = li.timelines.get(key) if key is not None else None
         gen_ids = li.generated.get(key, []) if key is not None else []
         generated_tokens += len(gen_ids)
-        n_out = int(tl["received"]) if tl is not None else None
-        rm = request_metrics(cr, n_out)
-        per_req.append(rm)
         if not rm.ok:
-            failed += 1
             lost += len(gen_ids)
             continue
         received = int(tl["received"]) if tl is not None else 0
@@ -273,10 +405,6 @@ def level_row(li: LevelInput, tokenizer: Any, table: Sequence[bytes],
         if ttft_slo is None or rm.ttft_ms <= ttft_slo:
             gaps_ok += int(first.sum())
         gaps_all += gap.size
-    ok = [r for r in per_req if r.ok]
-    duration_s = max((li.t_end - li.t_start) / 1e9, 1e-9)
-    out_tokens = sum(r.output_tokens for r in ok)
-    met = [r for r in ok if _meets(r, slo)]
     cat = {k: np.concatenate(v) if v else np.zeros(0) for k, v in layers.items()}
     added = cat["transport"] + cat["interpretation"] + cat["presentation"]
     steps = li.steps
@@ -291,21 +419,9 @@ def level_row(li: LevelInput, tokenizer: Any, table: Sequence[bytes],
     row: dict[str, Any] = {
         "transport": li.transport, "detok": li.detok, "detok_at": li.detok_at,
         "strategy": _label(li), "concurrency": li.concurrency,
-        "requests": len(li.clients), "completed": len(ok), "failed": failed,
-        "duration_s": duration_s,
-        "request_throughput": len(ok) / duration_s,
-        "output_throughput_tok_s": out_tokens / duration_s,
-        "ttft_ms": stats_fn([r.ttft_ms for r in ok]) if ok else stats([]),
-        "tpot_ms": stats_fn([r.tpot_ms for r in ok if np.isfinite(r.tpot_ms)])
-        if any(np.isfinite(r.tpot_ms) for r in ok) else stats([]),
-        "itl_ms": stats_fn([x for r in ok for x in r.itl_ms])
-        if any(r.itl_ms for r in ok) else stats([]),
-        "e2el_ms": stats_fn([r.e2el_ms for r in ok]) if ok else stats([]),
-        "goodput_req_s": len(met) / duration_s if slo else None,
-        "slo_ms": dict(slo),
-        "slo_attainment": len(met) / len(li.clients) if li.clients and slo else None,
-        "layers_ms": {k: stats_fn(v.tolist()) if v.size else stats([]) for k, v in cat.items()},
-        "added_ms": stats_fn(added.tolist()) if added.size else stats([]),
+        **client,
+        "layers_ms": {k: stats(v.tolist(), percentiles) for k, v in cat.items()},
+        "added_ms": stats(added.tolist(), percentiles),
         "tokens_generated": generated_tokens,
         "lost_tokens": lost,
         "text_mismatches": mismatches,
@@ -315,6 +431,14 @@ def level_row(li: LevelInput, tokenizer: Any, table: Sequence[bytes],
         **li.extra,
     }
     return row
+
+
+def _error_text(cr: ClientResult) -> str:
+    if cr.error:
+        return cr.error[:500]
+    if cr.status != 200:
+        return f"HTTP {cr.status}"
+    return "the stream ended without a finish reason"
 
 
 def _label(li: LevelInput) -> str:

@@ -1,0 +1,1 @@
+"""Prompt texts for `semfab bench tokens --dataset sonnet` (not tokenizer training text)."""
