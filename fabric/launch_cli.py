@@ -193,16 +193,35 @@ def query_switch(address: str, switch_id: int, timeout_s: float) -> dict[str, An
 
 
 def run_stats(args: argparse.Namespace) -> int:
-    """Print each switch's live counters."""
+    """Print each switch's live counters (of the newest running fabric by default)."""
+
+    def running(info_path: Path) -> bool:
+        """True while the launcher that wrote ``info_path`` is alive and its sockets exist."""
+        try:
+            info = json.loads(info_path.read_text())
+            pid = int(info["pid"])
+            sock_dir = Path(str(info["sock_dir"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            return False
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:  # alive, another user's
+            pass
+        return sock_dir.is_dir()
+
     if args.run_dir:
         run_dir = Path(args.run_dir)
     else:
         root = Path(os.environ.get("SEMFAB_RUN_DIR", "runs"))
-        candidates = sorted(root.glob("*/fabric.json"), key=lambda p: p.stat().st_mtime)
-        if not candidates:
-            raise UsageError(f"no running fabric found under {root}/; start one with "
-                             "`semfab launch --workers 4` or give its run folder")
-        run_dir = candidates[-1].parent
+        live = sorted((c for c in root.glob("*/fabric.json") if running(c)),
+                      key=lambda p: p.stat().st_mtime if p.exists() else 0.0)
+        if not live:
+            raise UsageError(f"no fabric is running (none under {root}/ has a live launcher); "
+                             "start one with `semfab launch --workers 4`, `semfab serve` or a "
+                             "benchmark, or give its run folder")
+        run_dir = live[-1].parent
     check_seconds("--timeout", args.timeout)
     info_path = run_dir / "fabric.json"
     if not info_path.is_file():
@@ -214,6 +233,9 @@ def run_stats(args: argparse.Namespace) -> int:
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         raise UsageError(f"{info_path} is not a fabric.json written by `semfab launch`; "
                          "give the run folder of a running fabric") from None
+    if not running(info_path):
+        raise UsageError(f"no fabric is running in {run_dir}: its launcher (pid "
+                         f"{info.get('pid')}) has exited or closed it")
     out = {name: query_switch(address, switch_id, args.timeout)
            for name, (address, switch_id) in switches.items()}
     if args.json:
