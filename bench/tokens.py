@@ -656,7 +656,9 @@ def tables(rows: list[dict[str, Any]], opts: Options) -> str:
     out.append(f"### Client metrics (ms; vllm bench serve conventions; SLO: {_slo_text(opts)})"
                "\n")
     out += _client_table(rows, opts, own=True)
-    out += [""] + _warning_lines(rows) if _warning_lines(rows) else []
+    warnings = _warning_lines(rows)
+    if warnings:
+        out += [""] + warnings
     base = {r["load"]: r for r in rows
             if (r["transport"], r["detok"], r["detok_at"]) == BASELINE}
     out.append("\n### Time per token in each layer (ms, p50 / p99); "
@@ -814,7 +816,9 @@ def _header(opts: Options, model: str) -> str:
 
 
 def _params(opts: Options, model: str) -> dict[str, Any]:
-    params = {k: v for k, v in vars(opts.args).items() if not callable(v)}
+    """Every setting of the run (a --base-url run leaves out our chain's)."""
+    skip = set(CHAIN_FLAGS) | {"trace_requests"} if opts.base_url else set()
+    params = {k: v for k, v in vars(opts.args).items() if not callable(v) and k not in skip}
     params.update({"model": model, "base_url": opts.base_url,
                    "levels": [lv.fields() for lv in opts.levels],
                    "percentiles": opts.percentiles, "percentile_metrics": opts.metrics,
