@@ -17,6 +17,8 @@ Modules (pure ones never touch sockets or clocks):
 * :mod:`~fabric.serving.api` -- OpenAI request validation, chunks, SSE framing (pure)
 * :mod:`~fabric.serving.metrics` -- TTFT/TPOT/ITL/E2EL, layers, goodput, experience (pure)
 * :mod:`~fabric.serving.trace` -- Chrome Trace Event JSON builder (pure)
+* :mod:`~fabric.serving.prom` -- Prometheus metrics in the text exposition format (pure)
+* :mod:`~fabric.serving.dataset` -- benchmark prompts (corpus, sonnet, random) and arrivals
 * :mod:`~fabric.serving.generator` -- worker (generator) and relay tasks
 * :mod:`~fabric.serving.host` -- the host task: token NIC, detokenizer, HTTP server
 * :mod:`~fabric.serving.client` -- a streaming HTTP client that timestamps events
