@@ -142,6 +142,16 @@ def test_bench_tokens_base_url_measures_a_server_it_did_not_start(
     assert row["warnings"] and row["goodput_req_s"] is not None
 
 
+def test_a_server_that_refuses_the_first_request_is_one_line(server: Server) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "fabric", "bench", "tokens", "--base-url", server.base,
+         "--model", "no-such-model", "--num-prompts", "2"],
+        capture_output=True, text=True, env=server.env, timeout=60)
+    assert proc.returncode == 1
+    assert proc.stderr.startswith(f"semfab: error: the first request to {server.base} failed")
+    assert "model_not_found" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
 def test_seed_and_temperature_are_honoured(server: Server) -> None:
     a = _text(server.base, seed=7, temperature=1.0)
     assert _text(server.base, seed=7, temperature=1.0) == a  # same seed, same text
