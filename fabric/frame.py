@@ -159,6 +159,7 @@ class NackCode(IntEnum):
     BAD_CHECKSUM = 6  # CRC32C mismatch
     UNSUPPORTED = 7  # version or header type we do not speak
     UNKNOWN_JOB = 8  # aggregation job not registered
+    MISSING = 9  # the switch waits for this contribution (later ones came): send it again
 
 
 _OP_VALUES = frozenset(int(o) for o in Op)
@@ -387,11 +388,14 @@ def encode_ack(
 
 
 def encode_nack(
-    *, src: int, dst: int, flow: int, psn: int, code: NackCode, job: int = 0, msg: int = 0
+    *, src: int, dst: int, flow: int, psn: int, code: NackCode, job: int = 0, msg: int = 0,
+    key: int = 0,
 ) -> bytes:
-    """A NACK refusing frame ``psn`` of ``flow`` with ``code``."""
+    """A NACK refusing frame ``psn`` of ``flow`` with ``code``; ``key`` is free for
+    the code's own use (MISSING: the later PSN that shows ``psn`` was lost)."""
     return encode_header(
-        Op.NACK, src=src, dst=dst, job=job, flow=flow, psn=psn, offset=int(code), msg=msg
+        Op.NACK, src=src, dst=dst, job=job, flow=flow, psn=psn, offset=int(code), msg=msg,
+        key=key,
     )
 
 

@@ -76,8 +76,9 @@ CTRL_RETRY_S = 0.05
 CTRL_RETRY_MAX_S = 1.0
 #: Floor of the aggregation retransmit timeout (seconds).
 AGG_RTO_MIN_S = 0.02
-#: NACK codes that mean "your frame was damaged on the way": send it again.
-RESEND_CODES = frozenset({NackCode.BAD_CHECKSUM})
+#: NACK codes that mean "send it again": damaged on the way, or lost (the switch
+#: saw later chunks of ours and asks for this one).
+RESEND_CODES = frozenset({NackCode.BAD_CHECKSUM, NackCode.MISSING})
 
 
 @dataclass
@@ -177,6 +178,14 @@ class NodeState:
         return cost
 
 
+def _nack_code(f: fr.Frame) -> NackCode | None:
+    """A NACK's code, or None for a code this end does not know."""
+    try:
+        return f.nack_code
+    except ValueError:
+        return None
+
+
 class Program:
     """Base of every program (see the module doc)."""
 
@@ -244,10 +253,11 @@ class Request(Program):
 
     def handle_frame(self, f: fr.Frame, now: float) -> list[Send]:
         if f.op is Op.NACK:
-            if f.nack_code in (NackCode.BAD_CHECKSUM, NackCode.MALFORMED):
+            code = _nack_code(f)
+            if code in (NackCode.BAD_CHECKSUM, NackCode.MALFORMED):
                 return []  # damaged on the way: the timer sends it again
             raise PeerFailed(f"{self.st.name}: node {self.dst} refused control request "
-                             f"{self.t!r}: {f.nack_code.name}")
+                             f"{self.t!r}: {code.name if code is not None else f.offset}")
         self.done = True
         self.result = control.parse(f.payload)
         return []
@@ -418,14 +428,24 @@ class InaAllreduce(Program):
         self.msg = next(st.coll_seq) & PSN_MASK
         self.code = fr.dtype_from_name(t.dtype)
         self.item = t.itemsize
-        self.timers = ChunkTimers(st.rtt, st.timeout_s)
+        # A lost contribution is asked for by the switch (MISSING) as soon as a later
+        # chunk of ours shows the gap; results overtaking a chunk then mean its result
+        # was lost, but only once most of the window overtook it (fewer: the MISSING
+        # resend is still on its way, and every member would resend); RTO backstop.
+        self.timers = ChunkTimers(st.rtt, st.timeout_s,
+                                  packet_threshold=max(3, self.S - 1))
         self.got = bytearray(self.nch)
+        self.first_sent = [0] * self.nch  # send order of each chunk's first copy
+        self._sends = 0
         self.left = self.nch
         self.flags = Flag.CRC if st.crc else Flag.NONE
         self.result = t.out
 
     def _frame(self, i: int, retx: bool) -> Send:
         st, E = self.st, self.E
+        if not self.first_sent[i]:
+            self._sends += 1
+            self.first_sent[i] = self._sends
         flags = self.flags | (Flag.RETX if retx else 0)
         psn = (self.base + i) & PSN_MASK
         if self.region is not None:
@@ -463,13 +483,18 @@ class InaAllreduce(Program):
     def handle_frame(self, f: fr.Frame, now: float) -> list[Send]:
         i = (f.psn - self.base) & PSN_MASK
         if f.op is Op.NACK:
-            if f.nack_code in RESEND_CODES:
-                if i < self.nch and not self.got[i]:
-                    self.st.retransmits += 1
+            code = _nack_code(f)
+            if code in RESEND_CODES:
+                # only a chunk we did send: one the window has not opened yet must
+                # wait for its slot's result (self-clocking), whatever the switch saw
+                if code is NackCode.MISSING and not self._lost_before(i, f.key):
+                    return []  # sent after the switch looked (or never): not lost
+                if i < self.nch and not self.got[i] and self.timers.outstanding(i):
+                    self.timers.resent(i, now)  # counted there
                     return [self._frame(i, True)]
                 return []
             raise PeerFailed(f"{self.st.name}: switch refused chunk {f.psn} of job {f.job}: "
-                             f"{f.nack_code.name}")
+                             f"{code.name if code is not None else f.offset}")
         if i >= self.nch or self.got[i]:  # a late copy of a result we already have
             self.st.duplicates += 1
             return []
@@ -482,6 +507,13 @@ class InaAllreduce(Program):
             assert self.t.out is not None
             self.t.out[i * E: i * E + count] = np.frombuffer(f.payload, dtype=self.t.out.dtype)
         return self.landed(i, now)
+
+    def _lost_before(self, i: int, proof_psn: int) -> bool:
+        """Chunk ``i`` was first sent before the chunk whose arrival proves it lost
+        (one link delivers in order, so ``i`` should have arrived first)."""
+        p = (proof_psn - self.base) & PSN_MASK
+        return (i < self.nch and p < self.nch and 0 < self.first_sent[i]
+                and 0 < self.first_sent[p] and self.first_sent[i] < self.first_sent[p])
 
     def landing(self, psn: int, length: int) -> tuple[int, int] | None:
         """Where chunk ``psn``'s result belongs in ``out``: ``(chunk, byte offset)``, or
@@ -1040,7 +1072,7 @@ class StreamSend(Program):
         if f.op is Op.ACK:
             out = self._put(self.sender.handle_ack(f.psn, f.sack, now))
         else:
-            out = self._put(self.sender.handle_nack(f.psn, f.nack_code, now))
+            out = self._put(self.sender.handle_nack(f.psn, f.offset, now))
         return self._check_done(now, out)
 
     def get_timer(self) -> float | None:

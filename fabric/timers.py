@@ -77,6 +77,18 @@ class ChunkTimers:
         t.overtaken = 0
         t.deadline = now + min(self.rtt.rto * (2 ** t.tries), self.rtt.rto_max)
 
+    def outstanding(self, chunk: int) -> bool:
+        """True when ``chunk`` was sent and its result has not come."""
+        return chunk in self._timers
+
+    def resent(self, chunk: int, now: float) -> None:
+        """Chunk ``chunk`` was sent again at ``now`` on request (a MISSING NACK): its
+        timer restarts, backed off, and no RTT sample is taken from it (Karn)."""
+        t = self._timers.get(chunk)
+        if t is not None:
+            self._resent(t, now)
+            self.retransmits += 1
+
     def next_deadline(self) -> float | None:
         """The earliest deadline, or None when nothing is outstanding."""
         return min((t.deadline for t in self._timers.values()), default=None)

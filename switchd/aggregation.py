@@ -464,6 +464,40 @@ class AggregationEngine:
         np.copyto(j.mem[slot, q & 1, :n], data)
         return True
 
+    def pending(self, job: int, chunk: int, member: int) -> bool:
+        """True when ``chunk`` is being aggregated and ``member`` has not contributed
+        to it yet (a contribution the switch still waits for)."""
+        j = self._jobs.get(job)
+        bit = None if j is None else j.bits.get(member)
+        if j is None or bit is None or chunk < 0:
+            return False
+        q, slot = divmod(chunk, j.slots)
+        idx = 2 * slot + (q & 1)
+        return j.held[idx] == chunk and j.bitmap[idx] != j.full and not j.bitmap[idx] & bit
+
+    def missing(self, job: int, chunk: int) -> tuple[int, ...]:
+        """Members whose contribution to ``chunk`` (being aggregated) is still out."""
+        j = self._jobs.get(job)
+        if j is None or chunk < 0:
+            return ()
+        q, slot = divmod(chunk, j.slots)
+        idx = 2 * slot + (q & 1)
+        bm = j.bitmap[idx]
+        if j.held[idx] != chunk or bm == j.full:
+            return ()
+        return tuple(m for m, bit in j.bits.items() if not bm & bit)
+
+    def kept_result(self, job: int, chunk: int) -> np.ndarray | None:
+        """The kept result of completed ``chunk`` (None if not held or not complete)."""
+        j = self._jobs.get(job)
+        if j is None or chunk < 0:
+            return None
+        q, slot = divmod(chunk, j.slots)
+        idx = 2 * slot + (q & 1)
+        if j.held[idx] != chunk or j.bitmap[idx] != j.full:
+            return None
+        return j.view(idx, j.length[idx])
+
     def release(self, job: int) -> None:
         """Free a job's slots and memory. Unknown jobs are ignored (idempotent).
 

@@ -68,6 +68,15 @@ Output = tuple[bytes, Any, Any]
 HELLO_INTERVAL_S = 0.1
 #: Finished barrier ids kept to answer late retries of the barrier.
 BARRIERS_KEPT = 1024
+#: Chunks a switch checks behind a member's newest one for a lost contribution.
+MISSING_SCAN = 64
+#: A chunk missing at most this many members checks whether they already sent
+#: later chunks (then theirs was lost).
+MISSING_FEW = 2
+#: Times one contribution is asked for (each ask with another proof).
+MISSING_ASKS = 4
+#: MISSING requests remembered (so each lost contribution is asked for once).
+ASKED_KEPT = 65536
 
 
 class MemoryPlane(Protocol):
@@ -131,6 +140,7 @@ class SwitchStats:
     forwarded: int
     reduce_frames: int
     results_sent: int
+    missing_asked: int
     ctrl_frames: int
     malformed: int
     unauthorised: int
@@ -152,6 +162,7 @@ class _Counters:
     forwarded: int = 0
     reduce_frames: int = 0
     results_sent: int = 0
+    missing_asked: int = 0  # MISSING NACKs: a member asked for one lost contribution
     ctrl_frames: int = 0
     malformed: int = 0
     unauthorised: int = 0
@@ -225,6 +236,11 @@ class SwitchCore:
         self._job_parent: dict[int, int] = {}
         self._awaiting: set[tuple[int, int]] = set()
         self._up_pending: dict[int, dict[int, bytes]] = {}
+        # loss detection at the switch: per (job, member) the highest chunk seen, and
+        # the (job, chunk, member) already asked to resend
+        self._high: dict[tuple[int, int], int] = {}
+        self._asked: set[tuple[int, int, int, int]] = set()
+        self._asked_n: dict[tuple[int, int, int], int] = {}
         self._barriers: dict[int, dict[int, bytes]] = {}
         self._barriers_done: deque[int] = deque(maxlen=BARRIERS_KEPT)
         self._ctrl_crc = False
@@ -342,6 +358,8 @@ class SwitchCore:
             # never answer a NACK with a NACK (two switches would ping-pong);
             # a tree switch recovers through its members' retransmissions
             c.nacks_received += 1
+            if f.op is Op.NACK and f.offset == NackCode.MISSING:
+                self._resend_partial(f)
         else:
             self._nack(port, f.src, f.job, f.psn, f.msg, NackCode.UNSUPPORTED,
                        f"switch does not serve {f.op.name}")
@@ -421,6 +439,8 @@ class SwitchCore:
                 self._nack(port, f.src, f.job, f.psn, f.msg, NackCode[ev.code], ev.reason)
             # DuplicateIgnored, Stale: counted by the engine; nothing to send
         counted = completed or not events
+        if counted:
+            self._ask_missing(f, port, chunk)
         if pending is not None and not counted and not had_ref:
             # refused, stale or answered from the kept result: forget the address
             pending.pop(f.src, None)
@@ -428,6 +448,52 @@ class SwitchCore:
                 self._refs.pop((f.job, chunk), None)
         if data is not None and counted:
             self.counters.payload_copies += 1
+
+    def _ask_missing(self, f: fr.Frame, port: bytes, chunk: int) -> None:
+        """A member's chunk ``chunk`` came, skipping chunks still waiting for it: those
+        were lost on its link. Ask that member alone, once per chunk (the others'
+        contributions are in: they need not resend, as they would on a timeout)."""
+        key = (f.job, f.src)
+        high = self._high.get(key)
+        self._high[key] = chunk if high is None else max(high, chunk)
+        if high is not None and chunk > high + 1:
+            # this member skipped chunks: any of them still waiting for it was lost
+            # (or not sent yet: its slot's result came late; the member then ignores
+            # the ask, see fabric.programs.InaAllreduce)
+            for c in range(high + 1, min(chunk, high + 1 + MISSING_SCAN)):
+                if self.engine.pending(f.job, c, f.src):
+                    self._ask(f.job, c, f.src, f.msg, chunk)
+        # this chunk now waits only for members that already sent later chunks:
+        # their contribution to it was lost
+        out = self.engine.missing(f.job, chunk)
+        if 0 < len(out) <= MISSING_FEW:
+            for m in out:
+                proof = self._high.get((f.job, m), -1)
+                if proof > chunk:
+                    self._ask(f.job, chunk, m, f.msg, proof)
+
+    def _ask(self, job: int, chunk: int, member: int, msg: int, proof: int) -> None:
+        """NACK MISSING to ``member`` for ``chunk``; ``proof`` is a later chunk of its
+        that arrived (the member resends only if it sent ``chunk`` before ``proof``)."""
+        # the member ignores an ask about a chunk it sent after the proof: a later
+        # proof may ask again (a few times)
+        ask = (job, chunk, member, proof)
+        port = self._ident.get(member)
+        times = self._asked_n.get((job, chunk, member), 0)
+        if ask in self._asked or port is None or times >= MISSING_ASKS:
+            return
+        self._asked.add(ask)
+        self._asked_n[(job, chunk, member)] = times + 1
+        if len(self._asked) > ASKED_KEPT:  # old asks: their chunks are long complete
+            self._asked.clear()
+            self._asked_n.clear()
+        self.counters.missing_asked += 1
+        c = self.counters
+        c.nacks_sent += 1
+        c.nack_codes["MISSING"] = c.nack_codes.get("MISSING", 0) + 1
+        self._send(port, fr.encode_nack(src=self.id, dst=member, flow=0, psn=chunk & PSN_MASK,
+                                        code=NackCode.MISSING, job=job, msg=msg,
+                                        key=proof & PSN_MASK))
 
     def _reduce_regions(self, spec: JobSpec, chunk: int, count: int) -> None:
         """Memory plane: ld_reduce from every member's region, st into every one."""
@@ -473,6 +539,18 @@ class SwitchCore:
             return
         self._awaiting.discard((f.job, chunk))
         self._send_results(spec, chunk, spec.members, data, f)
+
+    def _resend_partial(self, f: fr.Frame) -> None:
+        """Our parent lost our partial of a chunk: send it again (we keep it)."""
+        spec = self._jobs.get(f.job)
+        if spec is None or self._job_parent.get(f.job) != f.src:
+            return
+        chunk = unwrap_psn(f.psn, self._job_last.get(f.job, 0))
+        partial = self.engine.kept_result(f.job, chunk)
+        if (f.job, chunk) in self._awaiting and partial is not None:
+            flags = Flag.CRC if self._ctrl_crc else Flag.NONE  # checked where the fabric checks
+            self._send_up(spec, chunk, partial, f._replace(dtype=fr.dtype_from_name(
+                spec.dtype), flags=flags), retx=True)
 
     def _send_up(self, spec: JobSpec, chunk: int, partial: np.ndarray | None,
                  f: fr.Frame, retx: bool) -> None:
@@ -671,6 +749,7 @@ class SwitchCore:
         self._jobs.pop(job, None)
         self._refs = {k: v for k, v in self._refs.items() if k[0] != job}
         self._awaiting = {k for k in self._awaiting if k[0] != job}
+        self._high = {k: v for k, v in self._high.items() if k[0] != job}
         self._up_pending.pop(job, None)
         parent = self._job_parent.pop(job, None)
         if parent is not None:  # the rest of the tree frees its part too

@@ -136,3 +136,16 @@ def test_host_staged_paths_recover_from_loss_exactly(faults: str) -> None:
         for path in ("host-ring", "host-ps", "ina"):
             np.testing.assert_array_equal(out[path], want, err_msg=path)
     assert res.retransmits > 0
+
+
+def test_the_switch_asks_only_the_member_that_lost_a_contribution() -> None:
+    """A lost REDUCE is asked for by the switch (MISSING NACK) from its sender alone;
+    retransmissions stay well below one per member per lost frame."""
+    topo = leaf_spine(2, 2, leaf_bandwidth_gbps=10.0)
+    sim = Simulation(topo, seed=3, faults="loss=0.01")
+    res = sim.run(tasks.seeded_sum_workload, ("ina",), 1 << 20, "int32", 2)
+    lost = sum(p.statistics().lost_by_op.get(op, 0) for p in sim.pipes.values()
+               for op in ("REDUCE", "RESULT"))
+    assert lost > 0
+    assert sum(s.missing_asked for s in res.switch_stats.values()) > 0
+    assert res.retransmits / lost < 3.0  # four members: every one resending would be ~4
