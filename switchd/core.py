@@ -712,9 +712,10 @@ class SwitchCore:
             return
         self._transition(spec.job, "ask_parent")
         waiting = self._up_pending.setdefault(spec.job, {})
-        if not waiting:
-            fields = {k: v for k, v in msg.items() if k != "t"}
-            self._ctrl(self._next_hop[parent_id], parent_id, "job", **fields)
+        # ask the parent on every (re)try of a member: our request or its answer may
+        # have been lost, and the parent answers a repeated request again
+        fields = {k: v for k, v in msg.items() if k != "t"}
+        self._ctrl(self._next_hop[parent_id], parent_id, "job", **fields)
         waiting[f.src] = port
 
     def _on_job_reply(self, f: fr.Frame, msg: dict[str, Any]) -> None:

@@ -34,7 +34,8 @@ def fab2(tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize(("dtype", "op"), [("float32", "sum"), ("int32", "sum"),
-                                           ("float32", "max"), ("int64", "min")])
+                                           ("float32", "max"), ("int64", "min"),
+                                           ("bfloat16", "sum"), ("float16", "min")])
 def test_every_path_exact_with_ragged_sizes(fab2: Fabric, path: str, dtype: str, op: str) -> None:
     # 5003 elements in 1 KiB chunks: many chunks, a window that wraps, a short last chunk
     res = fab2.run(tasks.allreduce_check, path, 5003, dtype, op, 1024)

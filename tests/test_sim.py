@@ -149,3 +149,17 @@ def test_the_switch_asks_only_the_member_that_lost_a_contribution() -> None:
     assert lost > 0
     assert sum(s.missing_asked for s in res.switch_stats.values()) > 0
     assert res.retransmits / lost < 3.0  # four members: every one resending would be ~4
+
+
+@pytest.mark.parametrize("seed", [7, 9, 11])
+def test_tree_job_registration_and_aggregation_survive_loss(seed: int) -> None:
+    """A leaf asks its parent again on every member retry: a lost upward job request
+    (or its answer) once left the job waiting forever."""
+    from fabric.topology import loads
+    from tests.test_fabric_e2e import TWO_LEAVES
+
+    res = Simulation(loads(TWO_LEAVES), seed=seed, faults="loss=0.03", timeout_s=5).run(
+        tasks.seeded_sum_workload, ("ina",), 20_000, "int32", 3)
+    want = expected_allreduce(2, 2, 20_000, "int32", "sum", seed=5)
+    for out in res.results:
+        np.testing.assert_array_equal(out["ina"], want)
