@@ -22,6 +22,7 @@ when it refuses.
 from __future__ import annotations
 
 import itertools
+import random
 from collections import OrderedDict
 from collections.abc import Callable, Generator
 from dataclasses import asdict, dataclass, field
@@ -130,10 +131,13 @@ class NodeState:
         self.job_seq = itertools.count(1)
         self.coll_seq = itertools.count(1)
         self.barrier_seq = itertools.count(1)
+        # request ids start anywhere: a refusal of some other frame cannot guess ours
+        self.ctrl_seq = itertools.count(random.getrandbits(32))
         self.semantics: dict[str, SemanticCounts] = {}
         self.fallbacks: list[str] = []
         self.retransmits = 0
         self.duplicates = 0
+        self.bad_frames = 0  # frames a program refused (damaged or forged)
         self._route_cost: dict[int, tuple[int, int]] = {}
         # ring collectives finished here, by (left neighbour, msg): late retransmissions
         # of their frames are acknowledged again (answer_stale)
@@ -229,7 +233,10 @@ class Request(Program):
                  match: Callable[[dict[str, Any]], bool] | None = None, **fields: Any) -> None:
         self.st, self.t, self.reply, self.match = st, t, reply, match
         self.dst = st.switch_id if dst is None else dst
-        self.frame = fr.encode(Op.CTRL, src=st.node_id, dst=self.dst,
+        # a request id in ``msg``: a refusal names it, so a stray NACK (a reply to
+        # some other, perhaps hostile, frame) is never taken for ours
+        self.id = next(st.ctrl_seq) & PSN_MASK or next(st.ctrl_seq) & PSN_MASK
+        self.frame = fr.encode(Op.CTRL, src=st.node_id, dst=self.dst, msg=self.id,
                                payload=control.pack(t, **fields), crc=st.crc)
         self._retry = CTRL_RETRY_S
         self._due = 0.0
@@ -242,7 +249,7 @@ class Request(Program):
 
     def wants(self, f: fr.Frame) -> bool:
         if f.op is Op.NACK:
-            return f.src == self.dst and f.psn == 0 and f.job == 0
+            return f.src == self.dst and f.msg == self.id and f.job == 0
         if f.op is not Op.CTRL or f.src != self.dst:
             return False  # only the node we asked answers (a forged reply is not taken)
         try:
@@ -761,10 +768,12 @@ class HostRingAllreduce(Program):
                 self._keep_before_overwrite(recv_k)
             lo, hi = self._segment(recv_k)
             a, b = lo + j * self.E, min(hi, lo + (j + 1) * self.E)
+            if f.length != (b - a) * self.staged.itemsize:
+                # not the frame we wait for (damaged or forged): its sender resends
+                # the step when our ACK does not come
+                self.st.bad_frames += 1
+                return
             incoming = np.frombuffer(f.payload, dtype=self.staged.dtype)
-            if incoming.size != b - a:
-                raise PeerFailed(f"{self.st.name}: ring frame of {incoming.size} elements, "
-                                 f"expected {b - a}")
             target = self.staged[a:b]
             if combine:
                 self.reduce(target, incoming, out=target)

@@ -351,7 +351,7 @@ class SwitchCore:
             self._ctrl_crc = self._ctrl_crc or bool(f.flags & Flag.CRC)
             try:
                 self._on_ctrl(f, port, control.parse(f.payload))
-            except FrameError as exc:
+            except (FrameError, AccessError) as exc:
                 c.malformed += 1
                 self._nack(port, f.src, f.job, f.psn, f.msg, exc.code, str(exc))
         elif f.op in (Op.NACK, Op.ACK):

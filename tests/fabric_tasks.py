@@ -149,3 +149,50 @@ def timed_stream_workload(ctx, nbytes: int):
         yield ctx.recv(np.zeros(nbytes, np.uint8), 0)
     t1 = yield ctx.clock()
     return t1 - t0
+
+
+def hostile_then_exact(ep, n: int, seed: int) -> dict:
+    """Rank 0 sends ``n`` random and mutated frames (control, REDUCE, RESULT, host-ps
+    messages; random bytes) to the switch and the host through its own port; then
+    every path must still be exact on every rank."""
+    import random
+
+    from fabric import control
+    from fabric import frame as fr
+
+    if ep.rank == 0:
+        rng = random.Random(seed)
+        good = [
+            fr.encode(fr.Op.CTRL, src=ep.node_id, dst=ep.switch_id,
+                      payload=control.pack("job", job=rng.randrange(1 << 16), members=[0, 999],
+                                           dtype="int32", op="sum", slots=1, slot_elems=4)),
+            fr.encode(fr.Op.CTRL, src=ep.node_id, dst=ep.switch_id,
+                      payload=control.pack("region", key=5, size=-3, path="/nonexistent")),
+            fr.encode(fr.Op.CTRL, src=ep.node_id, dst=ep.switch_id,
+                      payload=control.pack("unregister", key=rng.randrange(1 << 32))),
+            fr.encode(fr.Op.REDUCE, src=ep.node_id, dst=ep.switch_id, job=1, psn=3,
+                      payload=b"\x01" * 12),
+            fr.encode(fr.Op.RESULT, src=ep.node_id, dst=ep.switch_id, job=1, psn=0,
+                      payload=b"\x02" * 16),
+            fr.encode(fr.Op.WRITE, src=ep.node_id, dst=ep.host_id, flow=2, psn=0,
+                      payload=b"\x93\x01\x02"),
+            fr.encode(fr.Op.WRITE, src=ep.node_id, dst=ep.host_id, flow=2, psn=0,
+                      payload=b"\x85\xa3seq\x01\xa5chunk\x00\xa7members\x91\x00"
+                              b"\xa2op\xa3sum\xa5dtype\xa5int32"),
+        ]
+        for i in range(n):
+            blob = bytearray(rng.choice(good))
+            for _ in range(rng.randrange(0, 4)):
+                blob[rng.randrange(len(blob))] = rng.randrange(256)
+            if i % 7 == 0:
+                blob = bytearray(rng.randbytes(rng.randrange(0, 64)))
+            ep.sock.send(bytes(blob))
+    ep.barrier()
+    wrong = {}
+    for path in ("ina", "ina-mem", "host-ps", "host-ring"):
+        x = ep.alloc(10_007, "int32")
+        x[:] = (np.arange(10_007) % 1000) * (ep.rank + 1)
+        ep.allreduce(x, path=path, out=x)
+        want = (np.arange(10_007) % 1000) * sum(range(1, ep.world + 1))
+        wrong[path] = int((x != want).sum())
+    return {"wrong": wrong, "stash": len(ep.stash), "switch": ep.switch_stats()["malformed"]}

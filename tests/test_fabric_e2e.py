@@ -228,3 +228,13 @@ def test_every_path_recovers_from_faults(tmp_path, faults: str) -> None:
         for path in ("ina", "ina-mem", "host-ps", "host-ring"):
             res = fab.run(tasks.allreduce_check, path, 40_003, "float32", "sum", 16384)
             assert [r["wrong"] for r in res] == [0, 0], (path, faults)
+
+
+def test_a_live_fabric_survives_hostile_frames_and_stays_exact(tmp_path) -> None:
+    """Random and mutated frames into a running switch, host and worker (through a
+    worker's own port): nothing crashes, and every path is exact afterwards."""
+    with launch(workers=2, run_dir=tmp_path, timeout_s=60) as fab:
+        res = fab.run(tasks.hostile_then_exact, 20_000, 1, timeout_s=240)
+        assert all(set(r["wrong"].values()) == {0} for r in res), res
+        assert res[0]["switch"] > 0  # the switch counted what it refused
+        assert all(p.popen.poll() is None for p in fab.procs.values())
