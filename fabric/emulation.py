@@ -46,8 +46,8 @@ def run_in_emulation(ep: Any, fn: Callable[..., Generator[Any, Any, Any]], *args
             value = ep.allreduce(op.x, op=op.op, path=op.path, out=op.out,
                                  numerics=op.numerics)
         elif isinstance(op, (Send, Recv, Together)):
-            if any(getattr(o, "x", 0) is None or getattr(o, "out", 0) is None
-                   for o in (op.ops if isinstance(op, Together) else (op,))):
+            parts = op.ops if isinstance(op, Together) else (op,)
+            if any((o.x if isinstance(o, Send) else o.out) is None for o in parts):
                 raise UsageError("timing-only streams (no array) run in simulation only")
             value = ep.run(stream_program(ep.state, op), f"{type(op).__name__.lower()}")
         elif isinstance(op, Barrier):

@@ -104,8 +104,6 @@ class Endpoint:
         # barriers are counted by one switch for the whole fabric: the tree root
         self.root_switch_id = st.root_switch_id
         self.mtu = st.mtu
-        link = topo.link_between(name, self.switch_name)
-        self.link_shaped = link is not None and (link.params.shaped or link.params.latency_us > 0)
         self.timeout_s = timeout_s
         self.run_id = run_id
         self._own_ctx = ctx is None
@@ -164,10 +162,6 @@ class Endpoint:
         self.state.duplicates = n
 
     # ------------------------------------------------------------------ basics
-    def deadline(self) -> float:
-        """Monotonic deadline of a wait that starts now."""
-        return time.monotonic() + self.timeout_s
-
     def sem(self, path: str) -> SemanticCounts:
         """The semantic-distance counters of ``path``."""
         return self.state.sem(path)
@@ -180,22 +174,6 @@ class Endpoint:
         nbytes = memoryview(payload).nbytes
         self.sock.send(header, zmq.SNDMORE)
         self.sock.send(payload, copy=nbytes < transport.ZERO_COPY_MIN)
-
-    def poll(self, deadline: float, what: str) -> None:
-        """Wait until a frame can be read, or raise FabricTimeout naming ``what``."""
-        remaining = deadline - time.monotonic()
-        if remaining <= 0 or not self.sock.poll(int(remaining * 1000) + 1):
-            raise FabricTimeout(
-                f"{self.name}: {what}: no answer from switch {self.switch_name!r} "
-                f"within {self.timeout_s:g}s (is it running? see its log in the run folder)"
-            )
-
-    def recv_frame(self, deadline: float, what: str) -> fr.Frame:
-        """Receive the next whole frame (payload kept in the zmq buffer, no copy)."""
-        self.poll(deadline, what)
-        parts = self.sock.recv_multipart(copy=False)
-        payload = parts[1].buffer if len(parts) > 1 else None
-        return fr.decode(parts[0].buffer, payload)
 
     def defer(self, f: fr.Frame) -> None:
         """The one demultiplexing rule for frames no running program wants.
@@ -225,25 +203,6 @@ class Endpoint:
             old = self.stash.popleft()
             self._stash_bytes -= len(old.payload)
             self.dropped += 1
-
-    def wait_for(self, match: Callable[[fr.Frame], bool], what: str,
-                 deadline: float | None = None) -> fr.Frame:
-        """The first frame satisfying ``match``; others go through :meth:`defer`."""
-        for i, f in enumerate(self.stash):
-            if match(f):
-                del self.stash[i]
-                self._stash_bytes -= len(f.payload)
-                return f
-        deadline = deadline or self.deadline()
-        while True:
-            try:
-                f = self.recv_frame(deadline, what)
-            except fr.FrameError:
-                self.bad_frames += 1
-                continue
-            if match(f):
-                return f
-            self.defer(f)
 
     def drain_idle(self) -> None:
         """Between operations: take what arrived and apply :meth:`defer` to it (late
