@@ -9,7 +9,7 @@ region, and fixed-point numerics on it.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -29,7 +29,8 @@ def scratch_region(ep: Endpoint, nbytes: int) -> np.ndarray:
     return ep.scratch[:nbytes]
 
 
-def allreduce_fixed(ep: Endpoint, x: np.ndarray, out: np.ndarray, path: str) -> None:
+def allreduce_fixed(ep: Endpoint, x: np.ndarray, out: np.ndarray, path: str,
+                    group: Any = None) -> None:
     """Sum float32 ``x`` as fixed-point int32 (see :func:`fabric.programs.fixed_program`).
 
     The memory plane's integers must live in a registered region, so that path
@@ -46,15 +47,16 @@ def allreduce_fixed(ep: Endpoint, x: np.ndarray, out: np.ndarray, path: str) -> 
     if x.dtype != np.float32:
         raise UsageError("fixed-point numerics take float32 tensors")
     if path != "ina-mem":
-        ep.run(fixed_program(ep.state, Tensor(x.size, "float32", x, out), path),
+        ep.run(fixed_program(ep.state, Tensor(x.size, "float32", x, out), path, group),
                f"allreduce {path} (fixed point)")
         return
     maxima = fixed_maxima(x)
     # the scalar agreement travels in-network too (ina: a few bytes are not worth a region)
-    ep.allreduce(maxima, op="max", path="ina", out=maxima)
+    ep.allreduce(maxima, op="max", path="ina", out=maxima, group=group)
     q = _scratch_ints(ep, x.size)
-    scales = fixed_quantize(x, maxima, ep.world, q)
-    ep.allreduce(q, op="sum", path=path, out=q)
+    size = group.size if group is not None else ep.world
+    scales = fixed_quantize(x, maxima, size, q)
+    ep.allreduce(q, op="sum", path=path, out=q, group=group)
     fixed_dequantize(q, scales, out)
 
 

@@ -16,12 +16,16 @@ from fabric.workload import (
     Allreduce,
     Barrier,
     Clock,
+    CloseGroup,
+    Collective,
     Compute,
     Context,
+    MakeGroup,
     Recv,
     Send,
     Together,
     check_workload,
+    program_of,
     stream_program,
 )
 
@@ -44,14 +48,18 @@ def run_in_emulation(ep: Any, fn: Callable[..., Generator[Any, Any, Any]], *args
             if op.x is None:
                 raise UsageError("timing-only allreduce (x=None) runs in simulation only")
             value = ep.allreduce(op.x, op=op.op, path=op.path, out=op.out,
-                                 numerics=op.numerics)
+                                 numerics=op.numerics, group=op.group)
+        elif isinstance(op, (Collective, MakeGroup, CloseGroup)):
+            if isinstance(op, Collective) and op.x is None:
+                raise UsageError(f"timing-only {op.kind} (x=None) runs in simulation only")
+            value = ep.run(program_of(ep.state, op), type(op).__name__)
         elif isinstance(op, (Send, Recv, Together)):
             parts = op.ops if isinstance(op, Together) else (op,)
             if any((o.x if isinstance(o, Send) else o.out) is None for o in parts):
                 raise UsageError("timing-only streams (no array) run in simulation only")
             value = ep.run(stream_program(ep.state, op), f"{type(op).__name__.lower()}")
         elif isinstance(op, Barrier):
-            ep.barrier()
+            ep.barrier(op.group)
             value = None
         elif isinstance(op, Compute):
             time.sleep(op.seconds)

@@ -47,7 +47,8 @@ OPS = _REGISTRY_OPS
 DTYPE_NAMES = tuple(_REGISTRY_DTYPES)
 DEFAULT_TIMEOUT_S = 30.0
 #: Control message types that answer a request (see :meth:`Endpoint.defer`).
-CTRL_REPLIES = frozenset({"welcome", "barrier_done", "job_reply", "region_reply", "stats"})
+CTRL_REPLIES = frozenset({"welcome", "barrier_done", "job_reply", "region_reply", "stats",
+                          "release_reply", "group_reply", "group_released"})
 
 
 def np_dtype(name: str) -> np.dtype[Any]:
@@ -166,7 +167,7 @@ class Endpoint:
         """The semantic-distance counters of ``path``."""
         return self.state.sem(path)
 
-    def send(self, header: bytes, payload: Any = None) -> None:
+    def send_frame(self, header: bytes, payload: Any = None) -> None:
         """Send one frame to the switch (payload zero-copy when large)."""
         if payload is None:
             self.sock.send(header)
@@ -339,7 +340,7 @@ class Endpoint:
 
     def _send_all(self, sends: list[tuple[bytes, Any]]) -> None:
         for header, payload in sends:
-            self.send(header, payload)
+            self.send_frame(header, payload)
 
     def request(self, t: str, reply: str, dst: int | None = None,
                 match: Callable[[dict[str, Any]], bool] | None = None,
@@ -410,14 +411,108 @@ class Endpoint:
         return None
 
     # ------------------------------------------------------------------ collectives
-    def barrier(self) -> None:
-        """Wait until every worker reached this barrier (counted by the tree root)."""
+    def barrier(self, group: Any = None) -> None:
+        """Wait until every worker (or every member of ``group``) reached this barrier
+        (counted by the tree root)."""
         from fabric.programs import barrier_program
 
-        self.run(barrier_program(self.state), "barrier")
+        self.run(barrier_program(self.state, _group_of(group)), "barrier")
+
+    def group(self, ranks: Any) -> Any:
+        """A communicator of world ``ranks`` (in its rank order): a
+        :class:`fabric.communicator.Communicator` with its own rank, size, jobs and
+        barriers. Every member calls it with the same ranks in the same order;
+        ``close()`` it (or use ``with``) to release its switch resources."""
+        from fabric.collective_programs import group_program
+        from fabric.communicator import Communicator
+
+        g = self.run(group_program(self.state, ranks), f"create group {list(ranks)}")
+        return Communicator(self, g)
+
+    def collective(self, kind: str, x: np.ndarray, out: np.ndarray | None = None, *,
+                   path: str | None = None, op: str = "sum", root: int = 0,
+                   group: Any = None, send_counts: Any = None,
+                   recv_counts: Any = None) -> Any:
+        """Run collective ``kind`` (see :data:`fabric.collective_programs.COLLECTIVES`)
+        over every worker (or ``group``); returns its output array."""
+        from fabric.workload import Collective, program_of
+
+        if self.rank < 0:
+            raise UsageError(f"{self.name} is not a worker; only workers join collectives")
+        op_ = Collective(kind, x, out, path, op, root, _group_of(group),
+                         None if send_counts is None else tuple(send_counts),
+                         None if recv_counts is None else tuple(recv_counts))
+        return self.run(program_of(self.state, op_), f"{kind} {path or 'default path'}")
+
+    def all_gather(self, x: np.ndarray, out: np.ndarray | None = None, **kw: Any) -> Any:
+        """Every rank's ``x`` (m elements) concatenated in rank order (size * m);
+        ``path``: ina (switch multicast), host-p2p or host-ring."""
+        return self.collective("all_gather", x, out, **kw)
+
+    def reduce_scatter(self, x: np.ndarray, out: np.ndarray | None = None, **kw: Any) -> Any:
+        """Reduce ``x`` (size * m) over ranks; returns this rank's segment (m);
+        ``path``: ina (reduced in the switch, each segment sent to its owner only),
+        host-p2p or host-ring."""
+        return self.collective("reduce_scatter", x, out, **kw)
+
+    def broadcast(self, x: np.ndarray, out: np.ndarray | None = None, **kw: Any) -> Any:
+        """The root's ``x`` on every rank (in place by default); path ina or host-p2p."""
+        return self.collective("broadcast", x, out, **kw)
+
+    def reduce(self, x: np.ndarray, out: np.ndarray | None = None, **kw: Any) -> Any:
+        """Reduce ``x`` over ranks into the root's output (None elsewhere)."""
+        return self.collective("reduce", x, out, **kw)
+
+    def alltoall(self, x: np.ndarray, out: np.ndarray | None = None, **kw: Any) -> Any:
+        """Segment ``k`` of ``x`` (size * m) to rank ``k``; segment ``k`` of the output
+        from rank ``k``."""
+        return self.collective("alltoall", x, out, **kw)
+
+    def alltoallv(self, x: np.ndarray, send_counts: Any, out: np.ndarray | None,
+                  recv_counts: Any, **kw: Any) -> Any:
+        """alltoall with per-rank element counts (``out`` sized ``sum(recv_counts)``)."""
+        return self.collective("alltoallv", x, out, send_counts=send_counts,
+                               recv_counts=recv_counts, **kw)
+
+    def gather(self, x: np.ndarray, out: np.ndarray | None = None, **kw: Any) -> Any:
+        """Every rank's ``x`` concatenated at the root."""
+        return self.collective("gather", x, out, **kw)
+
+    def scatter(self, x: np.ndarray, out: np.ndarray | None = None, **kw: Any) -> Any:
+        """Segment ``k`` of the root's ``x`` (size * m) to rank ``k`` (every rank passes
+        an ``x`` of that size; only the root's is read)."""
+        return self.collective("scatter", x, out, **kw)
+
+    def send(self, x: np.ndarray, dst: int, *, policy: str = "selective") -> dict[str, Any]:
+        """Send ``x``'s bytes reliably to worker ``dst`` (a world rank); the sender's
+        statistics. Any number of streams may run between any pairs."""
+        from fabric.programs import StreamSend
+
+        result: dict[str, Any] = self.run(StreamSend(self.state, dst, x, policy=policy),
+                                          f"send to rank {dst}")
+        return result
+
+    def recv(self, out: np.ndarray, src: int, *, policy: str = "selective") -> np.ndarray:
+        """Receive worker ``src``'s next stream into ``out``; returns ``out``."""
+        from fabric.programs import StreamRecv
+
+        self.run(StreamRecv(self.state, src, out, policy=policy), f"recv from rank {src}")
+        return out
+
+    def sendrecv(self, x: np.ndarray, dst: int, out: np.ndarray, src: int, *,
+                 policy: str = "selective") -> np.ndarray:
+        """Send to ``dst`` and receive from ``src`` at the same time (both directions of
+        one pair may run at once); returns ``out``."""
+        from fabric.programs import Parallel, StreamRecv, StreamSend
+
+        self.run(Parallel([StreamSend(self.state, dst, x, policy=policy),
+                           StreamRecv(self.state, src, out, policy=policy)]),
+                 f"sendrecv with ranks {dst}/{src}")
+        return out
 
     def allreduce(self, x: np.ndarray, op: str = "sum", path: str = "ina",
-                  out: np.ndarray | None = None, numerics: str = "float") -> np.ndarray:
+                  out: np.ndarray | None = None, numerics: str = "float",
+                  group: Any = None) -> np.ndarray:
         """Allreduce ``x`` over all workers; returns ``out`` (a new array by default).
 
         ``path``: ``ina`` (frame plane, reduced in the switch), ``ina-mem``
@@ -446,13 +541,14 @@ class Endpoint:
             raise UsageError(f"numerics must be 'float' or 'fixed', not {numerics!r}")
         if x.size == 0:
             return out
+        g = _group_of(group)
         if numerics == "fixed" and op == "sum":
-            collectives.allreduce_fixed(self, x, out, path)
+            collectives.allreduce_fixed(self, x, out, path, group=g)
             return out
         what = f"allreduce {path}"
         if path != "ina-mem":
-            self.run(allreduce_program(self.state, Tensor(x.size, name, x, out), op, path),
-                     what)
+            self.run(allreduce_program(self.state, Tensor(x.size, name, x, out), op, path,
+                                       group=g), what)
             return out
         # memory plane: reduced in place in registered memory, else staged through scratch
         loc = self.region_of(out) if out is x else None
@@ -463,7 +559,7 @@ class Endpoint:
             loc = self.region_of(work)
             assert loc is not None
         t = Tensor(x.size, name, work, work)
-        self.run(allreduce_program(self.state, t, op, path, region=loc), what)
+        self.run(allreduce_program(self.state, t, op, path, region=loc, group=g), what)
         if work is not out:
             np.copyto(out, work)
             nch = self.sem(path).chunks and -(-x.size // max(self.state.mem_chunk_elems(
@@ -485,3 +581,8 @@ class Endpoint:
         self.sock.close(0)
         if self._own_ctx:
             self.ctx.term()
+
+
+def _group_of(group: Any) -> Any:
+    """The pure group of a Communicator (or a Group, or None for every worker)."""
+    return getattr(group, "group", group)

@@ -169,11 +169,11 @@ def _serve_host(ep: Endpoint, aggregator: HostAggregator) -> None:
             f = fr.decode(parts[0].buffer, parts[1].buffer if len(parts) > 1 else None)
             if f.op is Op.WRITE and f.flow == HOST_PS_FLOW:
                 for dst, body in aggregator.on_message(f.src, f.payload):
-                    ep.send(fr.encode_header(Op.WRITE, src=ep.node_id, dst=dst,
+                    ep.send_frame(fr.encode_header(Op.WRITE, src=ep.node_id, dst=dst,
                                              flow=HOST_PS_FLOW, psn=f.psn, msg=f.msg,
                                              payload=body, crc=bool(f.flags & Flag.CRC)), body)
             elif f.op is Op.CTRL and control.parse(f.payload).get("t") == "stats":
-                ep.send(fr.encode(Op.CTRL, src=ep.node_id, dst=f.src, payload=control.pack(
+                ep.send_frame(fr.encode(Op.CTRL, src=ep.node_id, dst=f.src, payload=control.pack(
                     "stats", **aggregator.stats.__dict__)))
         except FrameError as exc:
             log.warning("refused a frame: %s", exc)

@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from fabric.programs import (
-    LINGER_S,
     P2P_FLOW,
     STREAM_MAX_RETRIES,
     STREAM_RTO_MAX_S,
@@ -29,7 +28,7 @@ from fabric.programs import (
 if TYPE_CHECKING:
     from fabric.endpoint import Endpoint
 
-__all__ = ["LINGER_S", "P2P_FLOW", "STREAM_MAX_RETRIES", "STREAM_RTO_MAX_S", "STREAM_WINDOW",
+__all__ = ["P2P_FLOW", "STREAM_MAX_RETRIES", "STREAM_RTO_MAX_S", "STREAM_WINDOW",
            "stream_recv", "stream_send"]
 
 

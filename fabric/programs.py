@@ -60,6 +60,9 @@ Send = tuple[bytes, Any]
 #: Flow ids that tell a host-staged message's kind apart at the receiver.
 HOST_PS_FLOW = 2
 RING_FLOW = 3
+#: Finished streams a node remembers to ACK late retransmissions (far fewer
+#: than the 65536 stream ids of a pair, so an id is forgotten before reuse).
+STREAMS_KEPT = 4096
 #: Default bytes of one chunk per path (one frame on the frame plane).
 DEFAULT_CHUNK_BYTES = {"ina": 256 * 1024, "ina-mem": 4 * 1024 * 1024,
                        "host-ps": 256 * 1024, "host-ring": 256 * 1024}
@@ -92,6 +95,59 @@ class JobState:
     granted: bool
     reason: str
     next_chunk: int = 0
+
+
+#: Bits of a job id below its group id (a group's jobs: ``gid << 8 | n``, n >= 1;
+#: switchd.core.GROUP_JOB_BITS) and of a collective message id below it.
+GROUP_JOB_BITS = 8
+GROUP_MSG_BITS = 24
+
+
+@dataclass
+class Group:
+    """A communicator as one member sees it: its ranks, and its own job ids,
+    message ids and barriers (several groups may be active at once).
+
+    ``gid`` 0 is every worker (built into every switch); other ids are handed
+    out by the tree root when the members create the group.
+    """
+
+    gid: int
+    ranks: tuple[int, ...]  # world ranks of the members, in group-rank order
+    ids: tuple[int, ...]  # their node ids
+    rank: int  # this node's rank in the group (-1: not a member)
+    nth: int = 0  # which creation of this member set (members agree on it)
+    jobs: dict[tuple[str, ...], JobState] = field(default_factory=dict)
+    closed: bool = False
+
+    def __post_init__(self) -> None:
+        self.job_seq = itertools.count(1)
+        self._msg_seq = itertools.count(1)
+        self.barrier_seq = itertools.count(1)
+
+    @property
+    def size(self) -> int:
+        """Members in the group."""
+        return len(self.ranks)
+
+    def next_job(self) -> int:
+        """A new job id of this group (members call in the same order: same ids)."""
+        n = next(self.job_seq)
+        if n >= 1 << GROUP_JOB_BITS:
+            raise UsageError(f"group {self.gid}: more than {(1 << GROUP_JOB_BITS) - 1} "
+                             "in-network jobs; close the communicator and make a new one")
+        return self.gid << GROUP_JOB_BITS | n
+
+    def next_msg(self) -> int:
+        """A new collective message id (unique among the node's groups)."""
+        return (self.gid << GROUP_MSG_BITS | (next(self._msg_seq) & 0xFFFFFF)) & PSN_MASK
+
+    def check_open(self, what: str) -> None:
+        """UsageError when the group was closed or this node is not in it."""
+        if self.closed:
+            raise UsageError(f"{what} on a closed communicator (group {self.gid})")
+        if self.rank < 0:
+            raise UsageError(f"{what}: this node is not a member of group {self.gid}")
 
 
 @dataclass
@@ -127,10 +183,12 @@ class NodeState:
             (lk := topo.link_between(w.name, topo.switch_of(w.name))) is not None
             and (lk.params.shaped or lk.params.latency_us > 0) for w in workers)
         self.rtt = RttEstimator(rto_min=AGG_RTO_MIN_S)
-        self.jobs: dict[tuple[str, str, str], JobState] = {}
-        self.job_seq = itertools.count(1)
-        self.coll_seq = itertools.count(1)
-        self.barrier_seq = itertools.count(1)
+        self.world_group = Group(0, tuple(range(self.world)), self.worker_ids, self.rank)
+        self.jobs = self.world_group.jobs
+        self.job_seq = self.world_group.job_seq
+        self.barrier_seq = self.world_group.barrier_seq
+        self.coll_seq = self.world_group._msg_seq
+        self.groups_made: dict[tuple[int, ...], int] = {}  # nth creation of a member set
         # request ids start anywhere: a refusal of some other frame cannot guess ours
         self.ctrl_seq = itertools.count(random.getrandbits(32))
         self.semantics: dict[str, SemanticCounts] = {}
@@ -142,6 +200,8 @@ class NodeState:
         # ring collectives finished here, by (left neighbour, msg): late retransmissions
         # of their frames are acknowledged again (answer_stale)
         self.ring_done: OrderedDict[tuple[int, int], None] = OrderedDict()
+        # streams received in full, by (src, flow, stream id, msg): their last PSN
+        self.streams_done: OrderedDict[tuple[int, int, int, int], int] = OrderedDict()
 
     def sem(self, path: str) -> SemanticCounts:
         """The semantic-distance counters of ``path``."""
@@ -158,7 +218,20 @@ class NodeState:
             if (f.src, f.msg) in self.ring_done:
                 return [(fr.encode_header(Op.ACK, src=self.node_id, dst=f.src, flow=RING_FLOW,
                                           psn=f.psn >> 16, msg=f.msg, crc=self.crc), None)]
+        elif f.op is Op.WRITE:
+            # a stream we received in full: its sender lost our last ACK
+            last = self.streams_done.get((f.src, f.flow, f.job, f.msg))
+            if last is not None and f.psn <= last:
+                return [(fr.encode_header(Op.ACK, src=self.node_id, dst=f.src, flow=f.flow + 1,
+                                          job=f.job, psn=last, msg=f.msg, crc=self.crc), None)]
         return []
+
+    def stream_done(self, src: int, flow: int, sid: int, msg: int, last_psn: int) -> None:
+        """Remember a stream received in full, to ACK its late retransmissions."""
+        done = self.streams_done
+        done[(src, flow, sid, msg)] = last_psn
+        while len(done) > STREAMS_KEPT:
+            done.popitem(last=False)
 
     def chunk_elems(self, path: str, itemsize: int) -> int:
         """Elements of one chunk on ``path`` (one frame on the frame plane)."""
@@ -356,11 +429,13 @@ class Chain(Program):
         return out
 
 
-def barrier_program(st: NodeState) -> Program:
-    """Wait until every worker reached this barrier (counted by the tree root)."""
-    bid = next(st.barrier_seq)
+def barrier_program(st: NodeState, group: Group | None = None) -> Program:
+    """Wait until every member of ``group`` (default: every worker) reached this
+    barrier (counted by the tree root)."""
+    g = group or st.world_group
+    bid = g.gid << 32 | next(g.barrier_seq)
     return Request(st, "barrier", "barrier_done", dst=st.root_switch_id,
-                   match=lambda m: m.get("id") == bid, id=bid, n=st.world)
+                   match=lambda m: m.get("id") == bid, id=bid, n=g.size)
 
 
 # ---------------------------------------------------------------------- tensors
@@ -390,24 +465,27 @@ class Tensor:
         return np_dtype(self.dtype).itemsize
 
 
-def _job_program(st: NodeState, path: str, t: Tensor, op: str,
-                 referenced: bool) -> Generator[Program, Any, JobState]:
-    key = (path, t.dtype, op)
-    js = st.jobs.get(key)
+def _job_program(st: NodeState, path: str, t: Tensor, op: str, referenced: bool,
+                 group: Group | None = None,
+                 deliver: str = "all") -> Generator[Program, Any, JobState]:
+    g = group or st.world_group
+    key = (path, t.dtype, op, deliver)
+    js = g.jobs.get(key)
     if js is not None:
         return js
-    # Workers call collectives in the same order, so the same job id comes out.
-    job = next(st.job_seq)
+    # Members call collectives in the same order, so the same job id comes out.
+    job = g.next_job()
     slots = st.slots.get(path, DEFAULT_SLOTS[path])
     elems = st.chunk_elems(path, t.itemsize)
-    reply = yield Request(st, "job", "job_reply", job=job, members=list(st.worker_ids),
+    reply = yield Request(st, "job", "job_reply", job=job, members=list(g.ids),
                           dtype=t.dtype, op=op, slots=slots, slot_elems=elems,
-                          referenced=referenced, match=lambda m: m.get("job") == job)
+                          referenced=referenced, deliver=deliver,
+                          match=lambda m: m.get("job") == job)
     js = JobState(job, slots, elems, bool(reply.get("granted")), str(reply.get("reason", "")))
     if not js.granted:
         st.fallbacks.append(f"{path} job {job} refused by switch ({js.reason}); falling back "
                             f"to {'host-ps' if st.host_id is not None else 'host-ring'}")
-    st.jobs[key] = js
+    g.jobs[key] = js
     return js
 
 
@@ -421,7 +499,8 @@ class InaAllreduce(Program):
     """
 
     def __init__(self, st: NodeState, t: Tensor, op: str, js: JobState, *,
-                 data: bool = True, region: tuple[int, int] | None = None) -> None:
+                 data: bool = True, region: tuple[int, int] | None = None,
+                 group: Group | None = None) -> None:
         self.st, self.t, self.js, self.data = st, t, js, data
         # memory plane: frames name (key, offset) in a registered region, no payload
         self.region = region
@@ -429,10 +508,10 @@ class InaAllreduce(Program):
         self.E, self.S, self.n = js.slot_elems, js.slots, t.count
         if region is not None:
             self.E = st.mem_chunk_elems(js.slot_elems, t.count, t.itemsize)
-        self.nch = -(-self.n // self.E)
+        self.nch = self._layout()
         self.base = js.next_chunk
         js.next_chunk += self.nch
-        self.msg = next(st.coll_seq) & PSN_MASK
+        self.msg = (group or st.world_group).next_msg()
         self.code = fr.dtype_from_name(t.dtype)
         self.item = t.itemsize
         # A lost contribution is asked for by the switch (MISSING) as soon as a later
@@ -447,6 +526,23 @@ class InaAllreduce(Program):
         self.left = self.nch
         self.flags = Flag.CRC if st.crc else Flag.NONE
         self.result = t.out
+
+    def _layout(self) -> int:
+        """How many chunks (subclasses lay chunks out otherwise)."""
+        return -(-self.n // self.E)
+
+    def _span(self, i: int) -> tuple[int, int]:
+        """Chunk ``i``'s first element in the input, and its element count."""
+        lo = i * self.E
+        return lo, min(self.n - lo, self.E)
+
+    def _dest(self, i: int) -> int | None:
+        """Where chunk ``i``'s result lands in ``out`` (element), or None: not ours."""
+        return i * self.E
+
+    def _owner(self, i: int) -> int:
+        """The REDUCE frame's ``key``: 0 (results to all), or the owner's node id."""
+        return 0
 
     def _frame(self, i: int, retx: bool) -> Send:
         st, E = self.st, self.E
@@ -463,15 +559,17 @@ class InaAllreduce(Program):
                                      key=key, offset=off + i * E * self.item,
                                      flags=flags | Flag.REF, length=count * self.item,
                                      crc=st.crc), None)
+        lo, count = self._span(i)
         if self.data:
             assert self.t.x is not None
-            seg = self.t.x[i * E: min(self.n, (i + 1) * E)]
+            seg = self.t.x[lo: lo + count]
         else:
-            seg = zeros(self.t.dtype, min(self.n - i * E, E))
+            seg = zeros(self.t.dtype, count)
         seg = byte_view(seg)
         return (fr.encode_header(Op.REDUCE, src=st.node_id, dst=st.switch_id,
                                  job=self.js.job, psn=psn, dtype=self.code, msg=self.msg,
-                                 payload=seg, flags=flags, crc=st.crc), seg)
+                                 key=self._owner(i), payload=seg, flags=flags,
+                                 crc=st.crc), seg)
 
     def start(self, now: float) -> list[Send]:
         out = []
@@ -505,14 +603,15 @@ class InaAllreduce(Program):
         if i >= self.nch or self.got[i]:  # a late copy of a result we already have
             self.st.duplicates += 1
             return []
-        E = self.E
-        count = min(self.n - i * E, E)
-        if f.length != count * self.item:
+        _lo, count = self._span(i)
+        dest = self._dest(i)
+        want = count * self.item if dest is not None else 0  # others: a completion only
+        if f.length != want:
             raise PeerFailed(f"{self.st.name}: RESULT for chunk {i} has {f.length} B, "
-                             f"expected {count * self.item} B")
-        if self.data and self.region is None:
+                             f"expected {want} B")
+        if self.data and self.region is None and dest is not None:
             assert self.t.out is not None
-            self.t.out[i * E: i * E + count] = np.frombuffer(f.payload, dtype=self.t.out.dtype)
+            self.t.out[dest: dest + count] = np.frombuffer(f.payload, dtype=self.t.out.dtype)
         return self.landed(i, now)
 
     def _lost_before(self, i: int, proof_psn: int) -> bool:
@@ -529,10 +628,11 @@ class InaAllreduce(Program):
         i = (psn - self.base) & PSN_MASK
         if i >= self.nch or self.got[i] or self.region is not None or not self.data:
             return None
-        count = min(self.n - i * self.E, self.E)
-        if length != count * self.item:
+        _lo, count = self._span(i)
+        dest = self._dest(i)
+        if length != count * self.item or dest is None:
             return None
-        return i, i * self.E * self.item
+        return i, dest * self.item
 
     def landed(self, i: int, now: float) -> list[Send]:
         """Chunk ``i``'s result is in ``out``: resend what it overtook, slide the window."""
@@ -578,15 +678,16 @@ class HostRingAllreduce(Program):
     """
 
     def __init__(self, st: NodeState, t: Tensor, op: str, *, data: bool = True,
-                 label: str = "host-ring") -> None:
+                 label: str = "host-ring", group: Group | None = None) -> None:
         self.st, self.t, self.data, self.label = st, t, data, label
-        W, r, n = st.world, st.rank, t.count
+        g = group or st.world_group
+        W, r, n = g.size, g.rank, t.count
         self.W, self.r, self.n = W, r, n
         self.E = st.chunk_elems("host-ring", t.itemsize)
         self.bounds = [(n * k) // W for k in range(W + 1)]
-        self.right = st.worker_ids[(r + 1) % W]
-        self.left_id = st.worker_ids[(r - 1) % W]
-        self.msg = next(st.coll_seq) & PSN_MASK
+        self.right = g.ids[(r + 1) % W]
+        self.left_id = g.ids[(r - 1) % W]
+        self.msg = g.next_msg()
         self.reduce = UFUNCS[op]
         self.code = fr.dtype_from_name(t.dtype)
         self.staged = np.array(t.x, copy=True) if data and t.x is not None else None
@@ -796,7 +897,8 @@ class HostRingAllreduce(Program):
 class HostPsAllreduce(Program):
     """Host-staged parameter server: msgpack chunks to the host node, replies back."""
 
-    def __init__(self, st: NodeState, t: Tensor, op: str, *, label: str = "host-ps") -> None:
+    def __init__(self, st: NodeState, t: Tensor, op: str, *, label: str = "host-ps",
+                 group: Group | None = None) -> None:
         if st.host_id is None:
             raise UsageError("host-ps needs a host node in the topology (kind = \"host\")")
         if t.x is None:
@@ -805,7 +907,8 @@ class HostPsAllreduce(Program):
         self.E = st.chunk_elems("host-ps", t.itemsize) // 2  # room for the msgpack envelope
         self.S = st.slots.get("host-ps", DEFAULT_SLOTS["host-ps"])
         self.nch = -(-t.count // self.E)
-        self.msg = next(st.coll_seq) & PSN_MASK
+        self.group = g = group or st.world_group
+        self.msg = g.next_msg()
         self.staged = np.array(t.x, copy=True)
         self.got = bytearray(self.nch)
         self.left = self.nch
@@ -818,7 +921,7 @@ class HostPsAllreduce(Program):
 
     def _frame(self, i: int) -> Send:
         st, E = self.st, self.E
-        body = msgpack.packb({"seq": self.msg, "chunk": i, "members": list(st.worker_ids),
+        body = msgpack.packb({"seq": self.msg, "chunk": i, "members": list(self.group.ids),
                               "op": self.op, "dtype": self.t.dtype,
                               "data": byte_view(self.staged[i * E:(i + 1) * E]).data})
         sem = st.sem(self.label)
@@ -900,7 +1003,8 @@ class HostPsAllreduce(Program):
 
 
 def allreduce_program(st: NodeState, t: Tensor, op: str = "sum", path: str = "ina", *,
-                      data: bool = True, region: tuple[int, int] | None = None) -> Program:
+                      data: bool = True, region: tuple[int, int] | None = None,
+                      group: Group | None = None) -> Program:
     """The program of one allreduce on ``path`` (ina, ina-mem, host-ring, host-ps).
 
     ``ina-mem`` needs ``region``: the (key, byte offset) of the tensor in a
@@ -915,15 +1019,19 @@ def allreduce_program(st: NodeState, t: Tensor, op: str = "sum", path: str = "in
     if op not in UFUNCS:
         raise UsageError(f"unknown op {op!r}; choose one of {', '.join(UFUNCS)}")
 
+    g = group or st.world_group
+    g.check_open(f"allreduce {path}")
+
     def steps() -> Generator[Program, Any, Any]:
         if path in ("ina", "ina-mem"):
-            js = yield from _job_program(st, path, t, op, referenced=path == "ina-mem")
+            js = yield from _job_program(st, path, t, op, referenced=path == "ina-mem",
+                                         group=g)
             if js.granted:
-                return (yield InaAllreduce(st, t, op, js, data=data,
+                return (yield InaAllreduce(st, t, op, js, data=data, group=g,
                                            region=region if path == "ina-mem" else None))
         if path == "host-ps" or (path != "host-ring" and st.host_id is not None and data):
-            return (yield HostPsAllreduce(st, t, op, label=path))
-        return (yield HostRingAllreduce(st, t, op, data=data, label=path))
+            return (yield HostPsAllreduce(st, t, op, label=path, group=g))
+        return (yield HostRingAllreduce(st, t, op, data=data, label=path, group=g))
 
     return Chain(steps())
 
@@ -963,7 +1071,7 @@ def fixed_dequantize(q: np.ndarray, scales: list[float], out: np.ndarray) -> Non
         out[lo:hi] = dequantize(q[lo:hi], scale)
 
 
-def fixed_program(st: NodeState, t: Tensor, path: str) -> Program:
+def fixed_program(st: NodeState, t: Tensor, path: str, group: Group | None = None) -> Program:
     """Sum float32 as fixed-point int32 with a per-block scale (frame-plane and host
     paths): agree on each block's maximum (a max allreduce), quantise so that
     ``world`` values cannot overflow, sum the integers, scale back. Integer sums
@@ -974,10 +1082,11 @@ def fixed_program(st: NodeState, t: Tensor, path: str) -> Program:
 
     def steps() -> Generator[Program, Any, Any]:
         maxima = fixed_maxima(x)
-        yield allreduce_program(st, Tensor(maxima.size, "float32", maxima, maxima), "max", path)
+        yield allreduce_program(st, Tensor(maxima.size, "float32", maxima, maxima), "max", path,
+                                group=group)
         q = np.empty(x.size, np.int32)
-        scales = fixed_quantize(x, maxima, st.world, q)
-        yield allreduce_program(st, Tensor(q.size, "int32", q, q), "sum", path)
+        scales = fixed_quantize(x, maxima, (group or st.world_group).size, q)
+        yield allreduce_program(st, Tensor(q.size, "int32", q, q), "sum", path, group=group)
         fixed_dequantize(q, scales, out)
         return out
 
@@ -985,14 +1094,12 @@ def fixed_program(st: NodeState, t: Tensor, path: str) -> Program:
 
 
 # ---------------------------------------------------------------------- p2p streams
-#: Flows of point-to-point streams: data and FIN travel on P2P_FLOW, ACK/NACK
-#: back on P2P_FLOW + 1, so A -> B and B -> A streams never take each other's
-#: frames (other flows: 2 host-ps, 3 ring).
+#: Flows of point-to-point streams: data travels on P2P_FLOW, ACK/NACK back on
+#: P2P_FLOW + 1, so A -> B and B -> A streams never take each other's frames
+#: (other flows: 2 host-ps, 3 ring, 20 collective streams). A receiver is done
+#: when it has every byte; a retransmission after that (its last ACK was lost)
+#: is acknowledged by NodeState.answer_stale.
 P2P_FLOW = 16
-#: A FIN tells the receiver the sender saw every ACK it needed.
-P2P_FIN = 0xFFFF_FFFF
-#: How long a finished receiver keeps answering retransmissions without a FIN.
-LINGER_S = 1.0
 #: Retransmissions of one frame before a stream fails, and the RTO ceiling: a
 #: fabric's round trip is milliseconds, and go-back-N under heavy loss needs
 #: many rounds for a tail frame.
@@ -1026,7 +1133,8 @@ class StreamSend(Program):
 
     def __init__(self, st: NodeState, dst_rank: int, data: np.ndarray | None, nbytes: int = 0,
                  *, policy: str = "selective", frame_bytes: int = STREAM_FRAME_BYTES,
-                 window_frames: int = STREAM_WINDOW) -> None:
+                 window_frames: int = STREAM_WINDOW, sid: int | None = None,
+                 flow: int = P2P_FLOW, msg: int = 0) -> None:
         from fabric.reliability import Sender
 
         if not 0 <= dst_rank < st.world or dst_rank == st.rank:
@@ -1036,7 +1144,9 @@ class StreamSend(Program):
         self.buf = byte_view(data) if data is not None else None
         self.nbytes = self.buf.nbytes if self.buf is not None else nbytes
         self.dst = st.worker_ids[dst_rank]
-        self.sid = _stream_id(st, "to", self.dst)
+        # collectives name their streams (sid, flow, msg); user streams are counted
+        self.sid = _stream_id(st, "to", self.dst) if sid is None else sid & 0xFFFF
+        self.flow, self.msg = flow, msg
         self.fb = frame_bytes
         self.nframes = max(-(-self.nbytes // frame_bytes), 1)
         self.peer = st.topo.by_id(self.dst).name
@@ -1053,9 +1163,11 @@ class StreamSend(Program):
             off = t.handle * self.fb
             n = min(self.fb, self.nbytes - off)
             part = self.buf[off: off + n] if self.buf is not None else _zero_bytes(n)
-            out.append((fr.encode_header(Op.WRITE, src=st.node_id, dst=self.dst, flow=P2P_FLOW,
-                                         job=self.sid, psn=t.psn, offset=off, flags=t.flags,
-                                         payload=part, crc=st.crc), part))
+            # LAST marks the stream's end: a receiver expecting another size says so
+            flags = t.flags | (Flag.LAST if off + n == self.nbytes else 0)
+            out.append((fr.encode_header(Op.WRITE, src=st.node_id, dst=self.dst, flow=self.flow,
+                                         job=self.sid, psn=t.psn, offset=off, flags=flags,
+                                         msg=self.msg, payload=part, crc=st.crc), part))
         return out
 
     def _check_done(self, now: float, out: list[Send]) -> list[Send]:
@@ -1064,8 +1176,6 @@ class StreamSend(Program):
             stats = {**asdict(self.sender.statistics()), "seconds": now - self.t0}
             self.result = stats
             self.st.retransmits += self.sender.statistics().retransmitted
-            out.append((fr.encode_header(Op.ACK, src=self.st.node_id, dst=self.dst,
-                                         flow=P2P_FLOW, job=self.sid, psn=P2P_FIN), None))
         return out
 
     def start(self, now: float) -> list[Send]:
@@ -1074,8 +1184,8 @@ class StreamSend(Program):
         return self._put(self.sender.send_many(frames, now))
 
     def wants(self, f: fr.Frame) -> bool:
-        return (f.flow == P2P_FLOW + 1 and f.src == self.dst and f.job == self.sid
-                and (f.op is Op.ACK or f.op is Op.NACK))
+        return (f.flow == self.flow + 1 and f.src == self.dst and f.job == self.sid
+                and f.msg == self.msg and (f.op is Op.ACK or f.op is Op.NACK))
 
     def handle_frame(self, f: fr.Frame, now: float) -> list[Send]:
         if f.op is Op.ACK:
@@ -1100,7 +1210,8 @@ class StreamRecv(Program):
 
     def __init__(self, st: NodeState, src_rank: int, out: np.ndarray | None, nbytes: int = 0,
                  *, policy: str = "selective", frame_bytes: int = STREAM_FRAME_BYTES,
-                 window_frames: int = STREAM_WINDOW) -> None:
+                 window_frames: int = STREAM_WINDOW, sid: int | None = None,
+                 flow: int = P2P_FLOW, msg: int = 0) -> None:
         from fabric.reliability import Receiver
 
         if not 0 <= src_rank < st.world or src_rank == st.rank:
@@ -1110,7 +1221,8 @@ class StreamRecv(Program):
         self.buf = byte_view(out) if out is not None else None
         self.nbytes = self.buf.nbytes if self.buf is not None else nbytes
         self.src = st.worker_ids[src_rank]
-        self.sid = _stream_id(st, "from", self.src)
+        self.sid = _stream_id(st, "from", self.src) if sid is None else sid & 0xFFFF
+        self.flow, self.msg = flow, msg
         self.fb = frame_bytes
         self.nframes = max(-(-self.nbytes // frame_bytes), 1)
         self.receiver: Receiver[int] = Receiver(P2P_FLOW, policy=policy, ordered=False,
@@ -1118,7 +1230,7 @@ class StreamRecv(Program):
         self.got = bytearray(self.nframes)
         self.count = 0
         self.last_heard = 0.0
-        self.finished_at: float | None = None
+        self.error: PeerFailed | None = None
         self.result = out
 
     def start(self, now: float) -> list[Send]:
@@ -1126,23 +1238,32 @@ class StreamRecv(Program):
         return []
 
     def wants(self, f: fr.Frame) -> bool:
-        return f.flow == P2P_FLOW and f.src == self.src and f.job == self.sid and (
-            f.op is Op.WRITE or (f.op is Op.ACK and f.psn == P2P_FIN))
+        return (f.op is Op.WRITE and f.flow == self.flow and f.src == self.src
+                and f.job == self.sid and f.msg == self.msg)
 
     def _acks(self, ack: Any) -> list[Send]:
         if ack is None:
             return []
         return [(h, None) for h in ack.frames(src=self.st.node_id, dst=self.src,
-                                              flow=P2P_FLOW + 1, job=self.sid, crc=self.st.crc)]
+                                              flow=self.flow + 1, job=self.sid, msg=self.msg,
+                                              crc=self.st.crc)]
 
     def handle_frame(self, f: fr.Frame, now: float) -> list[Send]:
         self.last_heard = now
-        if f.op is Op.ACK:  # FIN: the sender has every ACK it needs
-            if self.count == self.nframes:
-                self.done = True
-            return []
         index = f.offset // self.fb
-        if index >= self.nframes or f.offset % self.fb or f.offset + f.length > self.nbytes:
+        end = f.offset + f.length
+        if end > self.nbytes or (f.flags & Flag.LAST and end != self.nbytes):
+            # the sender's stream has another size than this receive: refuse it (the
+            # sender fails at once) and fail here, naming both ends
+            peer = self.st.topo.by_id(self.src).name
+            self.error = PeerFailed(
+                f"{self.st.name}: {peer} sends {end if f.flags & Flag.LAST else f'> {end - 1}'} "
+                f"bytes, but this receive expects {self.nbytes} (sizes disagree between the "
+                "two ranks)")
+            return [(fr.encode_nack(src=self.st.node_id, dst=self.src, flow=self.flow + 1,
+                                    psn=f.psn, code=NackCode.PERMISSION, job=self.sid,
+                                    msg=self.msg), None)]
+        if index >= self.nframes or f.offset % self.fb:
             return []  # not ours (or damaged): never write outside the buffer
         delivered, ack = self.receiver.handle_frame(f.psn, index, now, flags=f.flags)
         for d in delivered:
@@ -1151,23 +1272,29 @@ class StreamRecv(Program):
                 self.count += 1
                 if self.buf is not None:
                     self.buf[f.offset: f.offset + f.length] = np.frombuffer(f.payload, np.uint8)
-        if self.count == self.nframes and self.finished_at is None:
-            self.finished_at = now
+        if self.count == self.nframes:
+            # done at once: the last ACK goes now, and a retransmission that shows it
+            # was lost is answered by NodeState.answer_stale
+            self.done = True
+            self.st.stream_done(self.src, self.flow, self.sid, self.msg,
+                                self.receiver.cum_psn)
+            return self._acks(self.receiver.make_ack())
         return self._acks(ack)
 
     def get_timer(self) -> float | None:
         if self.done:
             return None
+        if self.error is not None:
+            return self.last_heard  # fail from the driver's timer call, after the NACK
         t = self.receiver.get_timer()
-        # finished: linger for retransmissions (our last ACK may be lost); else give up
-        end = self.last_heard + (LINGER_S if self.finished_at is not None else self.st.timeout_s)
+        end = self.last_heard + self.st.timeout_s
         return end if t is None else min(t, end)
 
     def handle_timer(self, now: float) -> list[Send]:
-        if self.finished_at is not None and now - self.last_heard >= LINGER_S:
-            self.done = True
-            return []
-        if now - self.last_heard >= self.st.timeout_s:
+        if self.error is not None:
+            raise self.error
+        # the same sum as get_timer's (a difference may round below the interval)
+        if now >= self.last_heard + self.st.timeout_s:
             raise FabricTimeout(
                 f"{self.st.name}: WRITE stream {self.sid} from "
                 f"{self.st.topo.by_id(self.src).name}: nothing for {self.st.timeout_s:g}s "

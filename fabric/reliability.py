@@ -253,7 +253,7 @@ class Ack:
     nack_code: NackCode = GAP_NACK_CODE
 
     def frames(
-        self, *, src: int, dst: int, flow: int, job: int = 0, crc: bool = False
+        self, *, src: int, dst: int, flow: int, job: int = 0, msg: int = 0, crc: bool = False
     ) -> list[bytes]:
         """Encode as wire frames: the ACK, then the NACK when there is one."""
         out = [
@@ -266,6 +266,7 @@ class Ack:
                 psn=self.cum_psn,
                 key=self.sack & 0xFFFF_FFFF,
                 offset=self.sack >> 32,
+                msg=msg,
                 crc=crc,
             )
         ]
@@ -279,6 +280,7 @@ class Ack:
                     flow=flow,
                     psn=self.nack_psn,
                     offset=int(self.nack_code),
+                    msg=msg,
                     crc=crc,
                 )
             )

@@ -27,8 +27,9 @@ import numpy as np
 
 from fabric.errors import UsageError
 
-__all__ = ["Allreduce", "Barrier", "Clock", "Compute", "Context", "Operation", "Recv", "Send",
-           "Together", "check_workload", "stream_program"]
+__all__ = ["Allreduce", "Barrier", "Clock", "CloseGroup", "Collective", "Compute", "Context",
+           "MakeGroup", "Operation", "Recv", "Send", "Together", "check_workload",
+           "program_of", "stream_program"]
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,40 @@ class Allreduce:
     numerics: str = "float"
     count: int = 0
     dtype: str = "float32"
+    group: Any = None
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective of the nccl-tests set (``kind``: all_gather, reduce_scatter,
+    broadcast, reduce, alltoall, alltoallv, gather, scatter); see
+    :func:`fabric.collective_programs.collective_program` for shapes and paths."""
+
+    kind: str
+    x: np.ndarray | None
+    out: np.ndarray | None = None
+    path: str | None = None
+    op: str = "sum"
+    root: int = 0
+    group: Any = None
+    send_counts: tuple[int, ...] | None = None
+    recv_counts: tuple[int, ...] | None = None
+    count: int = 0
+    dtype: str = "float32"
+
+
+@dataclass(frozen=True)
+class MakeGroup:
+    """Create a communicator of these world ranks (every member yields it)."""
+
+    ranks: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class CloseGroup:
+    """Close a communicator: its jobs are released at the switches."""
+
+    group: Any
 
 
 @dataclass(frozen=True)
@@ -74,7 +109,9 @@ class Together:
 
 @dataclass(frozen=True)
 class Barrier:
-    """Wait until every worker reached this barrier."""
+    """Wait until every worker (or every member of ``group``) reached this barrier."""
+
+    group: Any = None
 
 
 @dataclass(frozen=True)
@@ -89,7 +126,8 @@ class Clock:
     """Yields the current time in seconds (virtual in simulation)."""
 
 
-Operation = Allreduce | Send | Recv | Together | Barrier | Compute | Clock
+Operation = (Allreduce | Collective | MakeGroup | CloseGroup | Send | Recv | Together | Barrier
+             | Compute | Clock)
 
 
 class Context:
@@ -100,9 +138,57 @@ class Context:
 
     def allreduce(self, x: np.ndarray | None = None, op: str = "sum", path: str = "ina",
                   out: np.ndarray | None = None, numerics: str = "float", *,
-                  count: int = 0, dtype: str = "float32") -> Allreduce:
+                  count: int = 0, dtype: str = "float32", group: Any = None) -> Allreduce:
         """An allreduce; ``x=None`` with ``count``/``dtype`` is timing-only (simulation)."""
-        return Allreduce(x, op, path, out, numerics, count, dtype)
+        return Allreduce(x, op, path, out, numerics, count, dtype, group)
+
+    def group(self, ranks: Any) -> MakeGroup:
+        """A new communicator of world ``ranks``; yields the group to pass as ``group=``."""
+        return MakeGroup(tuple(int(r) for r in ranks))
+
+    def close_group(self, group: Any) -> CloseGroup:
+        """Close a communicator (its in-network jobs are released)."""
+        return CloseGroup(group)
+
+    def collective(self, kind: str, x: np.ndarray | None, out: np.ndarray | None = None, *,
+                   path: str | None = None, op: str = "sum", root: int = 0, group: Any = None,
+                   send_counts: Any = None, recv_counts: Any = None, count: int = 0,
+                   dtype: str = "float32") -> Collective:
+        """Any collective by name (see :class:`Collective`)."""
+        return Collective(kind, x, out, path, op, root, group,
+                          None if send_counts is None else tuple(send_counts),
+                          None if recv_counts is None else tuple(recv_counts), count, dtype)
+
+    def all_gather(self, x: np.ndarray | None, out: np.ndarray | None = None,
+                   **kw: Any) -> Collective:
+        """Every rank's ``x`` (m elements), concatenated in rank order (size * m)."""
+        return self.collective("all_gather", x, out, **kw)
+
+    def reduce_scatter(self, x: np.ndarray | None, out: np.ndarray | None = None,
+                       **kw: Any) -> Collective:
+        """Reduce ``x`` (size * m) over ranks; this rank gets segment ``rank`` (m)."""
+        return self.collective("reduce_scatter", x, out, **kw)
+
+    def broadcast(self, x: np.ndarray | None, out: np.ndarray | None = None,
+                  **kw: Any) -> Collective:
+        """The root's ``x`` to every rank (``out`` defaults to ``x``)."""
+        return self.collective("broadcast", x, out, **kw)
+
+    def reduce(self, x: np.ndarray | None, out: np.ndarray | None = None,
+               **kw: Any) -> Collective:
+        """Reduce ``x`` over ranks into the root's ``out``."""
+        return self.collective("reduce", x, out, **kw)
+
+    def alltoall(self, x: np.ndarray | None, out: np.ndarray | None = None,
+                 **kw: Any) -> Collective:
+        """Segment ``k`` of ``x`` (size * m) to rank ``k``; ``out`` segment ``k`` from it."""
+        return self.collective("alltoall", x, out, **kw)
+
+    def alltoallv(self, x: np.ndarray | None, send_counts: Any, out: np.ndarray | None,
+                  recv_counts: Any, **kw: Any) -> Collective:
+        """alltoall with per-rank element counts."""
+        return self.collective("alltoallv", x, out, send_counts=send_counts,
+                               recv_counts=recv_counts, **kw)
 
     def send(self, x: np.ndarray | None, dst: int, *, nbytes: int = 0,
              policy: str = "selective") -> Send:
@@ -119,9 +205,9 @@ class Context:
         """Send to ``dst`` and receive from ``src`` at the same time."""
         return Together((Send(dst, x, nbytes, policy), Recv(src, out, nbytes, policy)))
 
-    def barrier(self) -> Barrier:
-        """A barrier over every worker."""
-        return Barrier()
+    def barrier(self, group: Any = None) -> Barrier:
+        """A barrier over every worker (or the members of ``group``)."""
+        return Barrier(group)
 
     def compute(self, seconds: float) -> Compute:
         """``seconds`` of local work."""
@@ -153,3 +239,39 @@ def stream_program(st: Any, op: Send | Recv | Together) -> Any:
     if op.out is None and op.nbytes <= 0:
         raise UsageError("a timing-only receive needs nbytes > 0")
     return StreamRecv(st, op.src, op.out, op.nbytes, policy=op.policy)
+
+
+def program_of(st: Any, op: Collective | MakeGroup | CloseGroup) -> Any:
+    """The program of a collective or communicator operation (both worlds)."""
+    from fabric.collective_programs import (
+        close_group_program,
+        collective_program,
+        group_program,
+    )
+
+    if isinstance(op, MakeGroup):
+        return group_program(st, op.ranks)
+    if isinstance(op, CloseGroup):
+        return close_group_program(st, op.group)
+    out = op.out
+    if op.x is not None and out is None:
+        out = _default_out(op, st)
+    return collective_program(st, op.kind, op.x, out, path=op.path, op=op.op, root=op.root,
+                              group=op.group, send_counts=op.send_counts,
+                              recv_counts=op.recv_counts, count=op.count, dtype=op.dtype)
+
+
+def _default_out(op: Collective, st: Any) -> np.ndarray | None:
+    """The output array NCCL's shapes imply when the caller gave none."""
+    assert op.x is not None
+    g = op.group or st.world_group
+    n, W = op.x.size, g.size
+    if op.kind == "broadcast":
+        return op.x  # in place
+    size = {"all_gather": n * W, "gather": n * W, "reduce_scatter": n // max(W, 1),
+            "scatter": n // max(W, 1), "reduce": n, "alltoall": n}.get(op.kind)
+    if op.kind == "alltoallv":
+        size = sum(op.recv_counts or ())
+    if op.kind in ("reduce", "gather") and g.rank != op.root:
+        return None
+    return np.empty(size or 0, op.x.dtype)

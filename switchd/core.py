@@ -77,6 +77,10 @@ MISSING_FEW = 2
 MISSING_ASKS = 4
 #: MISSING requests remembered (so each lost contribution is asked for once).
 ASKED_KEPT = 65536
+#: Multicast group ids the tree root hands out (0 is every worker, built in). A
+#: group's jobs take ids ``gid << GROUP_JOB_BITS | n`` (see fabric.comm).
+MAX_GROUPS = 255
+GROUP_JOB_BITS = 8
 
 
 class MemoryPlane(Protocol):
@@ -149,6 +153,8 @@ class SwitchStats:
     unroutable: int
     payload_copies: int
     mem_stores: int
+    mcast_frames: int
+    mcast_copies: int
     jobs_refused: int
     regions: int
     nack_codes: dict[str, int]
@@ -174,6 +180,8 @@ class _Counters:
     # result stored into a member's region (memory plane)
     payload_copies: int = 0
     mem_stores: int = 0
+    mcast_frames: int = 0  # Flag.MCAST frames in, and the copies sent for them
+    mcast_copies: int = 0
     jobs_refused: int = 0
     nack_codes: dict[str, int] = field(default_factory=dict)
 
@@ -241,6 +249,17 @@ class SwitchCore:
         self._high: dict[tuple[int, int], int] = {}
         self._asked: set[tuple[int, int, int, int]] = set()
         self._asked_n: dict[tuple[int, int, int], int] = {}
+        # multicast groups (Flag.MCAST frames name one as dst): gid -> member ids; the
+        # tree root allocates gids by (members, nth creation); others learn them as
+        # the root's answers pass down
+        self._groups: dict[int, tuple[int, ...]] = {
+            0: tuple(sorted(w.id for w in topo.workers))}
+        self._group_ids: dict[tuple[tuple[int, ...], int], int] = {}
+        self._group_wait: dict[tuple[tuple[int, ...], int], dict[int, bytes]] = {}
+        # jobs whose chunk results go to one owner (reduce, reduce_scatter): the
+        # others get a header-only completion; owner of each awaited tree partial
+        self._owned: set[int] = set()
+        self._await_owner: dict[tuple[int, int], int] = {}
         self._barriers: dict[int, dict[int, bytes]] = {}
         self._barriers_done: deque[int] = deque(maxlen=BARRIERS_KEPT)
         self._ctrl_crc = False
@@ -339,7 +358,9 @@ class SwitchCore:
             else:
                 c.unauthorised += 1
             return
-        if f.dst != self.id or f.flags & Flag.MCAST:
+        if f.flags & Flag.MCAST:
+            self._multicast(f, port, header, payload)
+        elif f.dst != self.id:
             self._forward(f, port, header, payload)
         elif f.op is Op.REDUCE:
             c.reduce_frames += 1
@@ -375,6 +396,33 @@ class SwitchCore:
         # header and payload buffers pass through unchanged (payload zero-copy)
         self._send(dst_port, bytes(header), payload)
 
+    def _multicast(self, f: fr.Frame, port: bytes, header: Any, payload: Any) -> None:
+        """Replicate a Flag.MCAST frame (dst = group id) to every port that leads to
+        a member, except the one it came on: in a tree each switch serves the
+        members on its side, so every member gets one copy, the sender none."""
+        members = self._groups.get(f.dst)
+        if members is None:
+            self.counters.unroutable += 1
+            self._nack(port, f.src, f.job, f.psn, f.msg, NackCode.UNKNOWN_JOB,
+                       f"no multicast group {f.dst}")
+            return
+        if f.src not in members:
+            self.counters.unauthorised += 1
+            self._nack(port, f.src, f.job, f.psn, f.msg, NackCode.PERMISSION,
+                       f"node {f.src} is not in multicast group {f.dst}")
+            return
+        self.counters.mcast_frames += 1
+        ports: list[bytes] = []
+        for m in members:
+            out = self._next_hop.get(m)
+            if m != f.src and out is not None and out != port and out not in ports:
+                ports.append(out)
+        head = bytes(header)
+        for out in ports:  # one header, one payload buffer: zero-copy replicas
+            self._send(out, head, payload)
+        self.counters.mcast_copies += len(ports)
+        self.counters.forwarded += len(ports)
+
     # ------------------------------------------------------------------ aggregation
     def _on_reduce(self, f: fr.Frame, port: bytes) -> None:
         spec = self._jobs.get(f.job)
@@ -387,6 +435,10 @@ class SwitchCore:
         if fr.DTYPE_NAMES[f.dtype] != spec.dtype:
             self._nack(port, f.src, f.job, f.psn, f.msg, NackCode.MALFORMED,
                        f"frame dtype {fr.DTYPE_NAMES[f.dtype]} but job {f.job} is {spec.dtype}")
+            return
+        if f.job in self._owned and f.key not in self._job_members.get(f.job, ()):
+            self._nack(port, f.src, f.job, f.psn, f.msg, NackCode.MALFORMED,
+                       f"job {f.job} delivers to an owner: key {f.key} is not a member")
             return
         chunk = unwrap_psn(f.psn, self._job_last.get(f.job, 0))
         pending: dict[int, tuple[int, int]] | None = None
@@ -426,6 +478,8 @@ class SwitchCore:
                     self._reduce_regions(spec, ev.chunk, f.elements)
                 if f.job in self._job_parent:  # a partial: up first, results come down
                     self._awaiting.add((f.job, ev.chunk))
+                    if f.job in self._owned:
+                        self._await_owner[(f.job, ev.chunk)] = f.key
                     self._send_up(spec, ev.chunk, ev.result, f, retx=False)
                 else:
                     self._send_results(spec, ev.chunk, ev.recipients, ev.result, f)
@@ -507,8 +561,17 @@ class SwitchCore:
     def _send_results(self, spec: JobSpec, chunk: int, recipients: tuple[int, ...],
                       result: np.ndarray | None, f: fr.Frame) -> None:
         crc = bool(f.flags & Flag.CRC)  # answer in kind: a sender that checks gets checked
+        owner = f.key if spec.job in self._owned else None
         for member in recipients:
             port = self._ident[member]
+            if owner is not None and member != owner and owner not in \
+                    self._child_below.get(member, ()):
+                # not the owner's side: a header-only completion (self-clocks its window)
+                self._send(port, fr.encode_header(
+                    Op.RESULT, src=self.id, dst=member, job=spec.job, psn=chunk & PSN_MASK,
+                    dtype=f.dtype, msg=f.msg, key=owner, crc=crc))
+                self.counters.results_sent += 1
+                continue
             if result is None:
                 header = fr.encode_header(Op.RESULT, src=self.id, dst=member, job=spec.job,
                                           psn=chunk & PSN_MASK, dtype=f.dtype, msg=f.msg,
@@ -518,7 +581,7 @@ class SwitchCore:
                 body = byte_view(result)
                 header = fr.encode_header(Op.RESULT, src=self.id, dst=member, job=spec.job,
                                           psn=chunk & PSN_MASK, dtype=f.dtype, msg=f.msg,
-                                          payload=body, crc=crc)
+                                          payload=body, key=owner or 0, crc=crc)
                 self._send(port, header, body)
             self.counters.results_sent += 1
 
@@ -534,10 +597,17 @@ class SwitchCore:
         if (f.job, chunk) not in self._awaiting:
             return  # a late copy: the chunk's result was already passed down
         data = np.frombuffer(f.payload, dtype=DTYPES[spec.dtype])
-        if not self.engine.install_result(f.job, chunk, data):
+        owned = f.job in self._owned
+        if owned and f.key != self._await_owner.get((f.job, chunk)):
+            self.counters.malformed += 1
+            return
+        if owned and f.length == 0:
+            pass  # the owner is elsewhere: completions only (our partial stays kept)
+        elif not self.engine.install_result(f.job, chunk, data):
             self.counters.malformed += 1
             return
         self._awaiting.discard((f.job, chunk))
+        self._await_owner.pop((f.job, chunk), None)
         self._send_results(spec, chunk, spec.members, data, f)
 
     def _resend_partial(self, f: fr.Frame) -> None:
@@ -550,7 +620,8 @@ class SwitchCore:
         if (f.job, chunk) in self._awaiting and partial is not None:
             flags = Flag.CRC if self._ctrl_crc else Flag.NONE  # checked where the fabric checks
             self._send_up(spec, chunk, partial, f._replace(dtype=fr.dtype_from_name(
-                spec.dtype), flags=flags), retx=True)
+                spec.dtype), flags=flags, key=self._await_owner.get((f.job, chunk), 0)),
+                retx=True)
 
     def _send_up(self, spec: JobSpec, chunk: int, partial: np.ndarray | None,
                  f: fr.Frame, retx: bool) -> None:
@@ -560,6 +631,7 @@ class SwitchCore:
         body = byte_view(partial)
         header = fr.encode_header(Op.REDUCE, src=self.id, dst=parent, job=spec.job,
                                   psn=chunk & PSN_MASK, dtype=f.dtype, msg=f.msg,
+                                  key=f.key if spec.job in self._owned else 0,
                                   payload=body, flags=Flag.RETX if retx else Flag.NONE,
                                   crc=bool(f.flags & Flag.CRC))
         self._send(self._next_hop[parent], header, body)
@@ -598,6 +670,12 @@ class SwitchCore:
             self._ctrl(port, f.src, "region_reply", key=key, ok=True, reason="")
         elif t == "barrier":
             self._on_barrier(f, port, msg)
+        elif t == "group":
+            self._on_group(f, port, msg)
+        elif t == "group_reply":
+            self._on_group_reply(f, msg)
+        elif t == "group_release":
+            self._on_group_release(f, port, msg)
         elif t == "stats":
             stats = _plain(self.statistics())
             if self._extra_stats is not None:
@@ -622,6 +700,71 @@ class SwitchCore:
                 self._ctrl(who, src, "barrier_done", id=bid)
             self._barriers_done.append(bid)
 
+    def _group_key(self, f: fr.Frame, port: bytes,
+                   msg: dict[str, Any]) -> tuple[tuple[int, ...], int]:
+        members = control.need(msg, "members", list)
+        nth = control.need(msg, "nth", int)
+        workers = {w.id for w in self.topo.workers}
+        if not members or any(not isinstance(m, int) or m not in workers for m in members) \
+                or len(set(members)) != len(members) or nth < 0:
+            raise FrameError(NackCode.MALFORMED, "group members must be distinct worker ids")
+        if port not in self._switch_ports and f.src not in members:
+            raise AccessError(NackCode.PERMISSION, f"node {f.src} is not in the group it names")
+        return tuple(sorted(members)), nth
+
+    def _on_group(self, f: fr.Frame, port: bytes, msg: dict[str, Any]) -> None:
+        """A member creates a multicast group (idempotent): the tree root allocates its
+        id for (members, nth); other switches ask their parent and learn the answer."""
+        key = self._group_key(f, port, msg)
+        gid = self._group_ids.get(key)
+        if gid is None and self._parent_name is None:
+            used = set(self._groups)
+            gid = next((g for g in range(1, MAX_GROUPS + 1) if g not in used), None)
+            if gid is None:
+                self._ctrl(port, f.src, "group_reply", members=list(key[0]), nth=key[1],
+                           gid=-1, reason=f"all {MAX_GROUPS} multicast groups are in use; "
+                           "close communicators you no longer need")
+                return
+            self._group_ids[key] = gid
+            self._groups[gid] = key[0]
+        if gid is not None:
+            self._ctrl(port, f.src, "group_reply", members=list(key[0]), nth=key[1], gid=gid,
+                       reason="")
+            return
+        # ask the parent on every retry (our request or its answer may be lost)
+        self._group_wait.setdefault(key, {})[f.src] = port
+        assert self._parent_name is not None
+        parent = self.topo.node(self._parent_name).id
+        self._ctrl(self._next_hop[parent], parent, "group", members=list(key[0]), nth=key[1])
+
+    def _on_group_reply(self, f: fr.Frame, msg: dict[str, Any]) -> None:
+        parent = self._parent_name
+        if parent is None or f.src != self.topo.node(parent).id:
+            self.counters.unauthorised += 1  # only our parent allocates for us
+            return
+        key = (tuple(sorted(control.need(msg, "members", list))), control.need(msg, "nth", int))
+        gid = control.need(msg, "gid", int)
+        if 0 < gid <= MAX_GROUPS:
+            self._group_ids[key] = gid
+            self._groups[gid] = key[0]
+        for src, who in self._group_wait.pop(key, {}).items():
+            self._ctrl(who, src, "group_reply", members=list(key[0]), nth=key[1], gid=gid,
+                       reason=str(msg.get("reason", "")))
+
+    def _on_group_release(self, f: fr.Frame, port: bytes, msg: dict[str, Any]) -> None:
+        """A member closed its communicator: forget the group (idempotent; a release
+        naming an older group with the same id is ignored)."""
+        key = self._group_key(f, port, msg)
+        gid = self._group_ids.pop(key, None)
+        if gid is not None and self._groups.get(gid) == key[0]:
+            del self._groups[gid]
+        if self._parent_name is not None and gid is not None:
+            parent = self.topo.node(self._parent_name).id
+            self._ctrl(self._next_hop[parent], parent, "group_release", members=list(key[0]),
+                       nth=key[1])
+        if port not in self._switch_ports:
+            self._ctrl(port, f.src, "group_released", members=list(key[0]), nth=key[1])
+
     def _transition(self, job: int, event: str) -> JobPhase:
         new = JOB_TRANSITIONS.get((self._phase.get(job), event))
         if new is None:
@@ -642,6 +785,11 @@ class SwitchCore:
                 slot_elems=control.need(msg, "slot_elems", int),
                 referenced=bool(msg.get("referenced", False)),
             )
+            deliver = str(msg.get("deliver", "all"))
+            if deliver not in ("all", "owner"):
+                raise ValueError(f"deliver must be 'all' or 'owner', not {deliver!r}")
+            if deliver == "owner" and spec.referenced:
+                raise ValueError("owner delivery is a frame-plane mode")
         except ValueError as exc:
             raise FrameError(NackCode.MALFORMED, f"bad job spec: {exc}") from None
         workers = {w.id for w in self.topo.workers}
@@ -699,6 +847,10 @@ class SwitchCore:
             return
         self._jobs[spec.job] = mine
         self._job_members[spec.job] = frozenset(spec.members)
+        if deliver == "owner":
+            self._owned.add(spec.job)
+        else:
+            self._owned.discard(spec.job)
         self._job_last.setdefault(spec.job, 0)
         if parent is None:
             self._transition(spec.job, "grant")
@@ -750,6 +902,8 @@ class SwitchCore:
         self._jobs.pop(job, None)
         self._refs = {k: v for k, v in self._refs.items() if k[0] != job}
         self._awaiting = {k for k in self._awaiting if k[0] != job}
+        self._await_owner = {k: v for k, v in self._await_owner.items() if k[0] != job}
+        self._owned.discard(job)
         self._high = {k: v for k, v in self._high.items() if k[0] != job}
         self._up_pending.pop(job, None)
         parent = self._job_parent.pop(job, None)

@@ -196,3 +196,82 @@ def hostile_then_exact(ep, n: int, seed: int) -> dict:
         want = (np.arange(10_007) % 1000) * sum(range(1, ep.world + 1))
         wrong[path] = int((x != want).sum())
     return {"wrong": wrong, "stash": len(ep.stash), "switch": ep.switch_stats()["malformed"]}
+
+
+# ---------------------------------------------------------------------- the collective set
+def coll_input(rank: int, tag: int, n: int, dtype: str, seed: int = 11) -> np.ndarray:
+    """Fresh small integers (never zeros everywhere) in ``dtype``: sums of up to a
+    hundred ranks stay exact in bfloat16, whatever the arrival order."""
+    from kernels.dtypes import np_dtype
+
+    rng = np.random.default_rng([seed, rank, tag, n])
+    v = rng.integers(-2, 3, n)
+    v[v == 0] = 1
+    return v.astype(np.float64).astype(np_dtype(dtype))
+
+
+def vcount(src: int, dst: int, m: int) -> int:
+    """alltoallv: elements rank ``src`` sends rank ``dst`` (uneven, some zero)."""
+    return 0 if (src + dst) % 3 == 0 and src != dst else (src * 3 + dst * 5) % 7 + m
+
+
+def collective_set_workload(ctx, cases, m: int, dtype: str, group_ranks=None, seed: int = 11):
+    """Every (kind, path) of ``cases`` on seeded inputs; returns {kind/path: output}.
+    With ``group_ranks`` the collectives run on that communicator (then closed)."""
+    g = None
+    if group_ranks is not None:
+        if ctx.rank not in group_ranks:
+            return {}
+        g = yield ctx.group(group_ranks)
+    W = len(group_ranks) if group_ranks is not None else ctx.world
+    r = group_ranks.index(ctx.rank) if group_ranks is not None else ctx.rank
+    out = {}
+    for tag, (kind, path) in enumerate(cases):
+        size = {"all_gather": m, "broadcast": m, "reduce": m, "gather": m}.get(kind, W * m)
+        x = coll_input(r, tag, size, dtype, seed)
+        kw = {"path": path, "group": g}
+        if kind in ("broadcast", "reduce", "gather", "scatter"):
+            kw["root"] = (tag + 1) % W
+        if kind == "alltoallv":
+            sc = [vcount(r, k, m) for k in range(W)]
+            rc = [vcount(k, r, m) for k in range(W)]
+            x = coll_input(r, tag, sum(sc), dtype, seed)
+            y = yield ctx.alltoallv(x, sc, np.empty(sum(rc), x.dtype), rc, **kw)
+        else:
+            y = yield ctx.collective(kind, x, **kw)
+        out[f"{kind}/{path}"] = None if y is None else np.array(y)
+    if g is not None:
+        yield ctx.close_group(g)
+    return out
+
+
+def collective_reference(kind: str, r: int, W: int, tag: int, m: int, dtype: str,
+                         seed: int = 11) -> np.ndarray | None:
+    """What rank ``r`` of ``W`` must get from collective_set_workload's case ``tag``."""
+    size = {"all_gather": m, "broadcast": m, "reduce": m, "gather": m}.get(kind, W * m)
+    xs = [coll_input(k, tag, size, dtype, seed) for k in range(W)]
+    root = (tag + 1) % W
+    if kind == "all_gather":
+        return np.concatenate(xs)
+    if kind == "reduce_scatter":
+        return np.sum(np.stack(xs).astype(np.float64), axis=0).astype(xs[0].dtype)[
+            r * m:(r + 1) * m]
+    if kind == "broadcast":
+        return xs[root]
+    if kind == "reduce":
+        return (np.sum(np.stack(xs).astype(np.float64), axis=0).astype(xs[0].dtype)
+                if r == root else None)
+    if kind == "alltoall":
+        return np.concatenate([xs[k][r * m:(r + 1) * m] for k in range(W)])
+    if kind == "gather":
+        return np.concatenate(xs) if r == root else None
+    if kind == "scatter":
+        return xs[root][r * m:(r + 1) * m]
+    assert kind == "alltoallv"
+    parts = []
+    for k in range(W):
+        sc = [vcount(k, j, m) for j in range(W)]
+        xk = coll_input(k, tag, sum(sc), dtype, seed)
+        lo = sum(sc[:r])
+        parts.append(xk[lo: lo + sc[r]])
+    return np.concatenate(parts)

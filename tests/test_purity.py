@@ -18,7 +18,8 @@ import pytest
 PURE = [
     "fabric.frame", "fabric.control", "fabric.memory", "fabric.semantic", "fabric.hostnode",
     "fabric.topology", "fabric.reliability", "fabric.timers", "fabric.faults", "fabric.link",
-    "fabric.programs", "fabric.workload", "fabric.errors", "fabric.testing",
+    "fabric.programs", "fabric.collective_programs", "fabric.workload", "fabric.errors",
+    "fabric.testing",
     "switchd.aggregation", "switchd.core", "switchd.shaper", "kernels.dtypes",
 ]
 IO_LIBS = {"zmq", "socket", "asyncio", "selectors", "subprocess", "threading", "time", "mmap",
@@ -26,8 +27,8 @@ IO_LIBS = {"zmq", "socket", "asyncio", "selectors", "subprocess", "threading", "
 #: Driver modules: the core never imports them (they import the core).
 DRIVERS = {"fabric.endpoint", "fabric.transport", "fabric.launcher", "fabric.launch_cli",
            "fabric.node", "fabric.shm", "fabric.p2p", "fabric.collectives", "fabric.cli",
-           "fabric.serving", "fabric.sim", "switchd.daemon", "switchd.memplane",
-           "switchd.cli", "fabric.emulation", "bench"}
+           "fabric.serving", "fabric.sim", "fabric.communicator", "switchd.daemon",
+           "switchd.memplane", "switchd.cli", "fabric.emulation", "bench"}
 #: The core's allowed third-party imports.
 ALLOWED = {"numpy", "ml_dtypes", "msgpack", "crc32c", "typing_extensions", "fabric", "switchd",
            "kernels"}

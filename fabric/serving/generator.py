@@ -150,7 +150,7 @@ class Generator:
                                       np.zeros(b, np.int32), 1.0, 0)
 
     def _ctrl(self, t: str, **fields: Any) -> None:
-        self.ep.send(fr.encode(Op.CTRL, src=self.ep.node_id, dst=self.host_id,
+        self.ep.send_frame(fr.encode(Op.CTRL, src=self.ep.node_id, dst=self.host_id,
                                payload=control.pack(t, session=self.session, **fields)))
 
     def poll_control(self, timeout_ms: int) -> None:
@@ -355,7 +355,7 @@ class Generator:
                                   job=self.job, flow=rec.STAGED_FLOW,
                                   psn=self.psn & 0xFFFF_FFFF, payload=body)
         self.psn += 1
-        self.ep.send(header, body)
+        self.ep.send_frame(header, body)
         self.sem.crossings += n
         self.sem.hops += n * self.hops
 
@@ -451,7 +451,7 @@ def relay(ep: Any, cfg: ServeConfig) -> dict[str, Any]:
                         body = rec.repack_staged(msg)
                         sem.encodes += n
                         sem.copies += n
-                        ep.send(fr.encode_header(Op.WRITE, src=ep.node_id, dst=host_id,
+                        ep.send_frame(fr.encode_header(Op.WRITE, src=ep.node_id, dst=host_id,
                                                  job=f.job, flow=rec.STAGED_FLOW,
                                                  psn=psn & 0xFFFF_FFFF, payload=body), body)
                         psn += 1
@@ -463,7 +463,7 @@ def relay(ep: Any, cfg: ServeConfig) -> dict[str, Any]:
                         if m.get("session") != cfg.session:
                             continue
                         if m["t"] == rec.PING:
-                            ep.send(fr.encode(Op.CTRL, src=ep.node_id, dst=f.src,
+                            ep.send_frame(fr.encode(Op.CTRL, src=ep.node_id, dst=f.src,
                                               payload=control.pack(rec.PONG,
                                                                    session=cfg.session)))
                         elif m["t"] == rec.STOP:

@@ -288,7 +288,7 @@ class TokenHost:
             self._drain()
 
     def _send_ctrl(self, dst: int, t: str, **fields: Any) -> None:
-        self.ep.send(fr.encode(Op.CTRL, src=self.ep.node_id, dst=dst,
+        self.ep.send_frame(fr.encode(Op.CTRL, src=self.ep.node_id, dst=dst,
                                payload=control.pack(t, session=self.cfg.session, **fields)))
         self.loop.call_soon(self._drain)  # a send can swallow the socket's read edge
 
@@ -347,7 +347,7 @@ class TokenHost:
         except AccessError as exc:
             sock.recv_into(bytearray(), flags=zmq.NOBLOCK)  # discard the payload
             self.counters.refused_frames += 1
-            self.ep.send(fr.encode_nack(src=self.ep.node_id, dst=src, flow=rec.TOKEN_FLOW,
+            self.ep.send_frame(fr.encode_nack(src=self.ep.node_id, dst=src, flow=rec.TOKEN_FLOW,
                                         psn=psn, code=exc.code))
             log.warning("host0: refused a token write: %s", exc)
             return

@@ -47,12 +47,16 @@ from fabric.workload import (
     Allreduce,
     Barrier,
     Clock,
+    CloseGroup,
+    Collective,
     Compute,
     Context,
+    MakeGroup,
     Recv,
     Send,
     Together,
     check_workload,
+    program_of,
     stream_program,
 )
 from kernels.dtypes import UFUNCS
@@ -479,15 +483,18 @@ class Simulation:
                 out = op.out if op.out is not None else np.empty_like(x)
                 t = Tensor(x.size, dtype_name(x.dtype), x, out)
                 if op.numerics == "fixed" and op.op == "sum":
-                    return fixed_program(st, t, op.path)
-                return allreduce_program(st, t, op.op, op.path, data=True)
+                    return fixed_program(st, t, op.path, op.group)
+                return allreduce_program(st, t, op.op, op.path, data=True, group=op.group)
             if op.count <= 0:
                 raise UsageError("a timing-only allreduce needs count > 0")
-            return allreduce_program(st, Tensor(op.count, op.dtype), op.op, op.path, data=False)
+            return allreduce_program(st, Tensor(op.count, op.dtype), op.op, op.path, data=False,
+                                     group=op.group)
         if isinstance(op, (Send, Recv, Together)):
             return stream_program(st, op)
+        if isinstance(op, (Collective, MakeGroup, CloseGroup)):
+            return program_of(st, op)
         if isinstance(op, Barrier):
-            return barrier_program(st)
+            return barrier_program(st, op.group)
         raise UsageError(f"a workload yielded {op!r}, not an operation of its context")
 
 
@@ -529,7 +536,7 @@ class Simulation:
                 np.copyto(work, x)
             t = Tensor(count, dtype, work, work)
             yield allreduce_program(st, t, op.op, "ina-mem", data=x is not None,
-                                    region=(key, 0))
+                                    region=(key, 0), group=op.group)
             if x is not None and out is not None:
                 assert work is not None
                 np.copyto(out, work)
