@@ -142,7 +142,7 @@ def close_group_program(st: NodeState, g: Group) -> Program:
         yield barrier_program(st, g)
         for js in list(g.jobs.values()):
             if js.granted:
-                yield Request(st, "release", "release_reply", job=js.job,
+                yield Request(st, "release", "release_reply", job=js.job, tag=g.tag,
                               match=_job_is(js.job))
         g.jobs.clear()
         yield Request(st, "group_release", "group_released", members=members, nth=g.nth,

@@ -142,6 +142,15 @@ class Group:
         """A new collective message id (unique among the node's groups)."""
         return (self.gid << GROUP_MSG_BITS | (next(self._msg_seq) & 0xFFFFFF)) & PSN_MASK
 
+    @property
+    def tag(self) -> int:
+        """This incarnation of the group, the same on every member (a release from
+        a closed group never frees a job id a newer group registered again)."""
+        import crc32c
+
+        return 0 if self.gid == 0 else crc32c.crc32c(
+            repr((sorted(self.ids), self.nth)).encode())
+
     def check_open(self, what: str) -> None:
         """UsageError when the group was closed or this node is not in it."""
         if self.closed:
@@ -479,7 +488,7 @@ def _job_program(st: NodeState, path: str, t: Tensor, op: str, referenced: bool,
     elems = st.chunk_elems(path, t.itemsize)
     reply = yield Request(st, "job", "job_reply", job=job, members=list(g.ids),
                           dtype=t.dtype, op=op, slots=slots, slot_elems=elems,
-                          referenced=referenced, deliver=deliver,
+                          referenced=referenced, deliver=deliver, tag=g.tag,
                           match=lambda m: m.get("job") == job)
     js = JobState(job, slots, elems, bool(reply.get("granted")), str(reply.get("reason", "")))
     if not js.granted:

@@ -259,6 +259,9 @@ class SwitchCore:
         # jobs whose chunk results go to one owner (reduce, reduce_scatter): the
         # others get a header-only completion; owner of each awaited tree partial
         self._owned: set[int] = set()
+        # which creation of its group a job belongs to: a late release from a closed
+        # group must not free the same job id registered anew by a newer group
+        self._job_tag: dict[int, int] = {}
         self._await_owner: dict[tuple[int, int], int] = {}
         self._barriers: dict[int, dict[int, bytes]] = {}
         self._barriers_done: deque[int] = deque(maxlen=BARRIERS_KEPT)
@@ -651,7 +654,9 @@ class SwitchCore:
         elif t == "job":
             self._register_job(f, port, msg)
         elif t == "release":
-            self._release_job(f, port, control.need(msg, "job", int))
+            tag = msg.get("tag")
+            self._release_job(f, port, control.need(msg, "job", int),
+                              tag if isinstance(tag, int) else None)
         elif t == "region":
             self._register_region(f, port, msg)
         elif t == "unregister":
@@ -847,6 +852,8 @@ class SwitchCore:
             return
         self._jobs[spec.job] = mine
         self._job_members[spec.job] = frozenset(spec.members)
+        tag = msg.get("tag", 0)
+        self._job_tag[spec.job] = tag if isinstance(tag, int) else 0
         if deliver == "owner":
             self._owned.add(spec.job)
         else:
@@ -889,10 +896,11 @@ class SwitchCore:
         for src, who in self._up_pending.pop(job, {}).items():
             self._ctrl(who, src, "job_reply", job=job, granted=granted, reason=reason)
 
-    def _release_job(self, f: fr.Frame, port: bytes, job: int) -> None:
+    def _release_job(self, f: fr.Frame, port: bytes, job: int, tag: int | None) -> None:
         """A member (or our child switch) is done with ``job``: free its slots."""
         members = self._job_members.get(job)
-        if members is None or self._phase.get(job) is JobPhase.RELEASED:
+        if members is None or self._phase.get(job) is JobPhase.RELEASED \
+                or (tag is not None and tag != self._job_tag.get(job, 0)):
             self._ctrl(port, f.src, "release_reply", job=job)  # idempotent
             return
         if f.src not in members and port not in self._switch_ports:
@@ -908,7 +916,8 @@ class SwitchCore:
         self._up_pending.pop(job, None)
         parent = self._job_parent.pop(job, None)
         if parent is not None:  # the rest of the tree frees its part too
-            self._ctrl(self._next_hop[parent], parent, "release", job=job)
+            self._ctrl(self._next_hop[parent], parent, "release", job=job,
+                       tag=self._job_tag.get(job, 0))
         self._ctrl(port, f.src, "release_reply", job=job)
 
     def _register_region(self, f: fr.Frame, port: bytes, msg: dict[str, Any]) -> None:

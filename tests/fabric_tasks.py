@@ -275,3 +275,65 @@ def collective_reference(kind: str, r: int, W: int, tag: int, m: int, dtype: str
         lo = sum(sc[:r])
         parts.append(xk[lo: lo + sc[r]])
     return np.concatenate(parts)
+
+
+def concurrent_groups_workload(ctx, m: int, rounds: int = 3):
+    """Tensor-parallel pairs and expert-parallel fours active at once, closed and made
+    again each round; returns the last results of both."""
+    pair = [ctx.rank - ctx.rank % 2, ctx.rank - ctx.rank % 2 + 1]
+    four = [ctx.rank - ctx.rank % 4 + k for k in range(4)]
+    out = {}
+    for rnd in range(rounds):
+        tp = yield ctx.group(pair)
+        ep = yield ctx.group(four)
+        x = coll_input(ctx.rank, rnd, m, "int32")
+        out["tp"] = yield ctx.allreduce(x, path="ina", group=tp)
+        out["ep"] = yield ctx.allreduce(x, path="ina", group=ep)
+        out["ag"] = yield ctx.all_gather(x, path="ina", group=ep)
+        yield ctx.barrier(group=tp)
+        yield ctx.close_group(tp)
+        yield ctx.close_group(ep)
+    return {k: np.array(v) for k, v in out.items()}
+
+
+def group_churn_workload(ctx, cycles: int):
+    """Make, use and close a communicator ``cycles`` times (more than the switch has
+    group ids, and more jobs than fit its memory at once)."""
+    total = 0
+    for c in range(cycles):
+        g = yield ctx.group(range(ctx.world))
+        y = yield ctx.allreduce(np.full(8, c, np.int32), path="ina", group=g)
+        total += int(y[0])
+        yield ctx.close_group(g)
+    return total
+
+
+def p2p_api(ep, n: int) -> bool:
+    """ep.send / ep.recv / ep.sendrecv between ranks (a ring and a pair)."""
+    W, r = ep.world, ep.rank
+    x = coll_input(r, 0, n, "float32")
+    got = ep.sendrecv(x, (r + 1) % W, np.empty(n, np.float32), (r - 1) % W)
+    ok = np.array_equal(got, coll_input((r - 1) % W, 0, n, "float32"))
+    if r == 0:
+        ep.send(x, 1)
+    elif r == 1:
+        ok &= np.array_equal(ep.recv(np.empty(n, np.float32), 0), coll_input(0, 0, n, "float32"))
+    return bool(ok)
+
+
+def comm_api(ep, m: int, cycles: int) -> dict:
+    """Communicators on the endpoint: pairs and the world at once, then churn."""
+    pair = ep.group([ep.rank - ep.rank % 2, ep.rank - ep.rank % 2 + 1])
+    with ep.group(range(ep.world)[::-1]) as rev:
+        x = coll_input(ep.rank, 0, m, "int32")
+        tp = pair.allreduce(x, path="ina")
+        ag = rev.all_gather(x, path="ina")
+        rs = rev.reduce_scatter(coll_input(ep.rank, 1, m * ep.world, "int32"), path="ina")
+        pair.barrier()
+    pair.close()
+    for _ in range(cycles):
+        with ep.group(range(ep.world)) as g:
+            g.allreduce(x, path="ina")
+    stats = ep.switch_stats()
+    return {"tp": tp, "ag": ag, "rs": rs, "rev_rank": rev.rank, "closed": rev.closed,
+            "jobs": stats["engine"]["jobs"]}

@@ -158,3 +158,108 @@ def test_tree_job_waits_for_the_parent_then_is_granted() -> None:
 def test_every_transition_leads_to_a_phase() -> None:
     assert all(isinstance(v, JobPhase) for v in JOB_TRANSITIONS.values())
     assert (JobPhase.RELEASED, "parent_grant") not in JOB_TRANSITIONS
+
+
+# ---------------------------------------------------------------------- multicast and owners
+def _group(net: Net, members: list[str], nth: int = 0) -> int:
+    ids = sorted(net.topo.node(m).id for m in members)
+    for m in members:
+        net.ctrl(m, "group", members=ids, nth=nth)
+    gids = set()
+    for m in members:
+        replies = [control.parse(f.payload) for f in net.take(m)]
+        assert replies and replies[-1]["t"] == "group_reply", replies
+        gids.add(replies[-1]["gid"])
+    (gid,) = gids  # every member learns the same id from the tree root
+    assert gid > 0
+    return gid
+
+
+@pytest.mark.parametrize("topo", [star(4), leaf_spine(2, 2)], ids=["star", "leaf-spine"])
+def test_a_multicast_frame_reaches_each_member_once_and_not_its_sender(topo) -> None:
+    net = Net(topo)
+    names = [w.name for w in topo.workers]
+    gid = _group(net, names[1:])  # w0 is not in it
+    src = topo.node(names[1])
+    body = np.arange(50, dtype=np.uint8)
+    net.send(names[1], fr.encode_header(Op.WRITE, src=src.id, dst=gid, flags=fr.Flag.MCAST,
+                                        flow=20, payload=body), body)
+    got = {n: net.take(n) for n in names}
+    assert got[names[0]] == [] and got[names[1]] == []
+    for n in names[2:]:
+        (f,) = got[n]
+        assert f.src == src.id and bytes(f.payload) == body.tobytes()
+    copies = sum(c.statistics().mcast_copies for c in net.cores.values())
+    # one copy per link the frame must cross: a tree sends it up once, not per member
+    assert copies == (2 if len(topo.switches) == 1 else 4)  # leaf->spine->leaf->2 members
+
+
+def test_multicast_to_an_unknown_group_or_from_a_non_member_is_refused() -> None:
+    topo = star(3)
+    net = Net(topo)
+    gid = _group(net, ["w1", "w2"])
+    for sender, dst in (("w0", gid), ("w1", 77)):
+        n = topo.node(sender)
+        net.send(sender, fr.encode_header(Op.WRITE, src=n.id, dst=dst, flags=fr.Flag.MCAST,
+                                          flow=20, payload=b"x"), b"x")
+        (nack,) = net.take(sender)
+        assert nack.op is Op.NACK
+        assert net.take("w1") == [] and net.take("w2") == []
+
+
+def test_group_ids_are_reused_after_release_and_a_stale_release_is_harmless() -> None:
+    net = Net(leaf_spine(2, 2))
+    names = [w.name for w in net.topo.workers]
+    ids = sorted(net.topo.node(m).id for m in names)
+    g1 = _group(net, names, nth=0)
+    for m in names:
+        net.ctrl(m, "group_release", members=ids, nth=0)
+        assert control.parse(net.take(m)[-1].payload)["t"] == "group_released"
+    g2 = _group(net, names[:2], nth=0)
+    assert g2 == g1  # the freed id is handed out again
+    net.ctrl(names[0], "group_release", members=ids, nth=0)  # the old group, again
+    net.take(names[0])
+    root = net.cores["spine0"]
+    assert root._groups[g2] == tuple(ids[:2])
+
+
+@pytest.mark.parametrize("topo", [star(3), leaf_spine(2, 2)], ids=["star", "leaf-spine"])
+def test_an_owned_job_sends_the_result_to_its_owner_and_completions_to_the_rest(topo) -> None:
+    net = Net(topo)
+    members = [w.id for w in topo.workers]
+    for w in topo.workers:
+        net.ctrl(w.name, "job", job=1, members=members, dtype="int32", op="sum", slots=4,
+                 slot_elems=64, deliver="owner")
+    for w in topo.workers:
+        assert control.parse(net.take(w.name)[-1].payload)["granted"]
+    owner = topo.workers[-1]
+    rng = np.random.default_rng(3)
+    xs = {w.name: rng.integers(-99, 99, 33).astype(np.int32) for w in topo.workers}
+    for w in topo.workers:
+        sw = topo.node(topo.switch_of(w.name))
+        net.send(w.name, fr.encode_header(Op.REDUCE, src=w.id, dst=sw.id, job=1, psn=0,
+                                          key=owner.id, dtype=fr.dtype_from_name("int32"),
+                                          payload=xs[w.name]), xs[w.name])
+    for w in topo.workers:
+        (res,) = net.take(w.name)
+        assert res.op is Op.RESULT
+        if w is owner:
+            np.testing.assert_array_equal(np.frombuffer(res.payload, np.int32), sum(xs.values()))
+        else:
+            assert res.length == 0 and res.key == owner.id
+
+
+def test_an_owned_job_refuses_an_owner_outside_it() -> None:
+    net = Net(star(2))
+    members = [w.id for w in net.topo.workers]
+    for w in net.topo.workers:
+        net.ctrl(w.name, "job", job=1, members=members, dtype="int32", op="sum", slots=4,
+                 slot_elems=64, deliver="owner")
+        net.take(w.name)
+    x = np.ones(4, np.int32)
+    w0 = net.topo.node("w0")
+    net.send("w0", fr.encode_header(Op.REDUCE, src=w0.id, dst=net.topo.node("sw0").id, job=1,
+                                    psn=0, key=999, dtype=fr.dtype_from_name("int32"),
+                                    payload=x), x)
+    (nack,) = net.take("w0")
+    assert nack.op is Op.NACK and nack.nack_code is NackCode.MALFORMED
