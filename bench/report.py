@@ -34,6 +34,7 @@ import numpy as np
 
 __all__ = [
     "AllreduceRow",
+    "CollectiveRow",
     "GB",
     "busbw_factor",
     "dtype_itemsize",
@@ -272,6 +273,7 @@ _COLLECTIVE_ALIASES = {
     "broadcast": "broadcast",
     "bcast": "broadcast",
     "reduce": "reduce",
+    "sendrecv": "sendrecv",
 }
 
 
@@ -279,8 +281,9 @@ def busbw_factor(collective: str, n: int) -> float:
     """Bus bandwidth factor of nccl-tests' PERFORMANCE.md.
 
     ``busbw = algbw * factor``: allreduce 2(n-1)/n; allgather, reducescatter
-    and alltoall (n-1)/n; broadcast and reduce 1. Names are matched without
-    case, ``_`` or ``-`` ("all_reduce", "reduce-scatter").
+    and alltoall (n-1)/n; broadcast, reduce and sendrecv 1 (each collective's
+    ``*GetBw`` in nccl-tests' src/*.cu). Names are matched without case, ``_``
+    or ``-`` ("all_reduce", "reduce-scatter").
     """
     if n < 1:
         raise ValueError(f"busbw_factor: need at least one rank, got n={n}")
@@ -289,7 +292,7 @@ def busbw_factor(collective: str, n: int) -> float:
         return 2.0 * (n - 1) / n
     if key in ("allgather", "reducescatter", "alltoall"):
         return (n - 1) / n
-    if key in ("broadcast", "reduce"):
+    if key in ("broadcast", "reduce", "sendrecv"):
         return 1.0
     raise ValueError(
         f"busbw_factor: unknown collective {collective!r}; known: "
@@ -488,6 +491,20 @@ class AllreduceRow:
         )
 
 
+@dataclasses.dataclass
+class CollectiveRow(AllreduceRow):
+    """A row of `semfab bench <collective>`: an :class:`AllreduceRow` that also names
+    its ``collective`` and ``root`` (-1: none, as nccl-tests prints it).
+
+    ``size_bytes`` and ``count`` follow nccl-tests (see :mod:`bench.nccl`): the
+    larger buffer in bytes, and the per-rank count; ``redop`` is ``"none"`` for
+    a collective that does not reduce.
+    """
+
+    collective: str = "allreduce"
+    root: int = -1
+
+
 def _algbw(size_bytes: int, time_us: float) -> float:
     return size_bytes / time_us / 1e3 if time_us > 0 else math.inf  # B/us -> GB/s
 
@@ -665,24 +682,36 @@ _TEXT_COLUMNS: tuple[tuple[str, str, int], ...] = (
 )
 
 
-def _cells_line(cells: Sequence[str], first: str = " ") -> str:
+#: nccl-tests' root column (broadcast, reduce), after the redop.
+_ROOT_COLUMN = ("root", "", 6)
+
+
+def _text_columns(root: bool) -> tuple[tuple[str, str, int], ...]:
+    if not root:
+        return _TEXT_COLUMNS
+    return (*_TEXT_COLUMNS[:4], _ROOT_COLUMN, *_TEXT_COLUMNS[4:])
+
+
+def _cells_line(cells: Sequence[str], first: str = " ", root: bool = False) -> str:
     parts = []
-    for (title, _unit, width), cell in zip(_TEXT_COLUMNS, cells, strict=True):
+    for (title, _unit, width), cell in zip(_text_columns(root), cells, strict=True):
         # the path is a name: left-aligned, like nccl-tests' type and redop are not
         parts.append("  " + cell.ljust(width - 2) if title == "path" else cell.rjust(width))
     return first + "".join(parts)
 
 
-def format_text_header() -> str:
-    """The two ``#`` lines naming the columns of :func:`format_text_row`."""
-    titles = _cells_line([c[0] for c in _TEXT_COLUMNS], "#") + "  note"
-    units = _cells_line([c[1] for c in _TEXT_COLUMNS], "#")
+def format_text_header(root: bool = False) -> str:
+    """The two ``#`` lines naming the columns of :func:`format_text_row` (``root``:
+    with nccl-tests' root column, for broadcast and reduce)."""
+    cols = _text_columns(root)
+    titles = _cells_line([c[0] for c in cols], "#", root) + "  note"
+    units = _cells_line([c[1] for c in cols], "#", root)
     return titles + "\n" + units.rstrip()
 
 
-def format_text_row(row: AllreduceRow) -> str:
+def format_text_row(row: AllreduceRow, root: bool = False) -> str:
     """One fixed-width line of a row (nccl-tests layout); a row that did not run
-    shows dashes and its note."""
+    shows dashes and its note. ``root``: with the root column (the row's ``root``)."""
     dash = "-"
     wrong = _fmt_wrong(row).replace("—", dash)
     cells = [
@@ -691,7 +720,9 @@ def format_text_row(row: AllreduceRow) -> str:
         _fmt_bw(row.busbw_gbps).replace("—", dash), wrong,
         _fmt_time(row.p50_us).replace("—", dash), _fmt_time(row.p99_us).replace("—", dash),
     ]
-    line = _cells_line(cells)
+    if root:
+        cells.insert(4, str(getattr(row, "root", -1)))
+    line = _cells_line(cells, root=root)
     if row.status == "failed" and row.ran and row.wrong > 0:
         line += "  FAILED: wrong elements"
     if row.note:
@@ -727,7 +758,8 @@ def format_side_by_side(rows: Iterable[AllreduceRow], markdown: bool = False,
         spread = any(r.runs > 1 for per in by_path.values() for r in per.values())
         sub = ["busbw", "time"] + (["spread"] if spread else [])
         unit = {"busbw": "(GB/s)", "time": "(us)", "spread": "(us, runs)"}
-        title = (f"{workers} worker{'s' if workers != 1 else ''}, {dtype} {redop}: busbw and "
+        what = dtype if redop == "none" else f"{dtype} {redop}"  # a collective that copies
+        title = (f"{workers} worker{'s' if workers != 1 else ''}, {what}: busbw and "
                  "time per path" + (" (time: median over runs, spread min..max)"
                                     if spread else ""))
         table: list[list[str]] = []

@@ -1,0 +1,602 @@
+"""The nccl-tests style sweep shared by `semfab bench allreduce` and `semfab bench <collective>`.
+
+Everything the benches of the collective set do the same way: the flags
+(nccl-tests' ``-b/-e/-f``, ``-w/-n``, ``-d/-o``, ``-c``, ``--repeat``, the
+worker counts, topology, link shaping and faults), their checks before any
+process starts, the parameter header, rows printed as each size finishes, one
+fabric per worker count with every semfab path on it, the peers in the same
+run, ``--repeat`` medians with their spread, the side-by-side table per worker
+count, the footer, and the JSON/Markdown/PNG files (each announced when
+written). A bench supplies only what differs: its name and paths, how one size
+is measured on a fabric, and how a peer is run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import shlex
+import socket
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from bench import report
+from fabric.endpoint import DTYPE_NAMES, OPS
+from fabric.errors import FabricTimeout, PeerFailed, UsageError
+
+log = logging.getLogger("semfab.bench.sweep")
+
+#: The real-library peers, also the ``path`` of their rows.
+PEERS = ("gloo", "mpi")
+
+#: nccl-tests' dtype names (``-d``) and ours, mapped to ours.
+NCCL_DTYPES = {
+    "float": "float32", "float32": "float32", "f32": "float32",
+    "half": "float16", "float16": "float16", "f16": "float16",
+    "bfloat16": "bfloat16", "bf16": "bfloat16",
+    "int": "int32", "int32": "int32",
+    "int64": "int64",
+}
+#: nccl-tests' dtypes the switches do not reduce.
+NCCL_UNSUPPORTED_DTYPES = ("int8", "char", "uint8", "uint32", "uint64", "double", "float64",
+                           "f64", "fp8_e4m3", "fp8_e5m2", "f8e4m3", "f8e5m2")
+#: nccl-tests' ops the switches do not reduce, and why.
+NCCL_UNSUPPORTED_OPS = {
+    "prod": "the switches and host paths reduce with sum, max and min only",
+    "avg": "the switches and host paths reduce with sum, max and min only (an average is a "
+           "sum divided by the worker count)",
+    "premulsum": "the switches and host paths reduce with sum, max and min only",
+}
+#: A percentile needs about this many samples before it is a tail, not the maximum.
+P99_MIN_SAMPLES = 100
+
+Row = report.AllreduceRow
+#: ``measure(fab, path, workers, size, dtype, op, args)``: one row of one size.
+Measure = Callable[[Any, str, int, int, str, str, argparse.Namespace], Row]
+#: ``run_peer(peer, workers, sizes, args, dtype, op)``: one row per size.
+RunPeer = Callable[[str, int, list[int], argparse.Namespace, str, str], list[Row]]
+
+
+# --------------------------------------------------------------------------
+# Flags
+# --------------------------------------------------------------------------
+
+
+def add_arguments(p: argparse.ArgumentParser, all_paths: Sequence[str], *, sim_help: str,
+                  op_help: str | None = None, root: bool = False,
+                  dtype_help: str | None = None) -> None:
+    """The flags of a sweep (nccl-tests style where they overlap).
+
+    ``op_help`` None: the bench does not reduce (``-o`` is accepted only to say
+    so). ``root``: a ``-r/--root`` flag (broadcast, reduce).
+    """
+    p.add_argument("-b", "--begin", default="4K", help="smallest size in bytes (4K, 1M, ...)")
+    p.add_argument("-e", "--end", default="64M", help="largest size in bytes")
+    p.add_argument("-f", "--factor", type=float, default=4, help="size multiplication factor")
+    p.add_argument("--workers", default="2,4", help="worker counts, comma-separated")
+    p.add_argument("--paths", default=",".join(all_paths),
+                   help=f"comma-separated, from: {', '.join(all_paths)}")
+    p.add_argument("-d", "--dtype", default="float32",
+                   help=dtype_help or "float32 (nccl: float), float16 (half), bfloat16 (bf16), "
+                   "int32 (int), int64; comma-separated, or 'all' for every one")
+    if op_help is None:
+        p.add_argument("-o", "--op", default=None,
+                       help="refused: this collective does not reduce (its redop is none)")
+    else:
+        p.add_argument("-o", "--op", default="sum", help=op_help)
+    if root:
+        p.add_argument("-r", "--root", type=int, default=0, help="the root rank")
+    p.add_argument("-w", "--warmup", type=int, default=3, help="untimed iterations per size")
+    p.add_argument("-n", "--iters", type=int, default=10, help="timed iterations per size")
+    p.add_argument("-c", "--check", type=int, default=1, help="1: count wrong elements")
+    p.add_argument("--repeat", type=int, default=1, metavar="K",
+                   help="K independent runs of the whole sweep: time is the median over runs, "
+                   "with the spread (min..max)")
+    p.add_argument("--seed", type=int, default=0, help="input (and fault) seed")
+    p.add_argument("--topology", help="a topology file (default: a star of --workers)")
+    p.add_argument("--link-gbps", type=float, default=0.0,
+                   help="shape every link of the default star to this bandwidth (0: unshaped)")
+    p.add_argument("--link-latency-us", type=float, default=0.0,
+                   help="one-way latency added on every link of the default star")
+    p.add_argument("--faults", metavar="SPEC",
+                   help="faults on every link, e.g. 'loss=0.01,reorder=0.05:2' "
+                   "(docs/RELIABILITY.md)")
+    p.add_argument("--json", metavar="PATH",
+                   help="write every row and every setting of the run as JSON")
+    p.add_argument("--markdown", metavar="PATH", help="write the header and tables as Markdown")
+    p.add_argument("--plot", metavar="PATH", help="write busbw against size as PNG")
+    p.add_argument("--run-dir", help="where process logs go (default: ./runs/<stamp>)")
+    p.add_argument("--timeout", type=float, default=60.0,
+                   help="seconds any single wait may take before the run fails")
+    p.add_argument("--sim", action="store_true", help=sim_help)
+    # nccl-tests flags that have no meaning here: accepted only to say why
+    p.add_argument("-g", "--ngpus", metavar="N", default=None,
+                   help="nccl-tests' GPUs per thread: refused (workers are processes; use "
+                   "--workers)")
+    p.add_argument("-t", "--nthreads", metavar="N", default=None,
+                   help="nccl-tests' threads per process: refused (workers are processes; use "
+                   "--workers)")
+
+
+def refuse_nccl_only(args: argparse.Namespace) -> None:
+    """nccl-tests' ``-g``/``-t`` have no meaning here: refused with the reason."""
+    if getattr(args, "ngpus", None) is not None:
+        raise UsageError(f"-g/--ngpus {args.ngpus}: there are no GPUs to count here: every rank "
+                         "is a worker process of its own; use --workers N for N ranks")
+    if getattr(args, "nthreads", None) is not None:
+        raise UsageError(f"-t/--nthreads {args.nthreads}: ranks are not threads here: every "
+                         "rank is a worker process of its own; use --workers N for N ranks")
+
+
+def parse_dtypes(text: str, carried_by: str = "the switches reduce") -> list[str]:
+    """``-d``: our names or nccl-tests' (float, half, bf16, int, int64), a list, or 'all'."""
+    names = [t.strip().lower() for t in str(text).split(",") if t.strip()]
+    if names == ["all"]:
+        return list(DTYPE_NAMES)
+    supported = ("float32 (nccl: float), float16 (half), bfloat16 (bf16), int32 (int) and "
+                 "int64; -d all runs every one")
+    out: list[str] = []
+    for name in names:
+        if name in NCCL_UNSUPPORTED_DTYPES:
+            raise UsageError(f"--dtype {name}: not supported: {carried_by} {supported}")
+        if name not in NCCL_DTYPES:
+            raise UsageError(f"--dtype {name!r}: unknown; use {supported}")
+        if NCCL_DTYPES[name] not in out:
+            out.append(NCCL_DTYPES[name])
+    if not out:
+        raise UsageError(f"--dtype: give one of {supported}")
+    return out
+
+
+def parse_ops(text: str) -> list[str]:
+    """``-o``: sum, max, min, a list, or 'all' (nccl's prod/avg refused with the reason)."""
+    names = [t.strip().lower() for t in str(text).split(",") if t.strip()]
+    if names == ["all"]:
+        return list(OPS)
+    out: list[str] = []
+    for name in names:
+        if name in NCCL_UNSUPPORTED_OPS:
+            raise UsageError(f"--op {name}: not supported: {NCCL_UNSUPPORTED_OPS[name]}; "
+                             "use sum, max or min (-o all runs the three)")
+        if name not in OPS:
+            raise UsageError(f"--op {name!r}: use sum, max or min (-o all runs the three)")
+        if name not in out:
+            out.append(name)
+    if not out:
+        raise UsageError("--op: give sum, max, min or all")
+    return out
+
+
+@dataclasses.dataclass
+class Plan:
+    """What one sweep will run, parsed and checked."""
+
+    sizes: list[int]
+    workers: list[int]
+    paths: list[str]
+    dtypes: list[str]
+    ops: list[str]
+
+    @property
+    def ours(self) -> list[str]:
+        return [p for p in self.paths if p not in PEERS]
+
+    @property
+    def peers(self) -> list[str]:
+        return [p for p in self.paths if p in PEERS]
+
+
+def parse_plan(args: argparse.Namespace, all_paths: Sequence[str], *,
+               ops: list[str] | None = None,
+               carried_by: str = "the switches reduce") -> Plan:
+    """The checked plan of a sweep; ``ops`` given (e.g. ``["none"]``) skips ``-o``."""
+    refuse_nccl_only(args)
+    try:
+        sizes = report.size_range(args.begin, args.end, args.factor)
+    except ValueError as exc:
+        raise UsageError(f"sizes: {exc}") from None
+    try:
+        workers = [int(w) for w in str(args.workers).split(",") if w.strip()]
+    except ValueError:
+        raise UsageError(f"--workers must be integers like 2,4; got {args.workers!r}") from None
+    if not workers or any(not 1 <= w <= 8 for w in workers):
+        raise UsageError("--workers: each count must be 1..8 on one machine")
+    paths = [p.strip() for p in args.paths.split(",") if p.strip()]
+    bad = [p for p in paths if p not in all_paths]
+    if bad or not paths:
+        raise UsageError(f"unknown path(s) {', '.join(bad) or repr(args.paths)}; choose from "
+                         f"{', '.join(all_paths)}")
+    dtypes = parse_dtypes(args.dtype, carried_by)
+    op_list = ops if ops is not None else parse_ops(args.op)
+    if args.link_gbps < 0 or args.link_latency_us < 0:
+        raise UsageError("--link-gbps and --link-latency-us must be >= 0")
+    if args.iters < 1 or args.warmup < 0:
+        raise UsageError("--iters must be at least 1 and --warmup at least 0")
+    if not 1 <= getattr(args, "repeat", 1) <= 1000:
+        raise UsageError(f"--repeat {args.repeat}: must be 1..1000 runs of the sweep")
+    for dtype in dtypes:
+        item = report.dtype_itemsize(dtype)
+        if any(s % item for s in sizes):
+            raise UsageError(f"every size must be a multiple of the {dtype} size ({item} B)")
+    plan = Plan(sizes, workers, paths, dtypes, op_list)
+    check_run_inputs(args, workers, bool(plan.ours))
+    return plan
+
+
+def check_run_inputs(args: argparse.Namespace, workers: list[int], fabric: bool) -> None:
+    """Files, folders and links, checked before any process starts (not after a long run)."""
+    from fabric.errors import check_seconds
+    from fabric.launch_cli import check_dir, check_output_file
+    from fabric.topology import TopologyError, load, star
+
+    check_seconds("--timeout", args.timeout)
+    try:
+        if args.topology:
+            have = len(load(args.topology).workers)
+            if fabric and any(w != have for w in workers):
+                raise UsageError(f"--topology {args.topology} has {have} workers but --workers "
+                                 f"asks for {args.workers}; pass --workers {have}")
+        else:
+            star(1, bandwidth_gbps=args.link_gbps, latency_us=args.link_latency_us)
+    except TopologyError as exc:
+        raise UsageError(str(exc).replace("<star>: ", "--link-gbps/--link-latency-us: ")) from None
+    if getattr(args, "faults", None):
+        from fabric.faults import FaultSpecError, parse_faults
+
+        try:
+            parse_faults(args.faults)
+        except FaultSpecError as exc:
+            raise UsageError(f"--faults: {exc}") from None
+    for flag in ("json", "markdown", "plot"):
+        if getattr(args, flag):
+            check_output_file(f"--{flag}", getattr(args, flag))
+    if args.run_dir:
+        check_dir("--run-dir", args.run_dir)
+
+
+# --------------------------------------------------------------------------
+# Topology, links and the machine, as the header tells them
+# --------------------------------------------------------------------------
+
+
+def topology(args: argparse.Namespace, workers: int) -> Any:
+    """The topology of ``workers``: the file, or the default star with the link flags."""
+    from fabric.topology import load, star
+
+    if args.topology:
+        return load(args.topology)
+    return star(workers, bandwidth_gbps=args.link_gbps, latency_us=args.link_latency_us)
+
+
+def worker_link_gbps(topo: Any) -> float | None:
+    """The slowest shaped link a worker sits on (Gbit/s), None when unshaped."""
+    rates = [link.params.bandwidth_gbps for w in topo.workers for link in topo.links_of(w.name)
+             if link.params.shaped]
+    return min(rates) if rates else None
+
+
+def shaped(topo: Any) -> bool:
+    """Whether any link of ``topo`` is shaped or delayed."""
+    return any(link.params.shaped or link.params.latency_us > 0 for link in topo.links)
+
+
+def links_text(topo: Any, args: argparse.Namespace) -> str:
+    """The links, in words, for the header."""
+    if not args.topology:
+        if args.link_gbps == 0 and args.link_latency_us == 0:
+            return "unshaped (bytes move as fast as the host copies them), no added latency"
+        bw = f"{args.link_gbps:g} Gbit/s" if args.link_gbps else "unshaped bandwidth"
+        return f"every link of the star: {bw}, +{args.link_latency_us:g} us one way"
+    kinds: dict[tuple[float, float, float], int] = {}
+    for link in topo.links:
+        key = (link.params.bandwidth_gbps, link.params.latency_us, link.params.loss)
+        kinds[key] = kinds.get(key, 0) + 1
+    parts = []
+    for (rate, lat, loss), n in sorted(kinds.items()):
+        part = f"{n} at {f'{rate:g} Gbit/s' if rate else 'unshaped'}, +{lat:g} us"
+        parts.append(part + (f", loss {loss:g}" if loss else ""))
+    return "; ".join(parts)
+
+
+def cores() -> int:
+    """Cores this process may run on (the affinity mask where there is one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def busy(args: argparse.Namespace, plan: Plan) -> tuple[int, str]:
+    """The largest number of processes that spin at once, and how they add up."""
+    best, text = 0, ""
+    for w in plan.workers:
+        if plan.ours:
+            topo = topology(args, w)
+            n_sw, n_host = len(topo.switches), len(topo.hosts)
+            total = len(topo.workers) + n_sw + n_host
+            if total > best:
+                best = total
+                text = (f"{len(topo.workers)} workers + {n_sw} switch{'es' if n_sw != 1 else ''}"
+                        f" + {n_host} host{'s' if n_host != 1 else ''} = {total}")
+        if plan.peers and w > best:
+            best, text = w, f"{w} peer ranks"
+    return best, text
+
+
+# --------------------------------------------------------------------------
+# Settings, the command that repeats them, and the header
+# --------------------------------------------------------------------------
+
+
+def settings(args: argparse.Namespace, plan: Plan, name: str, n_cores: int,
+             extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Every parameter of the run (the JSON's ``"settings"``), and the command that repeats it.
+
+    ``extra`` adds the bench's own settings (for the collectives: the collective
+    and its root); :func:`command_line` puts a ``root`` back as ``-r``.
+    """
+    topo_text = None
+    if args.topology:
+        try:
+            topo_text = Path(args.topology).read_text(encoding="utf-8")
+        except OSError:
+            topo_text = None
+    s: dict[str, Any] = {
+        "sizes": plan.sizes, "begin": plan.sizes[0], "end": plan.sizes[-1],
+        "factor": args.factor, "dtypes": plan.dtypes, "ops": plan.ops,
+        "warmup": args.warmup, "iters": args.iters, "repeat": getattr(args, "repeat", 1),
+        "check": int(args.check), "seed": args.seed, "workers": plan.workers,
+        "paths": plan.paths, "topology": args.topology, "topology_text": topo_text,
+        "link_gbps": args.link_gbps, "link_latency_us": args.link_latency_us,
+        "faults": getattr(args, "faults", None), "timeout_s": args.timeout,
+        "sim": bool(getattr(args, "sim", False)), "cores": n_cores,
+    }
+    s.update(extra or {})
+    s["command"] = command_line(s, name)
+    return s
+
+
+def command_line(s: dict[str, Any], name: str = "allreduce") -> str:
+    """The `semfab bench <name>` command that runs with settings ``s`` again."""
+    words = ["semfab", "bench", name, "-b", str(s["begin"]), "-e", str(s["end"]),
+             "-f", f"{s['factor']:g}", "--workers", ",".join(map(str, s["workers"])),
+             "--paths", ",".join(s["paths"]),
+             "-d", "all" if list(s["dtypes"]) == list(DTYPE_NAMES) else ",".join(s["dtypes"])]
+    if list(s["ops"]) != ["none"]:
+        words += ["-o", "all" if list(s["ops"]) == list(OPS) else ",".join(s["ops"])]
+    if s.get("root") is not None:
+        words += ["-r", str(s["root"])]
+    words += ["-w", str(s["warmup"]), "-n", str(s["iters"]), "-c", str(s["check"]),
+              "--seed", str(s["seed"])]
+    if s["repeat"] != 1:
+        words += ["--repeat", str(s["repeat"])]
+    if s["topology"]:
+        words += ["--topology", s["topology"]]
+    if s["link_gbps"]:
+        words += ["--link-gbps", f"{s['link_gbps']:g}"]
+    if s["link_latency_us"]:
+        words += ["--link-latency-us", f"{s['link_latency_us']:g}"]
+    if s["faults"]:
+        words += ["--faults", s["faults"]]
+    if s["timeout_s"] != 60.0:
+        words += ["--timeout", f"{s['timeout_s']:g}"]
+    return shlex.join(words)
+
+
+def header_lines(args: argparse.Namespace, plan: Plan, name: str, n_cores: int,
+                 extra: Sequence[str] = ()) -> list[str]:
+    """The parameter header printed before any row (nccl-tests' ``# nThread ...`` lines);
+    ``extra`` lines (the bench's own) come after the workers and paths."""
+    from fabric.info import semfab_version
+
+    sizes = plan.sizes
+    repeat = getattr(args, "repeat", 1)
+    try:
+        loadavg = f", load average {os.getloadavg()[0]:.2f}"
+    except (AttributeError, OSError):
+        loadavg = ""
+    topo0 = topology(args, plan.workers[0])
+    if args.topology:
+        topo_text = (f"{args.topology} ({topo0.name}: {len(topo0.workers)} workers, "
+                     f"{len(topo0.switches)} switches, {len(topo0.hosts)} hosts)")
+    else:
+        topo_text = (f"a star per worker count ({len(topo0.switches)} switch, "
+                     f"{len(topo0.hosts)} host)")
+    lines = [
+        f"# semfab bench {name} (semfab {semfab_version()})",
+        "#",
+        f"# minBytes {sizes[0]} maxBytes {sizes[-1]} step: {args.factor:g}(factor) sizes: "
+        f"{len(sizes)} ({' '.join(report.format_size(s) for s in sizes)})",
+        f"# dtype: {', '.join(plan.dtypes)}  redop: {', '.join(plan.ops)}  validation: "
+        f"{int(args.check)}" + (" (exact, every element of the last iteration)"
+                                if args.check else " (not checked)"),
+        f"# warmup iters: {args.warmup}  iters: {args.iters}  repeat: {repeat}  "
+        f"seed: {args.seed}  timeout: {args.timeout:g} s per wait",
+        f"# workers: {', '.join(map(str, plan.workers))} (processes, one per rank)  "
+        f"paths: {', '.join(plan.paths)}",
+        *extra,
+        f"# topology: {topo_text}",
+        f"# links: {links_text(topo0, args)}",
+        f"# faults: {getattr(args, 'faults', None) or 'none'}",
+        f"# machine: {socket.gethostname()}, {n_cores} cores{loadavg}",
+        "# time: median over the timed iterations (each after a barrier, max over ranks)"
+        + ("; with --repeat, the median over runs" if repeat > 1 else ""),
+    ]
+    if plan.peers and shaped(topo0):
+        lines.append(f"# note: {', '.join(plan.peers)} traffic is not shaped by the emulator: "
+                     "the peers use this host's own transports, outside the emulated links")
+    warnings = []
+    n_busy, how = busy(args, plan)
+    if n_busy > n_cores:
+        warnings.append(f"# warning: oversubscribed: {how} busy processes on {n_cores} "
+                        "cores: times include waiting for a core; compare paths only within "
+                        "one run")
+    samples = args.iters * repeat
+    if samples < P99_MIN_SAMPLES:
+        warnings.append(f"# warning: p99 rests on {samples} samples per row (fewer than "
+                        f"{P99_MIN_SAMPLES}): it is close to the maximum, not a tail estimate; "
+                        "raise -n or --repeat for a real p99")
+    return lines + (["#", *warnings] if warnings else []) + ["#"]
+
+
+# --------------------------------------------------------------------------
+# The run
+# --------------------------------------------------------------------------
+
+
+class Printer:
+    """Prints rows as they finish and keeps them, per run."""
+
+    def __init__(self, repeat: int, notes: Callable[[Row], str], root: bool = False,
+                 fix: Callable[[Row], Row] | None = None) -> None:
+        self.runs: list[list[Row]] = [[] for _ in range(repeat)]
+        self._notes = notes
+        self._root = root
+        self._fix = fix
+
+    def add(self, rep: int, row: Row) -> None:
+        if self._fix is not None:
+            row = self._fix(row)
+        extra = self._notes(row)
+        if extra:
+            row.note = f"{row.note}; {extra}" if row.note else extra
+        self.runs[rep].append(row)
+        print(report.format_text_row(row, root=self._root), flush=True)
+        log.info("%s x%d %s %s %s: %s", row.path, row.workers,
+                 report.format_size(row.size_bytes), row.dtype, row.redop, row.status)
+
+
+def row_notes(args: argparse.Namespace, above_link: Callable[[Row, float], str]
+              ) -> Callable[[Row], str]:
+    """What a row must say about the links: peers are not shaped; busbw over the link
+    rate (``above_link(row, rate)`` says why, in the bench's words)."""
+    topos: dict[int, Any] = {}
+
+    def notes(row: Row) -> str:
+        topo = topos.get(row.workers)
+        if topo is None:
+            topo = topos[row.workers] = topology(args, row.workers)
+        if row.path in PEERS:
+            return ("not shaped: peer traffic uses this host's own transports, not the "
+                    "emulated links"
+                    if shaped(topo) and not row.note.startswith("unavailable") else "")
+        rate = worker_link_gbps(topo)
+        if rate and row.ran and row.busbw_gbps and row.busbw_gbps * 8 > rate * 1.02:
+            return above_link(row, rate)
+        return ""
+
+    return notes
+
+
+def _run_fabric(args: argparse.Namespace, plan: Plan, w: int, printer: Printer,
+                bar: report.ProgressTask, measure: Measure) -> None:
+    """One fabric of ``w`` workers; every semfab path, size, dtype and op, ``repeat`` times."""
+    from fabric.launcher import launch
+
+    kw: dict[str, Any] = dict(timeout_s=args.timeout)
+    if args.run_dir:
+        kw["run_dir"] = f"{args.run_dir}/w{w}"
+    if getattr(args, "faults", None):
+        kw.update(faults=args.faults, seed=args.seed)
+    fab = launch(topology=topology(args, w), **kw)
+    broken = ""
+    with fab:
+        if len(fab.topo.workers) != w:
+            raise UsageError(f"--topology has {len(fab.topo.workers)} workers, "
+                             f"--workers asks for {w}")
+        for rep in range(len(printer.runs)):
+            if len(printer.runs) > 1:
+                print(f"# run {rep + 1} of {len(printer.runs)}, {w} workers", flush=True)
+            for dtype in plan.dtypes:
+                for op in plan.ops:
+                    for path in plan.ours:
+                        for size in plan.sizes:
+                            bar.describe(f"{path} x{w} {report.format_size(size)}")
+                            if broken:
+                                row = report.AllreduceRow.unavailable(
+                                    path, w, size, dtype, f"failed: not run: {broken}", op)
+                            else:
+                                try:
+                                    row = measure(fab, path, w, size, dtype, op, args)
+                                except (PeerFailed, FabricTimeout) as exc:
+                                    row = report.AllreduceRow.unavailable(
+                                        path, w, size, dtype, f"failed: {exc}", op)
+                                    broken = (f"the fabric of {w} workers failed earlier "
+                                              f"({path} {report.format_size(size)})")
+                            printer.add(rep, row)
+                            bar.advance()
+
+
+def run_sweep(args: argparse.Namespace, plan: Plan, *, name: str, header: list[str],
+              setts: dict[str, Any], measure: Measure, run_peer: RunPeer,
+              notes: Callable[[Row], str], collective: str = "allreduce",
+              root: bool = False, fix_row: Callable[[Row], Row] | None = None) -> int:
+    """Run the sweep of a bench: print, merge, tabulate, write files; the exit code.
+
+    ``fix_row(row)`` (optional) adjusts every row before it is printed (the
+    collectives give a peer's failure rows their collective and root).
+    ``root``: the rows have a root column (broadcast, reduce).
+    """
+    repeat = getattr(args, "repeat", 1)
+    print("\n".join(header), flush=True)
+    print(report.format_text_header(root=root), flush=True)
+    printer = Printer(repeat, notes, root=root, fix=fix_row)
+    combos = len(plan.dtypes) * len(plan.ops)
+    total = len(plan.workers) * repeat * combos * len(plan.paths) * len(plan.sizes)
+    t_start = time.monotonic()
+    with report.progress(total, name) as bar:
+        for w in plan.workers:
+            if plan.ours:
+                _run_fabric(args, plan, w, printer, bar, measure)
+            for rep in range(repeat if plan.peers else 0):
+                if repeat > 1:
+                    print(f"# run {rep + 1} of {repeat}, {w} workers: "
+                          f"{', '.join(plan.peers)}", flush=True)
+                for dtype in plan.dtypes:
+                    for op in plan.ops:
+                        for peer in plan.peers:
+                            bar.describe(f"{peer} x{w}")
+                            for row in run_peer(peer, w, plan.sizes, args, dtype, op):
+                                printer.add(rep, row)
+                            bar.advance(len(plan.sizes))
+    elapsed = time.monotonic() - t_start
+    rows = report.merge_runs(printer.runs, collective) if repeat > 1 else printer.runs[0]
+    shaped_peers = {p: "*" for p in plan.peers if any(
+        "not shaped" in r.note for r in rows if r.path == p)}
+    side = report.format_side_by_side(rows, marks=shaped_peers)
+    print()
+    print(side, end="")
+    if shaped_peers:
+        print(f"# * {', '.join(shaped_peers)}: traffic not shaped by the emulator (own transports)")
+    print()
+    footer = report.format_footer(rows, elapsed)
+    print("\n".join(footer), flush=True)
+    failed = report.failures(rows)
+    if args.json:
+        extra: dict[str, Any] = {
+            "settings": setts, "failed": len(failed),
+            "unavailable": sum(r.status == "unavailable" for r in rows),
+            "ok": not failed, "elapsed_s": elapsed,
+        }
+        if repeat > 1:
+            extra["per_run"] = [[r.to_dict() for r in rs] for rs in printer.runs]
+        report.write_json(args.json, name, [r.to_dict() for r in rows], extra=extra)
+        print(f"# wrote {args.json}")
+    if args.markdown:
+        text = (f"## semfab bench {name}\n\n```text\n" + "\n".join(header) + "\n```\n\n"
+                "### Side by side\n\n" + report.format_side_by_side(rows, True, shaped_peers)
+                + "\n### Every row\n\n" + report.format_allreduce_table(rows)
+                + "\n```text\n" + "\n".join(footer) + "\n```\n")
+        report.write_markdown(args.markdown, text)
+        print(f"# wrote {args.markdown}")
+    if args.plot:
+        ops = [o for o in plan.ops if o != "none"]
+        title = (f"{name} {', '.join(plan.dtypes)}" + (f" {', '.join(ops)}" if ops else "")
+                 + ": busbw")
+        report.plot_busbw(rows, args.plot, title)
+        print(f"# wrote {args.plot}")
+    return 1 if failed else 0
