@@ -34,6 +34,8 @@ EPILOG = """\
 quick start:
   semfab bench                      quick default allreduce comparison (2 and 4 workers)
   semfab bench allreduce -b 4K -e 64M -f 4 --workers 2,4 --json out.json --plot out.png
+  semfab bench all_gather -b 64K -e 4M --workers 2,4   also reduce_scatter, broadcast,
+                                    reduce, alltoall, sendrecv (docs/BENCHMARKS.md)
   semfab launch --workers 4 --run examples/allreduce_paths.py:work
   semfab bench loss --loss 0,0.01,0.05 --policy selective,gbn
   semfab serve                      OpenAI-compatible token stream over the fabric
@@ -44,7 +46,7 @@ quick start:
 
 docs: README.md, docs/DESIGN.md, docs/ARCHITECTURE.md, docs/PROTOCOL.md,
       docs/TOPOLOGY.md, docs/AGGREGATION.md, docs/RELIABILITY.md, docs/SERVING.md,
-      docs/PEERS.md
+      docs/PEERS.md, docs/BENCHMARKS.md
 """
 
 log = logging.getLogger("semfab.cli")
@@ -123,6 +125,10 @@ def build_parser() -> argparse.ArgumentParser:
                      "beside msgpack", "bench.frames")
     _add_lazy_parser(bsub, "allreduce", "allreduce on every path (ina, ina-mem, host-ps, "
                      "host-ring) and the peers (gloo, MPI), nccl-tests style", "bench.allreduce")
+    from bench.collectives import HELP as _COLLECTIVE_HELP
+
+    for kind, text in _COLLECTIVE_HELP.items():
+        _add_lazy_parser(bsub, kind, text, "bench.collectives", adder=f"add_{kind}_arguments")
     _add_lazy_parser(bsub, "loss", "goodput and retransmissions under injected loss: "
                      "selective repeat vs go-back-N (p2p) and in-network allreduce",
                      "bench.loss")

@@ -21,6 +21,8 @@ from fabric.workload import (
     Compute,
     Context,
     MakeGroup,
+    MoeCombine,
+    MoeDispatch,
     Recv,
     Send,
     Together,
@@ -49,9 +51,10 @@ def run_in_emulation(ep: Any, fn: Callable[..., Generator[Any, Any, Any]], *args
                 raise UsageError("timing-only allreduce (x=None) runs in simulation only")
             value = ep.allreduce(op.x, op=op.op, path=op.path, out=op.out,
                                  numerics=op.numerics, group=op.group)
-        elif isinstance(op, (Collective, MakeGroup, CloseGroup)):
-            if isinstance(op, Collective) and op.x is None:
-                raise UsageError(f"timing-only {op.kind} (x=None) runs in simulation only")
+        elif isinstance(op, (Collective, MakeGroup, CloseGroup, MoeDispatch, MoeCombine)):
+            if isinstance(op, (Collective, MoeDispatch)) and op.x is None:
+                raise UsageError(f"timing-only {type(op).__name__} (x=None) runs in "
+                                 "simulation only")
             value = ep.run(program_of(ep.state, op), type(op).__name__)
         elif isinstance(op, (Send, Recv, Together)):
             parts = op.ops if isinstance(op, Together) else (op,)

@@ -483,6 +483,26 @@ class Endpoint:
         an ``x`` of that size; only the root's is read)."""
         return self.collective("scatter", x, out, **kw)
 
+    def moe_dispatch(self, x: np.ndarray, topk_idx: np.ndarray, topk_weights: np.ndarray,
+                     num_experts: int, *, variant: str = "flat", group: Any = None) -> Any:
+        """MoE dispatch: each token (a row of ``x``) to the ranks holding its top-k
+        experts; returns a :class:`fabric.moe.Dispatched` (``variant``: flat or
+        hierarchical)."""
+        from fabric.workload import MoeDispatch, program_of
+
+        return self.run(program_of(self.state, MoeDispatch(
+            x, topk_idx, topk_weights, num_experts, variant, _group_of(group))),
+            f"moe_dispatch {variant}")
+
+    def moe_combine(self, dispatched: Any, partials: np.ndarray, group: Any = None) -> Any:
+        """MoE combine: each row's partial (see :func:`fabric.moe.expert_partials`) back
+        to its token's home; returns (tokens, hidden) summed there."""
+        from fabric.workload import MoeCombine, program_of
+
+        return self.run(program_of(self.state, MoeCombine(dispatched, partials,
+                                                          _group_of(group))),
+                        f"moe_combine {dispatched.variant}")
+
     def send(self, x: np.ndarray, dst: int, *, policy: str = "selective") -> dict[str, Any]:
         """Send ``x``'s bytes reliably to worker ``dst`` (a world rank); the sender's
         statistics. Any number of streams may run between any pairs."""

@@ -28,7 +28,8 @@ import numpy as np
 from fabric.errors import UsageError
 
 __all__ = ["Allreduce", "Barrier", "Clock", "CloseGroup", "Collective", "Compute", "Context",
-           "MakeGroup", "Operation", "Recv", "Send", "Together", "check_workload",
+           "MakeGroup", "MoeCombine", "MoeDispatch", "Operation", "Recv", "Send", "Together",
+           "check_workload",
            "program_of", "stream_program"]
 
 
@@ -63,6 +64,30 @@ class Collective:
     recv_counts: tuple[int, ...] | None = None
     count: int = 0
     dtype: str = "float32"
+
+
+@dataclass(frozen=True)
+class MoeDispatch:
+    """MoE dispatch (see :func:`fabric.moe.moe_dispatch_program`); yields a
+    :class:`fabric.moe.Dispatched`."""
+
+    x: np.ndarray | None
+    topk_idx: np.ndarray
+    topk_weights: np.ndarray
+    num_experts: int
+    variant: str = "flat"
+    group: Any = None
+    hidden: int = 0
+    dtype: str = "bfloat16"
+
+
+@dataclass(frozen=True)
+class MoeCombine:
+    """MoE combine of one partial per dispatched row; yields (tokens, hidden)."""
+
+    dispatched: Any
+    partials: np.ndarray | None
+    group: Any = None
 
 
 @dataclass(frozen=True)
@@ -126,8 +151,8 @@ class Clock:
     """Yields the current time in seconds (virtual in simulation)."""
 
 
-Operation = (Allreduce | Collective | MakeGroup | CloseGroup | Send | Recv | Together | Barrier
-             | Compute | Clock)
+Operation = (Allreduce | Collective | MoeDispatch | MoeCombine | MakeGroup | CloseGroup | Send
+             | Recv | Together | Barrier | Compute | Clock)
 
 
 class Context:
@@ -141,6 +166,19 @@ class Context:
                   count: int = 0, dtype: str = "float32", group: Any = None) -> Allreduce:
         """An allreduce; ``x=None`` with ``count``/``dtype`` is timing-only (simulation)."""
         return Allreduce(x, op, path, out, numerics, count, dtype, group)
+
+    def moe_dispatch(self, x: np.ndarray | None, topk_idx: np.ndarray,
+                     topk_weights: np.ndarray, num_experts: int, *, variant: str = "flat",
+                     group: Any = None, hidden: int = 0,
+                     dtype: str = "bfloat16") -> MoeDispatch:
+        """Send each token to the ranks of its top-k experts (``x=None``: timing-only)."""
+        return MoeDispatch(x, topk_idx, topk_weights, num_experts, variant, group, hidden,
+                           dtype)
+
+    def moe_combine(self, dispatched: Any, partials: np.ndarray | None,
+                    group: Any = None) -> MoeCombine:
+        """Return each row's expert output to its token's home, summed there."""
+        return MoeCombine(dispatched, partials, group)
 
     def group(self, ranks: Any) -> MakeGroup:
         """A new communicator of world ``ranks``; yields the group to pass as ``group=``."""
@@ -241,14 +279,25 @@ def stream_program(st: Any, op: Send | Recv | Together) -> Any:
     return StreamRecv(st, op.src, op.out, op.nbytes, policy=op.policy)
 
 
-def program_of(st: Any, op: Collective | MakeGroup | CloseGroup) -> Any:
-    """The program of a collective or communicator operation (both worlds)."""
+def program_of(st: Any, op: Collective | MakeGroup | CloseGroup | MoeDispatch | MoeCombine
+               ) -> Any:
+    """The program of a collective, MoE or communicator operation (both worlds)."""
     from fabric.collective_programs import (
         close_group_program,
         collective_program,
         group_program,
     )
 
+    if isinstance(op, MoeDispatch):
+        from fabric.moe import moe_dispatch_program
+
+        return moe_dispatch_program(st, op.x, op.topk_idx, op.topk_weights, op.num_experts,
+                                    variant=op.variant, group=op.group, hidden=op.hidden,
+                                    dtype=op.dtype)
+    if isinstance(op, MoeCombine):
+        from fabric.moe import moe_combine_program
+
+        return moe_combine_program(st, op.dispatched, op.partials, group=op.group)
     if isinstance(op, MakeGroup):
         return group_program(st, op.ranks)
     if isinstance(op, CloseGroup):

@@ -337,3 +337,54 @@ def comm_api(ep, m: int, cycles: int) -> dict:
     stats = ep.switch_stats()
     return {"tp": tp, "ag": ag, "rs": rs, "rev_rank": rev.rank, "closed": rev.closed,
             "jobs": stats["engine"]["jobs"]}
+
+
+# ---------------------------------------------------------------------- MoE
+def moe_inputs(rank: int, T: int, H: int, K: int, E: int, dtype: str, seed: int = 7,
+               skew: float = 0.0):
+    """Tokens of small integers, distinct top-k experts (uniform, or Zipf-skewed), and
+    dyadic weights (exact sums in any order)."""
+    from kernels.dtypes import np_dtype
+
+    rng = np.random.default_rng([seed, rank, T, H])
+    x = rng.integers(-4, 5, (T, H)).astype(np.float64)
+    x[x == 0] = 1
+    if skew > 0:
+        p = 1.0 / np.arange(1, E + 1) ** skew
+        p /= p.sum()
+        idx = np.stack([rng.choice(E, K, replace=False, p=p) for _ in range(T)])
+    else:
+        idx = np.stack([rng.choice(E, K, replace=False) for _ in range(T)])
+    w = (2.0 ** -rng.integers(1, 4, (T, K))).astype(np.float32)
+    return x.astype(np_dtype(dtype)), idx.astype(np.int64), w
+
+
+def moe_workload(ctx, variants, T: int, H: int, K: int, E: int, dtype: str = "float32",
+                 skew: float = 0.0):
+    """combine(dispatch(x)) with identity experts, per variant; returns outputs."""
+    from fabric.moe import expert_partials
+
+    x, idx, w = moe_inputs(ctx.rank, T, H, K, E, dtype, skew=skew)
+    out = {}
+    for v in variants:
+        d = yield ctx.moe_dispatch(x, idx, w, E, variant=v)
+        y = yield ctx.moe_combine(d, expert_partials(d, ctx.rank, ctx.world))
+        out[v] = np.array(y)
+        out[v + "/rows"] = int(d.src.shape[0])
+    return out
+
+
+def moe_timing_workload(ctx, variant: str, T: int, H: int, K: int, E: int,
+                        dtype: str = "bfloat16", skew: float = 0.0, iters: int = 1):
+    """Timing-only MoE (real routing, zero payloads): (dispatch s, combine s)."""
+    _x, idx, w = moe_inputs(ctx.rank, T, 1, K, E, "float32", skew=skew)
+    t = []
+    for _ in range(iters):
+        yield ctx.barrier()
+        t0 = yield ctx.clock()
+        d = yield ctx.moe_dispatch(None, idx, w, E, variant=variant, hidden=H, dtype=dtype)
+        t1 = yield ctx.clock()
+        yield ctx.moe_combine(d, None)
+        t2 = yield ctx.clock()
+        t.append((t1 - t0, t2 - t1))
+    return t

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from fabric import frame as fr
-from fabric.errors import SemfabError, UsageError
+from fabric.errors import FabricTimeout, SemfabError, UsageError
 from fabric.faults import FaultSpec, parse_faults
 from fabric.frame import Flag, FrameError, Op
 from fabric.hostnode import HostAggregator
@@ -52,6 +52,8 @@ from fabric.workload import (
     Compute,
     Context,
     MakeGroup,
+    MoeCombine,
+    MoeDispatch,
     Recv,
     Send,
     Together,
@@ -233,7 +235,8 @@ class Simulation:
                 "all ranks yield the same collectives in the same order?)")
         failed = [n for n in self._workers if n.error is not None]
         if failed:
-            first = failed[0]
+            # the cause first: a rank that refused its input makes its peers time out
+            first = min(failed, key=lambda n: isinstance(n.error, FabricTimeout))
             raise SimulationError(f"{first.name}: {type(first.error).__name__}: {first.error}")
         end = max((n.busy for n in self._workers), default=self.now)
         stats = {name: c.statistics() for name, c in self.switches.items()}
@@ -491,7 +494,7 @@ class Simulation:
                                      group=op.group)
         if isinstance(op, (Send, Recv, Together)):
             return stream_program(st, op)
-        if isinstance(op, (Collective, MakeGroup, CloseGroup)):
+        if isinstance(op, (Collective, MakeGroup, CloseGroup, MoeDispatch, MoeCombine)):
             return program_of(st, op)
         if isinstance(op, Barrier):
             return barrier_program(st, op.group)
