@@ -18,8 +18,8 @@ import pytest
 PURE = [
     "fabric.frame", "fabric.control", "fabric.memory", "fabric.semantic", "fabric.hostnode",
     "fabric.topology", "fabric.reliability", "fabric.timers", "fabric.faults", "fabric.link",
-    "fabric.programs", "fabric.collective_programs", "fabric.moe", "fabric.workload", "fabric.errors",
-    "fabric.testing",
+    "fabric.programs", "fabric.collective_programs", "fabric.moe", "fabric.workload",
+    "fabric.errors", "fabric.testing",
     "switchd.aggregation", "switchd.core", "switchd.shaper", "kernels.dtypes",
 ]
 IO_LIBS = {"zmq", "socket", "asyncio", "selectors", "subprocess", "threading", "time", "mmap",
