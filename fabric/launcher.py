@@ -237,6 +237,14 @@ class Fabric:
             if msg["t"] == "ready":
                 self._ready.add(who)
 
+    def switch_stats(self, timeout_s: float = 5.0) -> dict[str, dict[str, Any]]:
+        """Every switch's live counters, by name (what ``semfab stats`` shows)."""
+        from fabric.launch_cli import query_switch
+
+        assert self.sock_dir is not None, "the fabric is not started"
+        return {sw.name: query_switch(self.topo.endpoint_address(sw.name, self.sock_dir),
+                                      sw.id, timeout_s) for sw in self.topo.switches}
+
     # ------------------------------------------------------------------ tasks
     def run(self, fn: Callable[..., Any], *args: Any, timeout_s: float | None = None,
             **kwargs: Any) -> list[Any]:

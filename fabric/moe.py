@@ -40,8 +40,8 @@ from fabric.errors import UsageError
 from fabric.programs import Chain, Group, NodeState, Program
 from kernels.dtypes import np_dtype
 
-__all__ = ["MOE_VARIANTS", "Dispatched", "expert_partials", "moe_combine_program",
-           "moe_dispatch_program", "moe_reference"]
+__all__ = ["MOE_VARIANTS", "Dispatched", "expert_partials", "make_inputs", "moe_combine_program",
+           "moe_dispatch_program", "moe_reference", "parse_routing"]
 
 MOE_VARIANTS = ("flat", "hierarchical")
 
@@ -87,6 +87,48 @@ def expert_partials(d: Dispatched, rank: int, size: int, experts: Any = None) ->
             y = np.asarray(experts(int(e), xf[sel]), np.float32)
             out[sel] += d.weights[sel, k:k + 1] * y
     return out.astype(d.x.dtype)
+
+
+def parse_routing(text: str) -> tuple[str, float]:
+    """``uniform``, ``zipf:S`` or ``lognormal:SIGMA`` -> (kind, parameter)."""
+    kind, _, arg = text.partition(":")
+    if kind == "uniform" and not arg:
+        return kind, 0.0
+    if kind in ("zipf", "lognormal"):
+        try:
+            v = float(arg or (1.2 if kind == "zipf" else 1.0))
+        except ValueError:
+            v = -1.0
+        if v > 0:
+            return kind, v
+    raise UsageError(f"routing {text!r}: use uniform, zipf:S (S > 0, e.g. zipf:1.2) or "
+                     "lognormal:SIGMA (e.g. lognormal:1.0)")
+
+
+def make_inputs(rank: int, tokens: int, hidden: int, k: int, experts: int, dtype: str,
+                seed: int = 7, routing: str = "uniform") -> tuple[np.ndarray, np.ndarray,
+                                                                    np.ndarray]:
+    """Seeded MoE inputs of one rank: tokens of small non-zero integers, ``k``
+    distinct experts per token drawn uniformly or with skewed expert load (Zipf
+    or log-normal popularity, the same on every rank), and dyadic weights, so
+    every sum is exact in any order. Returns (x, topk_idx, topk_weights)."""
+    kind, arg = parse_routing(routing)
+    if not 0 < k <= experts:
+        raise UsageError(f"top-k {k} must be between 1 and the {experts} experts")
+    rng = np.random.default_rng([seed, rank, tokens, hidden])
+    x = rng.integers(-4, 5, (tokens, hidden)).astype(np.float64)
+    x[x == 0] = 1
+    p = None
+    if kind == "zipf":
+        p = 1.0 / np.arange(1, experts + 1) ** arg
+    elif kind == "lognormal":
+        p = np.random.default_rng([seed, experts]).lognormal(0.0, arg, experts)
+    if p is not None:
+        p = p / p.sum()
+    idx = np.stack([rng.choice(experts, k, replace=False, p=p) for _ in range(tokens)]) \
+        if tokens else np.empty((0, k), np.int64)
+    w = (2.0 ** -rng.integers(1, 4, (tokens, k))).astype(np.float32)
+    return x.astype(np_dtype(dtype)), idx.astype(np.int64), w
 
 
 def moe_reference(xs: Sequence[np.ndarray], idx: Sequence[np.ndarray],

@@ -342,21 +342,10 @@ def comm_api(ep, m: int, cycles: int) -> dict:
 # ---------------------------------------------------------------------- MoE
 def moe_inputs(rank: int, T: int, H: int, K: int, E: int, dtype: str, seed: int = 7,
                skew: float = 0.0):
-    """Tokens of small integers, distinct top-k experts (uniform, or Zipf-skewed), and
-    dyadic weights (exact sums in any order)."""
-    from kernels.dtypes import np_dtype
+    """Seeded MoE inputs (fabric.moe.make_inputs): uniform, or Zipf-skewed routing."""
+    from fabric.moe import make_inputs
 
-    rng = np.random.default_rng([seed, rank, T, H])
-    x = rng.integers(-4, 5, (T, H)).astype(np.float64)
-    x[x == 0] = 1
-    if skew > 0:
-        p = 1.0 / np.arange(1, E + 1) ** skew
-        p /= p.sum()
-        idx = np.stack([rng.choice(E, K, replace=False, p=p) for _ in range(T)])
-    else:
-        idx = np.stack([rng.choice(E, K, replace=False) for _ in range(T)])
-    w = (2.0 ** -rng.integers(1, 4, (T, K))).astype(np.float32)
-    return x.astype(np_dtype(dtype)), idx.astype(np.int64), w
+    return make_inputs(rank, T, H, K, E, dtype, seed, f"zipf:{skew}" if skew else "uniform")
 
 
 def moe_workload(ctx, variants, T: int, H: int, K: int, E: int, dtype: str = "float32",
