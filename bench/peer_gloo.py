@@ -1,22 +1,24 @@
-"""One rank of the gloo peer: ``torch.distributed`` allreduce of CPU tensors.
+"""One rank of the gloo peer: ``torch.distributed`` collectives of CPU tensors.
 
 Started by :func:`bench.peers.run_gloo`, one process per rank::
 
     python -m bench.peer_gloo --rank R --init tcp://127.0.0.1:PORT --world N \\
         --sizes 4096,65536 --result /tmp/.../result.jsonl
 
-The timing loop is :func:`bench.peers.worker_loop`, shared with the MPI peer.
+The timing loop is :func:`bench.peers.worker_loop` (allreduce) or
+:func:`bench.peers.collective_loop` (``--collective``), shared with the MPI peer.
 """
 
 from __future__ import annotations
 
 import datetime
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from bench.peers import worker_loop, worker_parser
+from bench.peers import run_rank, worker_parser
 
 
 class GlooComm:
@@ -50,6 +52,34 @@ class GlooComm:
         else:
             tensor = self._torch.from_numpy(x)
         return x, tensor
+
+    def _tensor(self, x: np.ndarray) -> Any:
+        return self.prepare(x)[1]
+
+    def prepare_collective(self, kind: str, x: np.ndarray, out: np.ndarray | None,
+                           root: int) -> tuple[Callable[[], None], np.ndarray | None]:
+        """The collective set through torch.distributed: all_gather_into_tensor,
+        reduce_scatter_tensor, broadcast, reduce, all_to_all_single, isend + irecv."""
+        dist, t = self._dist, self._tensor(x)
+        o = self._tensor(out) if out is not None else None
+        r, w = self.rank, self.world
+        if kind == "all_gather":
+            return (lambda: dist.all_gather_into_tensor(o, t)), out
+        if kind == "reduce_scatter":
+            return (lambda: dist.reduce_scatter_tensor(o, t, op=self._op)), out
+        if kind == "broadcast":
+            return (lambda: dist.broadcast(t, src=root)), x  # in place
+        if kind == "reduce":
+            return (lambda: dist.reduce(t, dst=root, op=self._op)), (x if r == root else None)
+        if kind == "alltoall":
+            return (lambda: dist.all_to_all_single(o, t)), out
+        if kind == "sendrecv":
+            def sendrecv() -> None:
+                for req in (dist.isend(t, (r + 1) % w), dist.irecv(o, (r - 1) % w)):
+                    req.wait()
+
+            return sendrecv, out
+        raise ValueError(f"unknown collective {kind!r}")
 
     def allreduce(self, handle: tuple[np.ndarray, Any]) -> None:
         self._dist.all_reduce(handle[1], op=self._op)
@@ -90,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         timeout=datetime.timedelta(seconds=args.timeout),
     )
     try:
-        worker_loop(GlooComm(args.op), args)
+        run_rank(GlooComm(args.op), args)
     finally:
         dist.destroy_process_group()
     return 0

@@ -1,4 +1,4 @@
-"""One rank of the MPI peer: mpi4py ``Comm.Allreduce`` on NumPy buffers.
+"""One rank of the MPI peer: mpi4py ``Comm.Allreduce`` (and the collective set) on NumPy buffers.
 
 Started by :func:`bench.peers.run_mpi` as::
 
@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import sys
 import traceback
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from bench.peers import worker_loop, worker_parser
+from bench.peers import run_rank, worker_parser
 
 
 class MpiComm:
@@ -53,6 +54,33 @@ class MpiComm:
             recv = self._recv[key] = np.empty_like(x)
         return x, recv
 
+    def prepare_collective(self, kind: str, x: np.ndarray, out: np.ndarray | None,
+                           root: int) -> tuple[Callable[[], None], np.ndarray | None]:
+        """The collective set through mpi4py's buffer calls: Allgather,
+        Reduce_scatter_block, Bcast, Reduce, Alltoall, Sendrecv. bfloat16 (no MPI
+        datatype) moves as 16-bit integers where nothing is reduced (exact bits)."""
+        c, r, w = self._comm, self.rank, self.world
+        xs, os_ = x, out
+        if x.dtype.name == "bfloat16":
+            xs = x.view(np.uint16)
+            os_ = out.view(np.uint16) if out is not None else None
+        if kind == "all_gather":
+            return (lambda: c.Allgather(xs, os_)), out
+        if kind == "reduce_scatter":
+            return (lambda: c.Reduce_scatter_block(xs, os_, op=self._op)), out
+        if kind == "broadcast":
+            return (lambda: c.Bcast(xs, root=root)), x  # in place
+        if kind == "reduce":
+            recv = os_ if r == root else None
+            return (lambda: c.Reduce(xs, recv, op=self._op, root=root)), \
+                (out if r == root else None)
+        if kind == "alltoall":
+            return (lambda: c.Alltoall(xs, os_)), out
+        if kind == "sendrecv":
+            return (lambda: c.Sendrecv(xs, dest=(r + 1) % w, recvbuf=os_,
+                                       source=(r - 1) % w)), out
+        raise ValueError(f"unknown collective {kind!r}")
+
     def allreduce(self, handle: tuple[np.ndarray, np.ndarray]) -> None:
         self._comm.Allreduce(handle[0], handle[1], op=self._op)
 
@@ -73,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     from mpi4py import MPI
 
     try:
-        worker_loop(MpiComm(args.op), args)
+        run_rank(MpiComm(args.op), args)
     except BaseException:
         # Without Abort the other ranks would wait in a collective until the
         # parent's timeout; Abort makes mpirun end them all at once.

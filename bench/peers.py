@@ -38,7 +38,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO, Any, Protocol
 
@@ -46,17 +46,24 @@ import numpy as np
 
 from bench.report import AllreduceRow, dtype_itemsize, parse_size
 
+#: The collectives of the set a peer runs besides allreduce (bench.nccl.KINDS).
+COLLECTIVES = ("all_gather", "reduce_scatter", "broadcast", "reduce", "alltoall", "sendrecv")
+
 __all__ = [
     "MPI4PY_MISSING",
     "MPIRUN_MISSING",
     "PEERS",
     "REFERENCE_MISSING",
     "TORCH_MISSING",
+    "COLLECTIVES",
+    "CollectiveComm",
     "PeerComm",
+    "collective_loop",
     "peer_status",
     "run_gloo",
     "run_mpi",
     "run_peer",
+    "run_rank",
     "worker_loop",
     "worker_parser",
 ]
@@ -181,6 +188,9 @@ def worker_parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--world", type=int, required=True, help="expected number of ranks")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds for any one wait")
     p.add_argument("--result", required=True, help="JSON-lines file rank 0 appends to")
+    p.add_argument("--collective", default="allreduce", choices=("allreduce", *COLLECTIVES),
+                   help="what to time (sizes as swept, see bench.nccl)")
+    p.add_argument("--root", type=int, default=0, help="root rank (broadcast, reduce)")
     return p
 
 
@@ -233,6 +243,91 @@ def worker_loop(comm: PeerComm, args: argparse.Namespace) -> None:
             }
             with open(args.result, "a", encoding="utf-8") as fh:
                 fh.write(json.dumps(line) + "\n")
+
+
+class CollectiveComm(Protocol):
+    """What a peer's rank process offers :func:`collective_loop` (besides barrier,
+    gather_times and sum_int of :class:`PeerComm`)."""
+
+    rank: int
+    world: int
+
+    def barrier(self) -> None:
+        """Block until every rank arrived."""
+
+    def prepare_collective(self, kind: str, x: np.ndarray, out: np.ndarray | None,
+                           root: int) -> tuple[Callable[[], None], np.ndarray | None]:
+        """The timed call of ``kind`` on these buffers (wrapped beforehand, so the call
+        itself is all that is timed), and the array that holds this rank's result
+        after it (None: no result here, as reduce off the root)."""
+
+    def gather_times(self, times_ns: list[int]) -> list[list[int]] | None:
+        """Every rank's iteration times on rank 0 (None on the other ranks)."""
+
+    def sum_int(self, value: int) -> int:
+        """Sum of ``value`` over all ranks, known to every rank."""
+
+
+def collective_loop(comm: CollectiveComm, args: argparse.Namespace) -> None:
+    """:func:`worker_loop` for the collective set: the same timing convention, the
+    buffers, inputs and exact expected outputs of :mod:`bench.nccl`; rank 0 appends
+    one JSON line per swept size (``"swept"``) with the row's size and count."""
+    from bench import nccl
+    from kernels.reference import count_wrong
+
+    if comm.world != args.world:
+        raise RuntimeError(
+            f"expected {args.world} ranks, this rank sees {comm.world}: the launcher and "
+            "the communication library do not match"
+        )
+    kind, W, r = args.collective, comm.world, comm.rank
+    itemsize = dtype_itemsize(args.dtype)
+    for swept in (int(s) for s in args.sizes.split(",") if s):
+        count = nccl.per_rank_count(kind, swept, itemsize, W)
+        _n_in, n_out = nccl.buffer_counts(kind, count, W, r, args.root)
+        out = None
+        times_ns: list[int] = []
+        wrong = 0
+        last = args.warmup + args.iters - 1
+        for step in range(args.warmup + args.iters):
+            x = np.array(nccl.make_collective_input(kind, r, step, count, W, args.dtype))
+            if out is None and n_out:
+                out = np.empty(n_out, x.dtype)  # once per size: its pages are mapped
+            call, result = comm.prepare_collective(kind, x, out, args.root)
+            comm.barrier()
+            t0 = time.perf_counter_ns()
+            call()
+            t1 = time.perf_counter_ns()
+            if step < args.warmup:
+                continue
+            times_ns.append(t1 - t0)
+            if args.check and step == last:
+                want = nccl.expected_output(kind, r, step, count, W, args.dtype, args.op,
+                                            args.root)
+                if want is not None and result is not None:
+                    wrong += int(count_wrong(result, want))
+        gathered = comm.gather_times(times_ns)
+        total_wrong = comm.sum_int(wrong) if args.check else -1
+        if comm.rank == 0 and gathered is not None:
+            per_iter = np.max(np.asarray(gathered, dtype=np.int64), axis=0)
+            line = {
+                "swept": swept,
+                "size_bytes": nccl.row_size(kind, count, itemsize, W),
+                "count": count,
+                "samples_us": [float(t) / 1e3 for t in per_iter],
+                "wrong": total_wrong,
+            }
+            with open(args.result, "a", encoding="utf-8") as fh:
+                fh.write(json.dumps(line) + "\n")
+
+
+def run_rank(comm: Any, args: argparse.Namespace) -> None:
+    """A peer rank's sweep: allreduce (:func:`worker_loop`) or another collective
+    (:func:`collective_loop`)."""
+    if args.collective == "allreduce":
+        worker_loop(comm, args)
+    else:
+        collective_loop(comm, args)
 
 
 # --------------------------------------------------------------------------
@@ -470,51 +565,17 @@ def _rows_for_failure(
     return [AllreduceRow.unavailable(path, workers, s, dtype, note, redop=op) for s in sizes]
 
 
-def run_peer(
-    peer: str,
-    workers: int,
-    sizes: Sequence[int | str],
-    dtype: str = "float32",
-    warmup: int = 3,
-    iters: int = 10,
-    check: bool = True,
-    timeout_s: float = 300,
-    op: str = "sum",
-) -> list[AllreduceRow]:
-    """Measure one peer's allreduce; one row per size, in the order given.
-
-    Never raises for a missing or failing peer: those rows carry
-    ``note="unavailable: <reason>"`` or ``note="failed: <what happened>"``.
-    Arguments that can never work (workers < 1, iters < 1, unknown peer or
-    op, a size smaller than one element) raise ValueError.
-    """
-    if peer not in PEERS:
-        raise ValueError(f"unknown peer {peer!r}; known: {', '.join(PEERS)}")
-    if workers < 1:
-        raise ValueError(f"workers must be >= 1, got {workers}")
-    if iters < 1 or warmup < 0:
-        raise ValueError(f"need iters >= 1 and warmup >= 0, got iters={iters} warmup={warmup}")
-    if op not in _OPS:
-        raise ValueError(f"unknown op {op!r}; known: {', '.join(_OPS)}")
-    itemsize = dtype_itemsize(dtype)
-    # nccl-tests rounds a size down to whole elements; so do we, and the row
-    # reports the bytes that actually moved.
-    byte_sizes = [parse_size(s) // itemsize * itemsize for s in sizes]
-    for given, s in zip(sizes, byte_sizes, strict=True):
-        if s == 0:
-            raise ValueError(f"size {given!r} is smaller than one {dtype} element")
-    if not byte_sizes:
-        return []
-
-    reason = peer_status()[peer]
-    if reason is not None:
-        return _rows_for_failure(peer, workers, byte_sizes, dtype, op, f"unavailable: {reason}")
-
+def _launch_ranks(
+    peer: str, workers: int, sizes: Sequence[str], dtype: str, op: str, warmup: int,
+    iters: int, check: bool, timeout_s: float, extra: Sequence[str] = (),
+) -> tuple[list[dict[str, Any]], str | None]:
+    """Run the peer's ranks over ``sizes``; the result lines rank 0 wrote, and what went
+    wrong (None when every process exited 0). ``extra``: more rank arguments."""
     with tempfile.TemporaryDirectory(prefix=f"semfab-{peer}-") as tmp:
         tmpdir = Path(tmp)
         result = tmpdir / "result.jsonl"
         common = [
-            "--sizes", ",".join(str(s) for s in byte_sizes),
+            "--sizes", ",".join(sizes),
             "--dtype", dtype,
             "--op", op,
             "--warmup", str(warmup),
@@ -523,6 +584,7 @@ def run_peer(
             "--world", str(workers),
             "--timeout", f"{timeout_s:g}",
             "--result", str(result),
+            *extra,
         ]
         env = _child_env()
         if peer == "gloo":
@@ -549,6 +611,123 @@ def run_peer(
             for raw in result.read_text(encoding="utf-8").splitlines():
                 with contextlib.suppress(json.JSONDecodeError):
                     lines.append(json.loads(raw))
+    return lines, error
+
+
+def dtype_unsupported(peer: str, collective: str, dtype: str) -> str | None:
+    """None when ``peer`` can run ``collective`` in ``dtype``, else the reason.
+
+    MPI has no bfloat16 datatype: a collective that only moves data moves its
+    bits as 16-bit integers (exact), one that reduces cannot run.
+    """
+    from bench import nccl
+
+    if peer == "mpi" and dtype == "bfloat16" and collective in nccl.REDUCING:
+        return (f"MPI has no bfloat16 datatype to reduce ({collective} with MPI.SUM/MAX/MIN "
+                "needs one; mpi4py does not know ml_dtypes' bfloat16)")
+    return None
+
+
+def _run_collective_peer(
+    peer: str, workers: int, sizes: Sequence[int | str], dtype: str, warmup: int, iters: int,
+    check: bool, timeout_s: float, op: str, collective: str, root: int,
+) -> list[AllreduceRow]:
+    """:func:`run_peer` for the collective set: one row per swept size."""
+    from bench import nccl
+
+    if collective not in COLLECTIVES:
+        raise ValueError(f"unknown collective {collective!r}; known: allreduce, "
+                         f"{', '.join(COLLECTIVES)}")
+    if collective == "sendrecv" and workers < 2:
+        raise ValueError("sendrecv needs at least 2 workers")
+    if collective in nccl.ROOTED and not 0 <= root < workers:
+        raise ValueError(f"root {root} is not a rank of {workers} workers")
+    itemsize = dtype_itemsize(dtype)
+    swept = [parse_size(s) for s in sizes]
+    for given, s in zip(sizes, swept, strict=True):
+        if nccl.per_rank_count(collective, s, itemsize, workers) == 0:
+            raise ValueError(f"size {given!r} gives no element per rank of {collective} "
+                             f"over {workers} ranks in {dtype}")
+    if not swept:
+        return []
+
+    def failed(note: str) -> list[AllreduceRow]:
+        return [nccl.unavailable_row(collective, peer, workers, s, dtype, op, root, note)
+                for s in swept]
+
+    reason = peer_status()[peer] or dtype_unsupported(peer, collective, dtype)
+    if reason is not None:
+        return failed(f"unavailable: {reason}")
+    lines, error = _launch_ranks(peer, workers, [str(s) for s in swept], dtype, op, warmup,
+                                 iters, check, timeout_s,
+                                 ["--collective", collective, "--root", str(root)])
+    by_size = {int(line["swept"]): line for line in reversed(lines)}
+    rows: list[AllreduceRow] = []
+    for s in swept:
+        got = by_size.get(s)
+        if got is None:
+            why = error or "no result came back for this size"
+            rows += [nccl.unavailable_row(collective, peer, workers, s, dtype, op, root,
+                                          f"failed: {peer} with {workers} workers: {why}")]
+            continue
+        rows.append(nccl.make_row(collective, peer, workers, int(got["size_bytes"]),
+                                  int(got["count"]), dtype, op, root, got["samples_us"],
+                                  int(got["wrong"])))
+    return rows
+
+
+def run_peer(
+    peer: str,
+    workers: int,
+    sizes: Sequence[int | str],
+    dtype: str = "float32",
+    warmup: int = 3,
+    iters: int = 10,
+    check: bool = True,
+    timeout_s: float = 300,
+    op: str = "sum",
+    collective: str = "allreduce",
+    root: int = 0,
+) -> list[AllreduceRow]:
+    """Measure one peer's allreduce (or another ``collective`` of the set, with
+    ``root`` for broadcast and reduce); one row per size, in the order given.
+
+    Never raises for a missing or failing peer: those rows carry
+    ``note="unavailable: <reason>"`` or ``note="failed: <what happened>"``.
+    Arguments that can never work (workers < 1, iters < 1, unknown peer or
+    op, a size smaller than one element) raise ValueError.
+
+    For the collective set, sizes are swept sizes and rows are
+    :class:`~bench.report.CollectiveRow` with nccl-tests' size and count
+    (:mod:`bench.nccl`).
+    """
+    if peer not in PEERS:
+        raise ValueError(f"unknown peer {peer!r}; known: {', '.join(PEERS)}")
+    if workers < 1:
+        raise ValueError(f"workers must be >= 1, got {workers}")
+    if iters < 1 or warmup < 0:
+        raise ValueError(f"need iters >= 1 and warmup >= 0, got iters={iters} warmup={warmup}")
+    if op not in _OPS:
+        raise ValueError(f"unknown op {op!r}; known: {', '.join(_OPS)}")
+    if collective != "allreduce":
+        return _run_collective_peer(peer, workers, sizes, dtype, warmup, iters, check,
+                                    timeout_s, op, collective, root)
+    itemsize = dtype_itemsize(dtype)
+    # nccl-tests rounds a size down to whole elements; so do we, and the row
+    # reports the bytes that actually moved.
+    byte_sizes = [parse_size(s) // itemsize * itemsize for s in sizes]
+    for given, s in zip(sizes, byte_sizes, strict=True):
+        if s == 0:
+            raise ValueError(f"size {given!r} is smaller than one {dtype} element")
+    if not byte_sizes:
+        return []
+
+    reason = peer_status()[peer]
+    if reason is not None:
+        return _rows_for_failure(peer, workers, byte_sizes, dtype, op, f"unavailable: {reason}")
+
+    lines, error = _launch_ranks(peer, workers, [str(s) for s in byte_sizes], dtype, op,
+                                 warmup, iters, check, timeout_s)
 
     by_size: dict[int, dict[str, Any]] = {}
     for line in lines:
