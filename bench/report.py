@@ -28,7 +28,7 @@ import subprocess
 import sys
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, Self
 
 import numpy as np
 
@@ -408,7 +408,7 @@ class AllreduceRow:
         return {**dataclasses.asdict(self), "ok": self.ok, "status": self.status}
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> AllreduceRow:
+    def from_dict(cls, data: dict[str, Any]) -> Self:
         """A row from :meth:`to_dict` output (a saved JSON run); unknown keys are ignored."""
         names = {f.name for f in dataclasses.fields(cls)}
         missing = [k for k in ("path", "workers", "size_bytes") if k not in data]
@@ -437,7 +437,7 @@ class AllreduceRow:
         chunks: int | None = None,
         note: str = "",
         collective: str = "allreduce",
-    ) -> AllreduceRow:
+    ) -> Self:
         """Build a row from per-iteration times (already max-over-ranks).
 
         ``time_us`` is the median; algbw = size / time (GB = 1e9);
@@ -479,7 +479,7 @@ class AllreduceRow:
         dtype: str,
         note: str,
         redop: str = "sum",
-    ) -> AllreduceRow:
+    ) -> Self:
         """A row that records why a path did not run (never a silent skip)."""
         try:
             count = size_bytes // dtype_itemsize(dtype)

@@ -388,9 +388,10 @@ def command_line(s: dict[str, Any], name: str = "allreduce") -> str:
 
 
 def header_lines(args: argparse.Namespace, plan: Plan, name: str, n_cores: int,
-                 extra: Sequence[str] = ()) -> list[str]:
+                 extra: Sequence[str] = (), processes: bool = True) -> list[str]:
     """The parameter header printed before any row (nccl-tests' ``# nThread ...`` lines);
-    ``extra`` lines (the bench's own) come after the workers and paths."""
+    ``extra`` lines (the bench's own) come after the workers and paths.
+    ``processes=False`` (simulation): no warning about busy cores."""
     from fabric.info import semfab_version
 
     sizes = plan.sizes
@@ -431,7 +432,7 @@ def header_lines(args: argparse.Namespace, plan: Plan, name: str, n_cores: int,
                      "the peers use this host's own transports, outside the emulated links")
     warnings = []
     n_busy, how = busy(args, plan)
-    if n_busy > n_cores:
+    if processes and n_busy > n_cores:
         warnings.append(f"# warning: oversubscribed: {how} busy processes on {n_cores} "
                         "cores: times include waiting for a core; compare paths only within "
                         "one run")
@@ -492,9 +493,8 @@ def row_notes(args: argparse.Namespace, above_link: Callable[[Row, float], str]
     return notes
 
 
-def _run_fabric(args: argparse.Namespace, plan: Plan, w: int, printer: Printer,
-                bar: report.ProgressTask, measure: Measure) -> None:
-    """One fabric of ``w`` workers; every semfab path, size, dtype and op, ``repeat`` times."""
+def _launch(args: argparse.Namespace, w: int) -> Any:
+    """A launched fabric of ``w`` workers with the run's topology, faults and timeout."""
     from fabric.launcher import launch
 
     kw: dict[str, Any] = dict(timeout_s=args.timeout)
@@ -502,7 +502,14 @@ def _run_fabric(args: argparse.Namespace, plan: Plan, w: int, printer: Printer,
         kw["run_dir"] = f"{args.run_dir}/w{w}"
     if getattr(args, "faults", None):
         kw.update(faults=args.faults, seed=args.seed)
-    fab = launch(topology=topology(args, w), **kw)
+    return launch(topology=topology(args, w), **kw)
+
+
+def _run_fabric(args: argparse.Namespace, plan: Plan, w: int, printer: Printer,
+                bar: report.ProgressTask, measure: Measure,
+                launch: Callable[[argparse.Namespace, int], Any] | None = None) -> None:
+    """One fabric of ``w`` workers; every semfab path, size, dtype and op, ``repeat`` times."""
+    fab = (launch or _launch)(args, w)
     broken = ""
     with fab:
         if len(fab.topo.workers) != w:
@@ -534,12 +541,15 @@ def _run_fabric(args: argparse.Namespace, plan: Plan, w: int, printer: Printer,
 def run_sweep(args: argparse.Namespace, plan: Plan, *, name: str, header: list[str],
               setts: dict[str, Any], measure: Measure, run_peer: RunPeer,
               notes: Callable[[Row], str], collective: str = "allreduce",
-              root: bool = False, fix_row: Callable[[Row], Row] | None = None) -> int:
+              root: bool = False, fix_row: Callable[[Row], Row] | None = None,
+              launch: Callable[[argparse.Namespace, int], Any] | None = None) -> int:
     """Run the sweep of a bench: print, merge, tabulate, write files; the exit code.
 
     ``fix_row(row)`` (optional) adjusts every row before it is printed (the
     collectives give a peer's failure rows their collective and root).
-    ``root``: the rows have a root column (broadcast, reduce).
+    ``root``: the rows have a root column (broadcast, reduce). ``launch(args,
+    workers)`` gives the fabric of a worker count (default: launched processes;
+    the collectives' ``--sim`` gives a simulated one).
     """
     repeat = getattr(args, "repeat", 1)
     print("\n".join(header), flush=True)
@@ -551,7 +561,7 @@ def run_sweep(args: argparse.Namespace, plan: Plan, *, name: str, header: list[s
     with report.progress(total, name) as bar:
         for w in plan.workers:
             if plan.ours:
-                _run_fabric(args, plan, w, printer, bar, measure)
+                _run_fabric(args, plan, w, printer, bar, measure, launch)
             for rep in range(repeat if plan.peers else 0):
                 if repeat > 1:
                     print(f"# run {rep + 1} of {repeat}, {w} workers: "
