@@ -1,7 +1,10 @@
 """`semfab compare A.json B.json ...`: saved allreduce runs side by side.
 
 Reads the ``--json`` files of `semfab bench allreduce` (or `semfab sim
-allreduce`), e.g. before and after a change, or two topologies, and prints
+allreduce`, or `semfab bench <collective>` of the collective set: all_gather,
+reduce_scatter, broadcast, reduce, alltoall, sendrecv; every file of one
+comparison of the same collective), e.g. before and after a change, or two
+topologies, and prints
 one table per (path, workers, dtype, op): at each size the busbw and time of
 every run, and the ratio of each run's busbw to the first run's (the
 baseline; above 1 is faster). The settings that differ between the runs are
@@ -25,8 +28,9 @@ from bench import report
 from bench.report import AllreduceRow
 from fabric.errors import UsageError
 
-#: The kinds of saved run this command reads.
-KINDS = ("allreduce", "sim-allreduce")
+#: The kinds of saved run this command reads (the collective set's: bench.nccl.KINDS).
+KINDS = ("allreduce", "sim-allreduce", "all_gather", "reduce_scatter", "broadcast", "reduce",
+         "alltoall", "sendrecv")
 #: Settings not worth naming when they differ.
 _QUIET_SETTINGS = ("command", "cores", "topology_text", "json", "markdown", "plot", "run_dir",
                    "verbose", "sub_verbose")
@@ -69,8 +73,9 @@ class SavedRun:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Flags of `semfab compare`."""
     p.add_argument("files", nargs="+", metavar="RUN.json",
-                   help="saved runs (--json of `semfab bench allreduce` or `semfab sim "
-                   "allreduce`); the first is the baseline")
+                   help="saved runs (--json of `semfab bench allreduce`, `semfab sim "
+                   "allreduce` or `semfab bench <collective>`, all of one collective); the "
+                   "first is the baseline")
     p.add_argument("--labels", help="comma-separated names of the runs (default: A, B, ...)")
     p.add_argument("--plot", metavar="PNG",
                    help="write busbw and time against size, with a ratio-to-baseline panel")
@@ -91,8 +96,10 @@ def load_run(path: str, label: str) -> SavedRun:
         raise UsageError(f"{path}: not JSON ({exc.msg} at line {exc.lineno})") from None
     kind = doc.get("kind") if isinstance(doc, dict) else None
     if kind not in KINDS:
-        raise UsageError(f"{path}: not a saved allreduce run (kind {kind!r}); compare reads "
-                         "the --json of `semfab bench allreduce` or `semfab sim allreduce`")
+        raise UsageError(f"{path}: not a saved allreduce run (kind {kind!r}) nor one of "
+                         "the collective set; compare reads the --json of `semfab bench "
+                         "allreduce`, `semfab sim allreduce` or `semfab bench <collective>` "
+                         f"({', '.join(KINDS[2:])})")
     results = doc.get("results")
     if not isinstance(results, list):
         raise UsageError(f"{path}: no \"results\" list")
@@ -107,6 +114,11 @@ def load_run(path: str, label: str) -> SavedRun:
     settings = doc.get("settings") if isinstance(doc.get("settings"), dict) else {}
     env = doc.get("env") if isinstance(doc.get("env"), dict) else {}
     return SavedRun(label, path, str(kind), rows, settings, env)
+
+
+def collective_of(kind: str) -> str:
+    """The collective a saved run measured (``sim-allreduce`` is an allreduce)."""
+    return kind.removeprefix("sim-")
 
 
 def _labels(args: argparse.Namespace) -> list[str]:
@@ -180,8 +192,9 @@ def _ratio(row: AllreduceRow | None, base: AllreduceRow | None) -> str:
 def format_compare(runs: Sequence[SavedRun], markdown: bool = False) -> str:
     """The header (runs, settings that differ) and one table per (path, workers, dtype, op)."""
     base = runs[0]
-    out = [f"# semfab compare: {len(runs)} saved runs, baseline {base.label}; ratio: a run's "
-           f"busbw over {base.label}'s at the same size (above 1: faster)"]
+    out = [f"# semfab compare: {len(runs)} saved {collective_of(base.kind)} runs, baseline "
+           f"{base.label}; ratio: a run's busbw over {base.label}'s at the same size (above 1: "
+           "faster)"]
     for run in runs:
         out.append(f"#   {run.label} = {run.path}: {run.describe()}")
     diffs = settings_differences(runs)
@@ -191,7 +204,8 @@ def format_compare(runs: Sequence[SavedRun], markdown: bool = False) -> str:
     failed_any = False
     for key, sizes in _groups(runs).items():
         path, workers, dtype, op = key
-        title = f"{path}, {workers} worker{'s' if workers != 1 else ''}, {dtype} {op}"
+        what = dtype if op == "none" else f"{dtype} {op}"  # a collective that copies
+        title = f"{path}, {workers} worker{'s' if workers != 1 else ''}, {what}"
         cols = ([f"busbw {r.label}" for r in runs] + [f"time {r.label}" for r in runs]
                 + [f"{r.label}/{base.label}" for r in runs[1:]])
         lines = []
@@ -320,6 +334,10 @@ def run(args: argparse.Namespace) -> int:
         if getattr(args, flag):
             check_output_file(f"--{flag}", getattr(args, flag))
     runs = [load_run(f, label) for f, label in zip(args.files, labels, strict=True)]
+    kinds = {r.label: collective_of(r.kind) for r in runs}
+    if len(set(kinds.values())) > 1:
+        raise UsageError("compare runs of one collective at a time; got "
+                         + ", ".join(f"{label} {kind}" for label, kind in kinds.items()))
     print(format_compare(runs), end="", flush=True)
     if args.markdown:
         report.write_markdown(args.markdown, format_compare(runs, markdown=True))

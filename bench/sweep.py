@@ -384,6 +384,8 @@ def command_line(s: dict[str, Any], name: str = "allreduce") -> str:
         words += ["--faults", s["faults"]]
     if s["timeout_s"] != 60.0:
         words += ["--timeout", f"{s['timeout_s']:g}"]
+    if s.get("sim"):
+        words.append("--sim")
     return shlex.join(words)
 
 
