@@ -1,5 +1,5 @@
-"""`semfab bench moe`: MoE dispatch and combine, flat against hierarchical, on a
-star or a leaf/spine fabric at several oversubscription ratios.
+"""`semfab bench moe`: MoE dispatch and combine, flat, hierarchical and in the
+network, on a star or a leaf/spine fabric at several oversubscription ratios.
 
 DeepEP-like parameters scaled to this machine (tokens per rank, hidden size,
 top-k, experts; bf16 or fp32 payloads; uniform or skewed expert load). Per
@@ -46,8 +46,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="payload dtype of dispatch and combine")
     p.add_argument("--routing", default="uniform",
                    help="expert load: uniform, zipf:S or lognormal:SIGMA")
-    p.add_argument("--variants", default="flat,hierarchical",
-                   help="flat and/or hierarchical")
+    p.add_argument("--variants", default="flat,hierarchical,in-network",
+                   help="flat, hierarchical and/or in-network (at most 32 ranks)")
     p.add_argument("-w", "--warmup", type=int, default=1, help="untimed iterations")
     p.add_argument("-n", "--iters", type=int, default=3, help="timed iterations")
     p.add_argument("--sim", action="store_true",

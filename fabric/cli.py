@@ -134,8 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
                      "bench.loss")
     _add_lazy_parser(bsub, "tokens", "the token delivery chain, layer by layer: TTFT, TPOT, ITL, "
                      "E2EL, per-layer breakdown, semantic distance per token", "bench.tokens")
-    _add_lazy_parser(bsub, "moe", "MoE dispatch and combine, flat vs hierarchical, on a star or "
-                     "leaf/spine at several oversubscription ratios (emulated or --sim)",
+    _add_lazy_parser(bsub, "moe", "MoE dispatch and combine, flat / hierarchical / in-network, "
+                     "on a star or leaf/spine at several oversubscription ratios (emulated or "
+                     "--sim)",
                      "bench.moe")
     bench.set_defaults(func=_default_bench)
     _add_lazy_parser(sub, "serve", "bring the token chain up: generator workers, the fabric, "

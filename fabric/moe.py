@@ -21,6 +21,13 @@ Variants, side by side:
     crosses the spine once, to the rank of that leaf with the sender's local
     index, which forwards it inside its leaf; combine runs backwards, the relay
     summing its leaf's partials so one vector per token and leaf crosses back.
+``in-network``
+    the switches do it (the dynamic in-switch idea of DySHARP): each token is
+    one frame with a member mask (``Flag.MCAST``, ``key`` = mask), replicated
+    by each switch to the ports of its targets only, so it crosses every link
+    once; in combine each rank sends its partial towards the token's home and
+    the first switch (its leaf) sums the partials of that token from every
+    rank below it, sending one vector on (``switchd.core`` ``_on_combine``).
 
 Each phase is an alltoallv of (metadata, rows) of :mod:`fabric.collective_programs`;
 the receive counts of dispatch are exchanged first (an alltoall of counts),
@@ -35,15 +42,23 @@ from typing import Any
 
 import numpy as np
 
+from fabric import frame as fr
 from fabric.collective_programs import collective_program
 from fabric.errors import UsageError
-from fabric.programs import Chain, Group, NodeState, Program
+from fabric.frame import Flag, NackCode, Op
+from fabric.programs import Chain, Group, NodeState, Program, Send
 from kernels.dtypes import np_dtype
 
 __all__ = ["MOE_VARIANTS", "Dispatched", "expert_partials", "make_inputs", "moe_combine_program",
            "moe_dispatch_program", "moe_reference", "parse_routing"]
 
-MOE_VARIANTS = ("flat", "hierarchical")
+MOE_VARIANTS = ("flat", "hierarchical", "in-network")
+#: Flow of in-network dispatch rows (masked multicast), ACKs on MASKED_FLOW + 1.
+MASKED_FLOW = 22
+#: Rows in flight per sender (in-network dispatch), contributions per rank (combine).
+ROWS_WINDOW = 64
+#: Most members of a group the in-network variant serves (the frame's 32-bit mask).
+MASK_MEMBERS = 32
 
 
 @dataclass
@@ -242,6 +257,9 @@ def moe_dispatch_program(st: NodeState, x: np.ndarray | None, topk_idx: np.ndarr
     if variant == "flat":
         return Chain(_flat_dispatch(st, g, x, idx, wbits, ranks_of, T, H, K, dtype,
                                     num_experts))
+    if variant == "in-network":
+        return Chain(_innet_dispatch(st, g, x, idx, wbits, ranks_of, T, H, K, dtype,
+                                     num_experts))
     return Chain(_hier_dispatch(st, g, x, idx, wbits, ranks_of, T, H, K, dtype, num_experts))
 
 
@@ -333,7 +351,8 @@ def moe_combine_program(st: NodeState, d: Dispatched, partials: np.ndarray | Non
     if partials is not None and partials.shape != (n, d.hidden):
         raise UsageError(f"{st.name}: moe_combine takes one vector per dispatched row: "
                          f"({n}, {d.hidden}), got {partials.shape}")
-    steps = _flat_combine if d.variant == "flat" else _hier_combine
+    steps = {"flat": _flat_combine, "hierarchical": _hier_combine,
+             "in-network": _innet_combine}[d.variant]
     return Chain(steps(st, g, d, partials))
 
 
@@ -420,3 +439,380 @@ def _hier_combine(st: NodeState, g: Group, d: Dispatched,
                 out[t] += blk_b[at]
                 at += 1
     return out.astype(dt)
+
+
+# ---------------------------------------------------------------------- in the network
+class RowsSend(Program):
+    """Dispatch rows as masked multicast frames (one per token, ``key`` = mask of
+    its target members); each target ACKs each row; a row some targets lack by its
+    RTO goes again to those alone (a smaller mask)."""
+
+    def __init__(self, st: NodeState, g: Group, rows: list[tuple[int, list[int], Any]], *,
+                 sid: int, msg: int) -> None:
+        from fabric.reliability import RttEstimator
+
+        self.st, self.g, self.rows, self.sid, self.msg = st, g, rows, sid, msg
+        self.order = sorted(g.ids)  # mask bit i: the i-th member by id
+        self.pending: dict[int, set[int]] = {}  # row -> member ids still to ACK
+        self.sent_at: dict[int, float] = {}
+        self.tries: dict[int, int] = {}
+        self.next = 0
+        self.rtt = RttEstimator(rto_min=0.02)
+        self.retransmits = 0
+
+    def _frame(self, j: int, members: set[int]) -> Send:
+        mask = 0
+        for m in members:
+            mask |= 1 << self.order.index(m)
+        body = self.rows[j][2]
+        return (fr.encode_header(Op.WRITE, src=self.st.node_id, dst=self.g.gid,
+                                 flags=Flag.MCAST, flow=MASKED_FLOW, job=self.sid, psn=j,
+                                 key=mask, msg=self.msg, payload=body, crc=self.st.crc), body)
+
+    def _pump(self, now: float) -> list[Send]:
+        out: list[Send] = []
+        while self.next < len(self.rows) and len(self.pending) < ROWS_WINDOW:
+            j = self.next
+            self.next += 1
+            members = {self.g.ids[k] for k in self.rows[j][1]}
+            self.pending[j] = members
+            self.sent_at[j] = now
+            out.append(self._frame(j, members))
+        if self.next == len(self.rows) and not self.pending:
+            self.done = True
+        return out
+
+    def start(self, now: float) -> list[Send]:
+        return self._pump(now)
+
+    def wants(self, f: fr.Frame) -> bool:
+        return (f.op is Op.ACK and f.flow == MASKED_FLOW + 1 and f.job == self.sid
+                and f.msg == self.msg)
+
+    def handle_frame(self, f: fr.Frame, now: float) -> list[Send]:
+        left = self.pending.get(f.psn)
+        if left is None or f.src not in left:
+            return []
+        left.discard(f.src)
+        if not left:
+            del self.pending[f.psn]
+            if not self.tries.get(f.psn):  # Karn: only rows sent once
+                self.rtt.sample(now - self.sent_at[f.psn])
+        return self._pump(now)
+
+    def get_timer(self) -> float | None:
+        if self.done or not self.pending:
+            return None
+        return min(self.sent_at[j] for j in self.pending) + self.rtt.rto
+
+    def handle_timer(self, now: float) -> list[Send]:
+        out: list[Send] = []
+        rto = self.rtt.rto
+        for j, left in self.pending.items():
+            if self.sent_at[j] + rto <= now:
+                n = self.tries[j] = self.tries.get(j, 0) + 1
+                if n > 64:
+                    names = ", ".join(self.st.topo.by_id(m).name for m in sorted(left))
+                    from fabric.errors import FabricTimeout
+
+                    raise FabricTimeout(f"{self.st.name}: moe dispatch row {j}: no ACK from "
+                                        f"{names} after {n - 1} retransmissions")
+                self.sent_at[j] = now
+                self.retransmits += 1
+                out.append(self._frame(j, left))
+        if out:
+            self.rtt.backoff()
+            self.st.retransmits += len(out)
+        return out
+
+    def waiting_for(self) -> str:
+        late = sorted({m for left in self.pending.values() for m in left})
+        return "ACKs of dispatch rows from " + ", ".join(
+            self.st.topo.by_id(m).name for m in late[:8])
+
+
+class RowsRecv(Program):
+    """Receive the dispatch rows every other member sends us (``counts[k]`` from
+    group rank ``k``), ACKing each; the result is {(k, row): payload}."""
+
+    def __init__(self, st: NodeState, g: Group, counts: Sequence[int], *, sid: int,
+                 msg: int) -> None:
+        self.st, self.g, self.sid, self.msg = st, g, sid, msg
+        self.rank_of = {nid: k for k, nid in enumerate(g.ids)}
+        self.need = {g.ids[k]: int(c) for k, c in enumerate(counts) if k != g.rank and c}
+        self.got: dict[tuple[int, int], bytes] = {}
+        self.have = dict.fromkeys(self.need, 0)
+        self.result = self.got
+        self.last = 0.0
+
+    def _check(self) -> None:
+        if all(self.have[n] >= c for n, c in self.need.items()):
+            self.done = True
+            for nid in self.need:  # a late copy (our ACK was lost) is ACKed again
+                self.st.stream_done(nid, MASKED_FLOW, self.sid, self.msg, -1)
+
+    def start(self, now: float) -> list[Send]:
+        self.last = now
+        self._check()
+        return []
+
+    def wants(self, f: fr.Frame) -> bool:
+        return (f.op is Op.WRITE and f.flow == MASKED_FLOW and f.job == self.sid
+                and f.msg == self.msg and f.src in self.need)
+
+    def handle_frame(self, f: fr.Frame, now: float) -> list[Send]:
+        self.last = now
+        key = (self.rank_of[f.src], f.psn)
+        if key not in self.got:
+            self.got[key] = bytes(f.payload)
+            self.have[f.src] += 1
+            self._check()
+        return [(fr.encode_header(Op.ACK, src=self.st.node_id, dst=f.src,
+                                  flow=MASKED_FLOW + 1, job=self.sid, psn=f.psn, msg=self.msg,
+                                  crc=self.st.crc), None)]
+
+    def get_timer(self) -> float | None:
+        return None if self.done else self.last + self.st.timeout_s
+
+    def handle_timer(self, now: float) -> list[Send]:
+        if now >= self.last + self.st.timeout_s:
+            from fabric.errors import FabricTimeout
+
+            late = [self.st.topo.by_id(n).name for n, c in self.need.items()
+                    if self.have[n] < c]
+            raise FabricTimeout(f"{self.st.name}: moe dispatch: rows from {', '.join(late)} "
+                                f"missing after {self.st.timeout_s:g}s")
+        return []
+
+    def waiting_for(self) -> str:
+        return "dispatch rows from " + ", ".join(
+            self.st.topo.by_id(n).name for n, c in self.need.items() if self.have[n] < c)
+
+
+def _innet_dispatch(st: NodeState, g: Group, x: np.ndarray | None, idx: np.ndarray,
+                    wbits: np.ndarray, ranks_of: list[list[int]], T: int, H: int, K: int,
+                    dtype: str, E: int) -> Generator[Program, Any, Dispatched]:
+    from fabric.collective_programs import _sid
+    from fabric.programs import Parallel
+
+    W, r = g.size, g.rank
+    if W > MASK_MEMBERS:
+        raise UsageError(f"moe in-network: at most {MASK_MEMBERS} ranks in the group (the "
+                         f"frame's member mask), not {W}; use a group or another variant")
+    item = np_dtype(dtype).itemsize
+    sc = [0] * W
+    rows: list[tuple[int, list[int], Any]] = []
+    mine: list[int] = []  # our own tokens we hold experts of
+    zeros_row = bytes(H * item)
+    for t in range(T):
+        targets = [q for q in ranks_of[t] if q != r]
+        if r in ranks_of[t]:
+            mine.append(t)
+        for q in targets:
+            sc[q] += 1
+        if targets:
+            head = np.array([t, *idx[t], *wbits[t]], np.int32).tobytes()
+            rows.append((t, targets, head + (x[t].tobytes() if x is not None else zeros_row)))
+    counts = yield collective_program(st, "alltoall", np.array(sc, np.int32),
+                                      np.empty(W, np.int32), path="host-p2p", group=g)
+    msg = g.next_msg()
+    got = yield Parallel([RowsSend(st, g, rows, sid=_sid(msg, 0), msg=msg),
+                          RowsRecv(st, g, counts, sid=_sid(msg, 0), msg=msg)])
+    received = got[1]
+    keys = sorted(received)
+    nm = (1 + 2 * K) * 4
+    src = np.array([r] * len(mine) + [k for k, _j in keys], np.int64)
+    meta = np.empty((len(src), 1 + 2 * K), np.int32)
+    vecs = np.empty((len(src), H), np_dtype(dtype)) if x is not None else None
+    for i, t in enumerate(mine):
+        meta[i] = [t, *idx[t], *wbits[t]]
+        if vecs is not None and x is not None:
+            vecs[i] = x[t]
+    for i, key in enumerate(keys, start=len(mine)):
+        body = received[key]
+        meta[i] = np.frombuffer(body[:nm], np.int32)
+        if vecs is not None:
+            vecs[i] = np.frombuffer(body[nm:], np_dtype(dtype))
+    plan = {"ranks_of": ranks_of, "idx": idx}
+    return Dispatched(vecs, src, meta[:, 0].copy(), meta[:, 1:1 + K].copy(),
+                      meta[:, 1 + K:].copy().view(np.float32), E, "in-network", T, H, dtype,
+                      plan)
+
+
+class CombineSend(Program):
+    """Each dispatched row's partial, towards the token's home; this rank's switch
+    sums the partials of one token from every rank below it (``key`` = how many)
+    and ACKs each; unACKed partials are sent again."""
+
+    def __init__(self, st: NodeState, g: Group, parts: list[tuple[int, int, int, Any]], *,
+                 sid: int, msg: int, dtype: str) -> None:
+        from fabric.reliability import RttEstimator
+
+        self.st, self.sid, self.msg = st, sid, msg
+        self.parts = parts  # (home node id, token, contributions below our switch, payload)
+        self.code = fr.dtype_from_name(dtype)
+        self.pending: dict[tuple[int, int], int] = {}  # (home, token) -> index
+        self.sent_at: dict[tuple[int, int], float] = {}
+        self.tries: dict[tuple[int, int], int] = {}
+        self.next = 0
+        self.rtt = RttEstimator(rto_min=0.02)
+
+    def _frame(self, i: int) -> Send:
+        from switchd.core import COMBINE_FLOW
+
+        home, t, n, body = self.parts[i]
+        return (fr.encode_header(Op.REDUCE, src=self.st.node_id, dst=home, flow=COMBINE_FLOW,
+                                 job=self.sid, psn=t, key=n, msg=self.msg, dtype=self.code,
+                                 payload=body, crc=self.st.crc), body)
+
+    def _pump(self, now: float) -> list[Send]:
+        out: list[Send] = []
+        while self.next < len(self.parts) and len(self.pending) < ROWS_WINDOW:
+            i = self.next
+            self.next += 1
+            k = (self.parts[i][0], self.parts[i][1])
+            self.pending[k] = i
+            self.sent_at[k] = now
+            out.append(self._frame(i))
+        if self.next == len(self.parts) and not self.pending:
+            self.done = True
+        return out
+
+    def start(self, now: float) -> list[Send]:
+        return self._pump(now)
+
+    def wants(self, f: fr.Frame) -> bool:
+        from switchd.core import COMBINE_FLOW
+
+        return (f.op is Op.ACK and f.flow == COMBINE_FLOW + 1 and f.job == self.sid
+                and f.msg == self.msg and f.src == self.st.switch_id)
+
+    def handle_frame(self, f: fr.Frame, now: float) -> list[Send]:
+        k = (f.key, f.psn)  # the switch names the home in key
+        if self.pending.pop(k, None) is not None and not self.tries.get(k):
+            self.rtt.sample(now - self.sent_at[k])
+        return self._pump(now)
+
+    def get_timer(self) -> float | None:
+        if self.done or not self.pending:
+            return None
+        return min(self.sent_at[k] for k in self.pending) + self.rtt.rto
+
+    def handle_timer(self, now: float) -> list[Send]:
+        out = []
+        for k, i in self.pending.items():
+            if self.sent_at[k] + self.rtt.rto <= now:
+                n = self.tries[k] = self.tries.get(k, 0) + 1
+                if n > 64:
+                    from fabric.errors import FabricTimeout
+
+                    raise FabricTimeout(f"{self.st.name}: moe combine: switch "
+                                        f"{self.st.switch_name} never took token {k[1]}")
+                self.sent_at[k] = now
+                out.append(self._frame(i))
+        if out:
+            self.rtt.backoff()
+            self.st.retransmits += len(out)
+        return out
+
+    def waiting_for(self) -> str:
+        return f"switch {self.st.switch_name} (ACKs of combine partials)"
+
+
+class CombineRecv(Program):
+    """At a token's home: one summed partial per leaf that holds its experts; a
+    missing one is asked for again (NACK to that switch, which kept it)."""
+
+    def __init__(self, st: NodeState, expect: dict[tuple[int, int], None], T: int, H: int,
+                 *, sid: int, msg: int, data: bool) -> None:
+        from fabric.reliability import RttEstimator
+
+        self.st, self.sid, self.msg = st, sid, msg
+        self.expect = expect  # (token, switch id) still to come
+        self.out = np.zeros((T, H), np.float32) if data else None
+        self.data = data
+        self.result = self.out
+        self.rtt = RttEstimator(rto_min=0.05)
+        self.last = 0.0
+        self.quiet_since = 0.0
+
+    def start(self, now: float) -> list[Send]:
+        self.last = self.quiet_since = now
+        self.done = not self.expect
+        return []
+
+    def wants(self, f: fr.Frame) -> bool:
+        from switchd.core import COMBINE_FLOW
+
+        return (f.op is Op.REDUCE and f.flow == COMBINE_FLOW and f.job == self.sid
+                and f.msg == self.msg and f.dst == self.st.node_id)
+
+    def handle_frame(self, f: fr.Frame, now: float) -> list[Send]:
+        k = (f.psn, f.src)
+        if k not in self.expect:
+            return []  # a late copy
+        del self.expect[k]
+        self.last = now
+        if self.out is not None:
+            from kernels.dtypes import DTYPES
+
+            self.out[f.psn] += np.frombuffer(f.payload, DTYPES[fr.DTYPE_NAMES[f.dtype]])
+        self.done = not self.expect
+        return []
+
+    def get_timer(self) -> float | None:
+        return None if self.done else self.last + self.rtt.rto
+
+    def handle_timer(self, now: float) -> list[Send]:
+        from switchd.core import COMBINE_FLOW
+
+        if now < self.last + self.rtt.rto:
+            return []
+        if now >= self.quiet_since + self.st.timeout_s and now >= self.last + self.st.timeout_s:
+            from fabric.errors import FabricTimeout
+
+            raise FabricTimeout(f"{self.st.name}: moe combine: {len(self.expect)} partial sums "
+                                f"never came (e.g. token {next(iter(self.expect))[0]})")
+        self.rtt.backoff()
+        self.last = now
+        out: list[Send] = []
+        for t, sw in list(self.expect)[:ROWS_WINDOW]:  # ask the switch that kept each
+            out.append((fr.encode_header(Op.NACK, src=self.st.node_id, dst=sw,
+                                         flow=COMBINE_FLOW, job=self.sid, psn=t, msg=self.msg,
+                                         offset=int(NackCode.MISSING), crc=self.st.crc), None))
+        return out
+
+    def waiting_for(self) -> str:
+        return "switches summing this rank's tokens (in-network combine)"
+
+
+def _innet_combine(st: NodeState, g: Group, d: Dispatched,
+                   partials: np.ndarray | None) -> Generator[Program, Any, Any]:
+    from fabric.collective_programs import _sid
+    from fabric.programs import Parallel
+
+    W, r = g.size, g.rank
+    topo = st.topo
+    sw_of = [topo.node(topo.switch_of(topo.by_id(nid).name)).id for nid in g.ids]
+    per = d.num_experts // W
+    item = np_dtype(d.dtype).itemsize
+    zeros_row = bytes(d.hidden * item)
+    parts = []
+    for i in range(d.src.shape[0]):
+        targets = {int(e) // per for e in d.experts[i]}
+        below = sum(1 for q in targets if sw_of[q] == sw_of[r])
+        body = (np.ascontiguousarray(partials[i]).tobytes() if partials is not None
+                else zeros_row)
+        parts.append((g.ids[int(d.src[i])], int(d.tok[i]), below, body))
+    expect: dict[tuple[int, int], None] = {}
+    ranks_of = d.plan["ranks_of"]
+    for t in range(d.tokens):
+        for sw in sorted({sw_of[q] for q in ranks_of[t]}):
+            expect[(t, sw)] = None
+    msg = g.next_msg()
+    sid = _sid(msg, 0)
+    got = yield Parallel([CombineSend(st, g, parts, sid=sid, msg=msg, dtype=d.dtype),
+                          CombineRecv(st, expect, d.tokens, d.hidden, sid=sid, msg=msg,
+                                      data=partials is not None)])
+    out = got[1]
+    return None if out is None else out.astype(np_dtype(d.dtype))

@@ -230,9 +230,11 @@ class NodeState:
         elif f.op is Op.WRITE:
             # a stream we received in full: its sender lost our last ACK
             last = self.streams_done.get((f.src, f.flow, f.job, f.msg))
-            if last is not None and f.psn <= last:
+            if last is not None and (last < 0 or f.psn <= last):
+                # last < 0: a stream of single-frame ACKs (masked multicast rows)
+                psn = f.psn if last < 0 else last
                 return [(fr.encode_header(Op.ACK, src=self.node_id, dst=f.src, flow=f.flow + 1,
-                                          job=f.job, psn=last, msg=f.msg, crc=self.crc), None)]
+                                          job=f.job, psn=psn, msg=f.msg, crc=self.crc), None)]
         return []
 
     def stream_done(self, src: int, flow: int, sid: int, msg: int, last_psn: int) -> None:

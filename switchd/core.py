@@ -33,7 +33,7 @@ Two worlds drive it: ``switchd.daemon`` (ZeroMQ, real time) and
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from enum import Enum
@@ -81,6 +81,11 @@ ASKED_KEPT = 65536
 #: group's jobs take ids ``gid << GROUP_JOB_BITS | n`` (see fabric.comm).
 MAX_GROUPS = 255
 GROUP_JOB_BITS = 8
+#: In-network MoE combine: REDUCE frames on this flow, addressed to a token's home,
+#: are summed by the first switch (the contributors' leaf); see _on_combine.
+COMBINE_FLOW = 24
+#: Finished per-token combine sums a switch keeps for the home to ask again.
+COMBINE_KEPT = 65536
 
 
 class MemoryPlane(Protocol):
@@ -211,6 +216,7 @@ class SwitchCore:
                 if not n.is_switch:
                     self._port_node[n.name.encode()] = n.id
         self._attached_ids = set(self._port_node.values())
+        self._worker_ids = frozenset(w.id for w in topo.workers)
         self._switch_ports: set[bytes] = set()
         for link in topo.links_of(name):
             other = topo.node(link.other(name))
@@ -263,6 +269,10 @@ class SwitchCore:
         # group must not free the same job id registered anew by a newer group
         self._job_tag: dict[int, int] = {}
         self._await_owner: dict[tuple[int, int], int] = {}
+        # in-network combine: (home, msg, stream, token) -> running sum and who is in;
+        # finished sums are kept (bounded) for a home that lost one
+        self._combine: dict[tuple[int, int, int, int], _CombineSum] = {}
+        self._combine_done: OrderedDict[tuple[int, int, int, int], _CombineSum] = OrderedDict()
         self._barriers: dict[int, dict[int, bytes]] = {}
         self._barriers_done: deque[int] = deque(maxlen=BARRIERS_KEPT)
         self._ctrl_crc = False
@@ -363,6 +373,10 @@ class SwitchCore:
             return
         if f.flags & Flag.MCAST:
             self._multicast(f, port, header, payload)
+        elif f.op is Op.REDUCE and f.flow == COMBINE_FLOW and f.key and speaker is not None:
+            self._on_combine(f, port)
+        elif f.op is Op.NACK and f.flow == COMBINE_FLOW and f.dst == self.id:
+            self._resend_combine(f, port)
         elif f.dst != self.id:
             self._forward(f, port, header, payload)
         elif f.op is Op.REDUCE:
@@ -416,8 +430,11 @@ class SwitchCore:
             return
         self.counters.mcast_frames += 1
         ports: list[bytes] = []
-        for m in members:
+        mask = f.key  # a member mask (bit i: the i-th member by id); 0: every member
+        for i, m in enumerate(members):
             out = self._next_hop.get(m)
+            if mask and not mask >> i & 1:
+                continue
             if m != f.src and out is not None and out != port and out not in ports:
                 ports.append(out)
         head = bytes(header)
@@ -425,6 +442,64 @@ class SwitchCore:
             self._send(out, head, payload)
         self.counters.mcast_copies += len(ports)
         self.counters.forwarded += len(ports)
+
+    def _on_combine(self, f: fr.Frame, port: bytes) -> None:
+        """One rank's partial of one token (MoE combine, in the network): sum the
+        ``key`` contributions expected below this switch, then send one partial to
+        the token's home (``dst``) and ACK every contributor."""
+        home = f.dst
+        if home not in self._worker_ids:
+            raise FrameError(NackCode.MALFORMED, f"combine for node {home}: not a worker")
+        if f.dtype not in _FLOAT_CODES or not 0 < f.key <= len(self._attached_ids):
+            raise FrameError(NackCode.MALFORMED,
+                             f"combine frame: dtype {f.dtype}, {f.key} contributions")
+        k = (home, f.msg, f.job, f.psn)
+        done = self._combine_done.get(k)
+        if done is not None:  # its ACK was lost: say it again
+            if f.src in done.seen:
+                self._combine_ack(f.src, f)
+            return
+        acc = self._combine.get(k)
+        data = np.frombuffer(f.payload, dtype=DTYPES[fr.DTYPE_NAMES[f.dtype]])
+        if acc is None:
+            acc = self._combine[k] = _CombineSum(np.zeros(data.size, np.float32), set(), f.key,
+                                                 f.dtype)
+        if data.size != acc.total.size or f.key != acc.expected or f.dtype != acc.dtype:
+            raise FrameError(NackCode.MALFORMED, f"combine of token {f.psn}: contributions "
+                             "of different sizes or counts")
+        if f.src not in acc.seen:
+            acc.seen.add(f.src)
+            acc.total += data
+            self.counters.payload_copies += 1
+        self._combine_ack(f.src, f)
+        if len(acc.seen) < acc.expected:
+            return
+        del self._combine[k]
+        acc.result = acc.total.astype(DTYPES[fr.DTYPE_NAMES[f.dtype]])
+        self._combine_done[k] = acc
+        while len(self._combine_done) > COMBINE_KEPT:
+            self._combine_done.popitem(last=False)
+        self._send_combine(k, acc)
+
+    def _send_combine(self, k: tuple[int, int, int, int], acc: _CombineSum) -> None:
+        home, msg, stream, token = k
+        assert acc.result is not None
+        body = byte_view(acc.result)
+        self.counters.results_sent += 1
+        self._send(self._next_hop[home], fr.encode_header(
+            Op.REDUCE, src=self.id, dst=home, flow=COMBINE_FLOW, job=stream, psn=token,
+            msg=msg, dtype=acc.dtype, payload=body, crc=self._ctrl_crc), body)
+
+    def _combine_ack(self, member: int, f: fr.Frame) -> None:
+        self._send(self._ident[member], fr.encode_header(  # key: the token's home
+            Op.ACK, src=self.id, dst=member, flow=COMBINE_FLOW + 1, job=f.job, psn=f.psn,
+            key=f.dst, msg=f.msg))
+
+    def _resend_combine(self, f: fr.Frame, port: bytes) -> None:
+        """A home lost our sum of one token (it asks by NACK): send it again."""
+        acc = self._combine_done.get((f.src, f.msg, f.job, f.psn))
+        if acc is not None:
+            self._send_combine((f.src, f.msg, f.job, f.psn), acc)
 
     # ------------------------------------------------------------------ aggregation
     def _on_reduce(self, f: fr.Frame, port: bytes) -> None:
@@ -944,6 +1019,20 @@ class SwitchCore:
             self._ctrl(port, f.src, "region_reply", key=key, ok=False, reason=str(exc))
             return
         self._ctrl(port, f.src, "region_reply", key=key, ok=True, reason="")
+
+
+@dataclass
+class _CombineSum:
+    """One token's partial sum at one switch (in-network MoE combine)."""
+
+    total: np.ndarray  # float32
+    seen: set[int]
+    expected: int
+    dtype: int
+    result: np.ndarray | None = None
+
+
+_FLOAT_CODES = frozenset({fr.DType.F32, fr.DType.F16, fr.DType.BF16})
 
 
 def _next_hops(topo: Topology, name: str, attached: set[str]) -> dict[int, bytes]:

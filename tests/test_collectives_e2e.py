@@ -51,9 +51,10 @@ def test_multicast_crosses_each_link_once(tmp_path) -> None:
     with launch(workers=4, run_dir=tmp_path, timeout_s=30) as fab:
         stats = fab.run(_bcast_stats, 1 << 18)
     ina, p2p = stats[0]
-    assert ina["mcast_frames"] > 0 and ina["mcast_copies"] == 3 * ina["mcast_frames"]
-    # bytes into the switch: ina ~ 1x the tensor from the root, host-p2p ~ 3x
-    assert p2p["bytes_in"] > 2.5 * ina["bytes_in"], (ina["bytes_in"], p2p["bytes_in"])
+    # 1 MiB in 64 KiB frames: each sent once, as one multicast frame, replicated to
+    # the 3 receivers by the switch (a repair, if any, is unicast to one receiver)
+    assert ina["mcast_frames"] == 16 and ina["mcast_copies"] == 48, ina
+    assert p2p["mcast_frames"] == 0 and p2p["bytes_in"] >= 3 * (1 << 20), p2p
 
 
 def _bcast_stats(ep, n: int):

@@ -39,11 +39,22 @@ def test_combine_of_dispatch_is_the_weighted_sum_in_simulation(topo, dtype, skew
 def test_moe_exact_at_64_ranks() -> None:
     topo = leaf_spine(8, 8)
     T, H, K, E = 16, 8, 8, 128
-    res = Simulation(topo).run(tasks.moe_workload, MOE_VARIANTS, T, H, K, E)
+    variants = ("flat", "hierarchical")  # in-network: at most 32 ranks (frame mask)
+    res = Simulation(topo).run(tasks.moe_workload, variants, T, H, K, E)
     want = _want(64, T, H, K, E, "float32")
     for r in range(64):
-        for v in MOE_VARIANTS:
+        for v in variants:
             np.testing.assert_array_equal(res.results[r][v], want[r])
+
+
+def test_in_network_moe_exact_at_32_ranks_and_refused_beyond() -> None:
+    T, H, K, E = 16, 8, 8, 64
+    res = Simulation(leaf_spine(4, 8)).run(tasks.moe_workload, ("in-network",), T, H, K, E)
+    want = _want(32, T, H, K, E, "float32")
+    for r in range(32):
+        np.testing.assert_array_equal(res.results[r]["in-network"], want[r])
+    with pytest.raises(SimulationError, match="at most 32 ranks"):
+        Simulation(leaf_spine(4, 9)).run(tasks.moe_workload, ("in-network",), 4, 4, 2, 36)
 
 
 def test_moe_exact_under_loss() -> None:
@@ -56,14 +67,18 @@ def test_moe_exact_under_loss() -> None:
             np.testing.assert_array_equal(res.results[r][v], want[r])
 
 
-def test_hierarchical_dispatch_crosses_the_spine_once_per_leaf() -> None:
-    """Top-8 routing, 4 ranks per leaf: the spine carries at least 40% fewer bytes."""
-    topo = leaf_spine(2, 4, leaf_bandwidth_gbps=100.0)
-    spine = {}
+def test_hierarchical_and_in_network_cross_the_spine_once_per_leaf() -> None:
+    """Top-8 routing, 4 ranks per leaf: the spine carries at least 40% fewer bytes;
+    in the network, dispatch needs no relay hop, so it is also faster."""
+    topo = leaf_spine(2, 4, leaf_bandwidth_gbps=10.0)
+    spine, took = {}, {}
     for v in MOE_VARIANTS:
         res = Simulation(topo).run(tasks.moe_timing_workload, v, 128, 1024, 8, 64)
         spine[v] = res.switch_stats["spine0"].bytes_in
+        took[v] = max(t[0][0] + t[0][1] for t in res.results)
     assert spine["hierarchical"] <= 0.6 * spine["flat"], spine
+    assert spine["in-network"] <= 0.6 * spine["flat"], spine
+    assert took["in-network"] < took["hierarchical"], took
 
 
 @pytest.mark.parametrize("topo", [star(4), leaf_spine(2, 1, hosts=0)], ids=["star4", "2x1"])

@@ -263,3 +263,43 @@ def test_an_owned_job_refuses_an_owner_outside_it() -> None:
                                     payload=x), x)
     (nack,) = net.take("w0")
     assert nack.op is Op.NACK and nack.nack_code is NackCode.MALFORMED
+
+
+def test_a_masked_multicast_frame_reaches_only_the_masked_members() -> None:
+    net = Net(leaf_spine(2, 2))
+    names = [w.name for w in net.topo.workers]
+    ids = sorted(net.topo.node(n).id for n in names)
+    src = net.topo.node("w0")
+    mask = 1 << ids.index(net.topo.node("w3").id)  # one member below the other leaf
+    net.send("w0", fr.encode_header(Op.WRITE, src=src.id, dst=0, flags=fr.Flag.MCAST,
+                                    flow=22, key=mask, payload=b"tok"),
+             np.frombuffer(b"tok", np.uint8))
+    got = {n: net.take(n) for n in names}
+    assert [len(got[n]) for n in names] == [0, 0, 0, 1]
+    assert sum(c.statistics().mcast_copies for c in net.cores.values()) == 3  # up, over, down
+
+
+def test_a_leaf_sums_one_tokens_partials_and_sends_one_vector_home() -> None:
+    """In-network MoE combine: w0 and w1 (one leaf) hold experts of a token of w2."""
+    from switchd.core import COMBINE_FLOW
+
+    net = Net(leaf_spine(2, 2))
+    home = net.topo.node("w2").id
+    parts = {"w0": np.full(5, 1.5, np.float32), "w1": np.full(5, 2.25, np.float32)}
+    for name, part in parts.items():
+        for _ in range(2):  # a resent contribution counts once
+            n = net.topo.node(name)
+            net.send(name, fr.encode_header(Op.REDUCE, src=n.id, dst=home, flow=COMBINE_FLOW,
+                                            job=9, psn=4, key=2, msg=1,
+                                            dtype=fr.dtype_from_name("float32"),
+                                            payload=part), part)
+            acks = net.take(name)
+            assert acks and acks[-1].op is Op.ACK and acks[-1].key == home
+    (got,) = net.take("w2")
+    assert got.src == net.topo.node("leaf0").id and got.psn == 4
+    np.testing.assert_array_equal(np.frombuffer(got.payload, np.float32), np.full(5, 3.75))
+    # the home lost it: it asks the leaf, which kept the sum
+    net.send("w2", fr.encode_nack(src=home, dst=net.topo.node("leaf0").id, flow=COMBINE_FLOW,
+                                  psn=4, code=NackCode.MISSING, job=9, msg=1))
+    (again,) = net.take("w2")
+    assert bytes(again.payload) == bytes(got.payload)
