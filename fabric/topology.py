@@ -35,6 +35,8 @@ from typing import Any, Literal, cast
 __all__ = [
     "BUILTIN_DEFAULTS",
     "DEFAULT_BASE_PORT",
+    "DEFAULT_TENANT",
+    "TenantQuota",
     "LINK_CLASSES",
     "LINK_PARAM_KEYS",
     "MAX_MTU",
@@ -88,9 +90,14 @@ _MAX_HOSTNAME = 253  # RFC 1035
 _MIN_BANDWIDTH_GBPS = 1e-6  # 1 kbit/s
 _MAX_BANDWIDTH_GBPS = 1e6  # 1 Pbit/s
 _MAX_LATENCY_US = 1e7  # 10 s
-_TOP_KEYS = ("fabric", "defaults", "node", "link")
+_TOP_KEYS = ("fabric", "defaults", "node", "link", "tenants")
+#: Keys of one ``[tenants.<name>]`` quota table (each optional: absent = no limit).
+_TENANT_KEYS = ("slots", "memory_bytes")
+#: The tenant of a worker that names none.
+DEFAULT_TENANT = "default"
 _FABRIC_KEYS = ("name", "transport", "base_port", "host_addresses")
 _NODE_KEYS = ("name", "kind")
+_NODE_OPTIONAL = ("tenant",)
 _LINK_KEYS = ("a", "b", "class", *LINK_PARAM_KEYS)
 _SUMMARY_CHILDREN = 8
 # Linux sun_path is 108 bytes including the terminating NUL.
@@ -114,12 +121,24 @@ def _fail(source: str, item: str, problem: str) -> TopologyError:
 
 
 @dataclass(frozen=True)
+class TenantQuota:
+    """A tenant's share of every switch: at most ``slots`` aggregation slots and
+    ``memory_bytes`` of slot memory at once (None: no limit)."""
+
+    slots: int | None = None
+    memory_bytes: int | None = None
+
+
+@dataclass(frozen=True)
 class Node:
     """A node of the fabric. ``id`` is the u16 used in frame headers."""
 
     name: str
     kind: NodeKind
     id: int
+    #: Who the node works for (workers): a job's members share one tenant, whose
+    #: quota of switch slots and memory it counts against ("" = DEFAULT_TENANT).
+    tenant: str = ""
 
     @property
     def is_switch(self) -> bool:
@@ -262,9 +281,11 @@ class Topology:
         base_port: int = DEFAULT_BASE_PORT,
         host_addresses: Mapping[str, str] | None = None,
         defaults: Mapping[str, LinkParams] | None = None,
+        tenants: Mapping[str, TenantQuota] | None = None,
         source: str = "<topology>",
     ) -> None:
         self._nodes = tuple(sorted(nodes, key=lambda n: n.id))
+        self._tenants = MappingProxyType(dict(tenants or {}))
         self._links = tuple(links)
         self._name = name
         self._transport = transport
@@ -305,6 +326,7 @@ class Topology:
             self._base_port,
             tuple(sorted(self._host_addresses.items())),
             tuple(sorted(self._defaults.items())),
+            tuple(sorted(self._tenants.items())),
         )
 
     def __eq__(self, other: object) -> bool:
@@ -322,6 +344,16 @@ class Topology:
         )
 
     # -- plain accessors ----------------------------------------------------
+
+    @property
+    def tenants(self) -> Mapping[str, TenantQuota]:
+        """Quotas by tenant name (tenants without an entry have no limit)."""
+        return self._tenants
+
+    def tenant_of(self, node: str | int) -> str:
+        """The tenant a node works for (DEFAULT_TENANT unless the file names one)."""
+        n = self.by_id(node) if isinstance(node, int) else self.node(node)
+        return n.tenant or DEFAULT_TENANT
 
     @property
     def name(self) -> str:
@@ -710,8 +742,13 @@ class Topology:
         return {
             "fabric": fabric,
             "defaults": defaults,
-            "node": [{"name": n.name, "kind": n.kind} for n in self._nodes],
+            "node": [{"name": n.name, "kind": n.kind, **({"tenant": n.tenant} if n.tenant else {})}
+                     for n in self._nodes],
             "link": links,
+            **({"tenants": {t: {k: v for k, v in (("slots", q.slots),
+                                                  ("memory_bytes", q.memory_bytes))
+                                if v is not None}
+                            for t, q in self._tenants.items()}} if self._tenants else {}),
         }
 
     def to_toml(self) -> str:
@@ -741,6 +778,9 @@ class Topology:
             for entry in d[table]:
                 out += ["", f"[[{table}]]"]
                 out += [f"{k} = {_toml_value(v)}" for k, v in entry.items()]
+        for tenant, quota in d.get("tenants", {}).items():
+            out += ["", f"[tenants.{_toml_value(tenant)}]"]
+            out += [f"{k} = {_toml_value(v)}" for k, v in quota.items()]
         return "\n".join(out) + "\n"
 
     def summary(self) -> str:
@@ -920,9 +960,10 @@ def _build(doc: Mapping[str, Any], source: str) -> Topology:
     # [[node]]
     raw_nodes = _array_of_tables(doc, "node", source)
     declared: dict[str, NodeKind] = {}
+    tenant_of: dict[str, str] = {}
     for i, entry in enumerate(raw_nodes, 1):
         item = f"node {i}"
-        _check_keys(entry, _NODE_KEYS, source, item)
+        _check_keys(entry, _NODE_KEYS + _NODE_OPTIONAL, source, item)
         for key in _NODE_KEYS:
             if key not in entry:
                 raise _fail(
@@ -938,6 +979,10 @@ def _build(doc: Mapping[str, Any], source: str) -> Topology:
         if name in declared:
             raise _fail(source, item, "declared twice; node names must be unique, rename one")
         declared[name] = kind
+        if "tenant" in entry:
+            if kind != "worker":
+                raise _fail(source, item, "only workers have a tenant; remove the key")
+            tenant_of[name] = _name(entry["tenant"], source, item, "tenant")
     if len(declared) > MAX_NODES:
         raise _fail(
             source, "", f"{len(declared)} nodes; node ids are u16, at most {MAX_NODES} nodes"
@@ -948,7 +993,24 @@ def _build(doc: Mapping[str, Any], source: str) -> Topology:
         )
     # Ids: workers first (id == rank), then hosts, then switches, each in file order.
     ordered = [n for kind in NODE_KINDS for n, k in declared.items() if k == kind]
-    nodes = [Node(n, declared[n], i) for i, n in enumerate(ordered)]
+    nodes = [Node(n, declared[n], i, tenant_of.get(n, "")) for i, n in enumerate(ordered)]
+
+    # [tenants.<name>]
+    raw_tenants = _table(doc.get("tenants", {}), source, "[tenants]", "write [tenants.<name>]")
+    tenants: dict[str, TenantQuota] = {}
+    for tname, table in raw_tenants.items():
+        item = f"[tenants.{tname}]"
+        tname = _name(tname, source, item, "tenant name")
+        table = _table(table, source, item, f"write {item} with slots and memory_bytes")
+        _check_keys(table, _TENANT_KEYS, source, item)
+        vals: dict[str, int] = {}
+        for key in _TENANT_KEYS:
+            if key in table:
+                v = table[key]
+                if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                    raise _fail(source, item, f"{key} must be a non-negative integer, got {v!r}")
+                vals[key] = v
+        tenants[tname] = TenantQuota(vals.get("slots"), vals.get("memory_bytes"))
 
     # [[link]]
     raw_links = _array_of_tables(doc, "link", source)
@@ -1099,6 +1161,7 @@ def _build(doc: Mapping[str, Any], source: str) -> Topology:
         base_port=base_port,
         host_addresses=addrs,
         defaults=defaults,
+        tenants=tenants,
         source=source,
     )
 

@@ -164,6 +164,8 @@ class SwitchStats:
     regions: int
     nack_codes: dict[str, int]
     engine: EngineStats
+    #: per tenant: jobs, slots and slot memory in use here, jobs refused by its quota
+    tenants: dict[str, dict[str, int]]
 
 
 @dataclass
@@ -268,6 +270,9 @@ class SwitchCore:
         # which creation of its group a job belongs to: a late release from a closed
         # group must not free the same job id registered anew by a newer group
         self._job_tag: dict[int, int] = {}
+        # tenants: what each uses here (quotas from the topology), and each job's share
+        self._tenant_use: dict[str, dict[str, int]] = {}
+        self._job_share: dict[int, tuple[str, int, int]] = {}
         self._await_owner: dict[tuple[int, int], int] = {}
         # in-network combine: (home, msg, stream, token) -> running sum and who is in;
         # finished sums are kept (bounded) for a home that lost one
@@ -321,8 +326,9 @@ class SwitchCore:
         """A frozen snapshot of the counters."""
         c = asdict(self.counters)
         c["nack_codes"] = dict(self.counters.nack_codes)
+        tenants = {t: dict(u) for t, u in self._tenant_use.items()}
         return SwitchStats(switch=self.name, regions=len(self.regions),
-                           engine=self.engine.statistics(), **c)
+                           engine=self.engine.statistics(), tenants=tenants, **c)
 
     # ------------------------------------------------------------------ sending
     def _send(self, port: bytes, header: Any, payload: Any = None) -> None:
@@ -770,6 +776,11 @@ class SwitchCore:
         n = control.need(msg, "n", int)
         if not 1 <= n <= len(self.topo.nodes):
             raise FrameError(NackCode.MALFORMED, f"barrier of {n} nodes")
+        group = self._groups.get(bid >> 32) if bid >> 32 else None
+        if group is not None and f.src not in group:
+            # a communicator's barrier counts its members only (no other tenant's)
+            raise AccessError(NackCode.PERMISSION,
+                              f"node {f.src} is not in group {bid >> 32} of barrier {bid:#x}")
         if bid in self._barriers_done:
             self._ctrl(port, f.src, "barrier_done", id=bid)
             return
@@ -918,6 +929,12 @@ class SwitchCore:
                 return
         mine = JobSpec(spec.job, tuple(local + children), spec.dtype, spec.op, spec.slots,
                        spec.slot_elems, spec.referenced)
+        over = self._over_quota(mine, spec.members)
+        if over is not None:
+            self.counters.jobs_refused += 1
+            self._transition(spec.job, "refuse")
+            self._ctrl(port, f.src, "job_reply", job=spec.job, granted=False, reason=over)
+            return
         reply = self.engine.register(mine)
         if not isinstance(reply, Granted):
             self.counters.jobs_refused += 1
@@ -925,6 +942,7 @@ class SwitchCore:
             self._ctrl(port, f.src, "job_reply", job=spec.job, granted=False,
                        reason=reply.reason)
             return
+        self._charge(mine, spec.members)
         self._jobs[spec.job] = mine
         self._job_members[spec.job] = frozenset(spec.members)
         tag = msg.get("tag", 0)
@@ -965,11 +983,56 @@ class SwitchCore:
         else:
             self._transition(job, "parent_refuse")
             self.engine.release(job)
+            self._uncharge(job)
             self._jobs.pop(job, None)
             self._job_parent.pop(job, None)
             reason = f"parent switch refused: {reason}"
         for src, who in self._up_pending.pop(job, {}).items():
             self._ctrl(who, src, "job_reply", job=job, granted=granted, reason=reason)
+
+    def _over_quota(self, spec: JobSpec, members: tuple[int, ...]) -> str | None:
+        """Why the members' tenant may not have this job here, or None."""
+        tenants = sorted({self.topo.tenant_of(m) for m in members})
+        if len(tenants) > 1:
+            return f"a job's members must share one tenant, not {', '.join(tenants)}"
+        tenant = tenants[0]
+        if spec.job in self._job_share:
+            return None  # registered already: an idempotent retry
+        quota = self.topo.tenants.get(tenant)
+        if quota is None:
+            return None
+        use = self._tenant_use.get(tenant, {})
+        slots = use.get("slots", 0) + spec.slots
+        nbytes = use.get("memory_bytes", 0) + _slot_bytes(spec)
+        why = None
+        if quota.slots is not None and slots > quota.slots:
+            why = f"{slots} slots > its quota of {quota.slots}"
+        elif quota.memory_bytes is not None and nbytes > quota.memory_bytes:
+            why = f"{nbytes} B of slot memory > its quota of {quota.memory_bytes} B"
+        if why is None:
+            return None
+        u = self._tenant_use.setdefault(tenant, _no_use())
+        u["refused"] += 1
+        return f"tenant {tenant!r} at {self.name}: {why}"
+
+    def _charge(self, spec: JobSpec, members: tuple[int, ...]) -> None:
+        if spec.job in self._job_share:
+            return
+        tenant = self.topo.tenant_of(members[0])
+        share = (tenant, spec.slots, _slot_bytes(spec))
+        self._job_share[spec.job] = share
+        u = self._tenant_use.setdefault(tenant, _no_use())
+        u["jobs"] += 1
+        u["slots"] += share[1]
+        u["memory_bytes"] += share[2]
+
+    def _uncharge(self, job: int) -> None:
+        share = self._job_share.pop(job, None)
+        if share is not None:
+            u = self._tenant_use[share[0]]
+            u["jobs"] -= 1
+            u["slots"] -= share[1]
+            u["memory_bytes"] -= share[2]
 
     def _release_job(self, f: fr.Frame, port: bytes, job: int, tag: int | None) -> None:
         """A member (or our child switch) is done with ``job``: free its slots."""
@@ -982,6 +1045,7 @@ class SwitchCore:
             raise AccessError(NackCode.PERMISSION, f"node {f.src} is not a member of job {job}")
         self._transition(job, "release")
         self.engine.release(job)
+        self._uncharge(job)
         self._jobs.pop(job, None)
         self._refs = {k: v for k, v in self._refs.items() if k[0] != job}
         self._awaiting = {k for k in self._awaiting if k[0] != job}
@@ -1019,6 +1083,15 @@ class SwitchCore:
             self._ctrl(port, f.src, "region_reply", key=key, ok=False, reason=str(exc))
             return
         self._ctrl(port, f.src, "region_reply", key=key, ok=True, reason="")
+
+
+def _slot_bytes(spec: JobSpec) -> int:
+    """Slot memory a job reserves (the engine's formula: 2 versions per slot)."""
+    return 0 if spec.referenced else spec.slots * 2 * spec.slot_elems * DTYPES[spec.dtype].itemsize
+
+
+def _no_use() -> dict[str, int]:
+    return {"jobs": 0, "slots": 0, "memory_bytes": 0, "refused": 0}
 
 
 @dataclass

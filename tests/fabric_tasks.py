@@ -377,3 +377,38 @@ def moe_timing_workload(ctx, variant: str, T: int, H: int, K: int, E: int,
         t2 = yield ctx.clock()
         t.append((t1 - t0, t2 - t1))
     return t
+
+
+def tenant_topology(per_tenant: int = 2, a_slots: int = 8):
+    """A star of two tenants ("a": the first ``per_tenant`` workers, "b": the rest);
+    tenant a may hold ``a_slots`` switch slots, b has no limit."""
+    from fabric.topology import Topology, star
+
+    d = star(2 * per_tenant).to_dict()
+    for n in d["node"]:
+        if n["kind"] == "worker":
+            n["tenant"] = "a" if int(n["name"][1:]) < per_tenant else "b"
+    d["tenants"] = {"a": {"slots": a_slots}}
+    return Topology.from_dict(d)
+
+
+def tenants_workload(ctx, per_tenant: int, n: int):
+    """Each tenant on its own communicator: two in-network jobs (int32, float32), the
+    second beyond tenant a's quota; returns both results."""
+    mine = list(range(per_tenant)) if ctx.rank < per_tenant else \
+        list(range(per_tenant, 2 * per_tenant))
+    g = yield ctx.group(mine)
+    x = coll_input(ctx.rank, 0, n, "int32")
+    y = yield ctx.allreduce(x, path="ina", group=g)
+    z = yield ctx.allreduce(x.astype(np.float32), path="ina", group=g)
+    yield ctx.barrier(group=g)
+    return {"int": np.array(y), "float": np.array(z)}
+
+
+def tenants_task(ep, per_tenant: int, n: int) -> dict:
+    """tenants_workload on an endpoint, with its fallbacks."""
+    from fabric.emulation import run_in_emulation
+
+    out = run_in_emulation(ep, tenants_workload, per_tenant, n)
+    out["fallbacks"] = list(ep.fallbacks)
+    return out
