@@ -252,4 +252,7 @@ def run_stats(args: argparse.Namespace) -> int:
               f"{eng.get('slots_total')}  completions {eng.get('completions')}  duplicates "
               f"{eng.get('duplicates')}  refused jobs {st['jobs_refused']}  regions "
               f"{st['regions']}")
+        for tenant, use in sorted((st.get("tenants") or {}).items()):
+            print(f"  tenant {tenant}: jobs {use['jobs']}  slots {use['slots']}  slot memory "
+                  f"{use['memory_bytes']} B  refused {use['refused']}")
     return 0
