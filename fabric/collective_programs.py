@@ -183,6 +183,7 @@ class McastSend(Program):
         self.senders: dict[int, Sender[int]] = {
             d: Sender(COLL_FLOW, policy=policy, window_frames=window_frames,
                       max_retries=STREAM_MAX_RETRIES, rto_max=STREAM_RTO_MAX_S,
+                      **st.stream_rto(window_frames * frame_bytes, d),
                       peer=st.topo.by_id(d).name, operation="multicast stream")
             for d in self.receivers}
         self.released: dict[int, int] = {}  # psn -> receivers whose window let it out

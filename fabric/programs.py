@@ -257,6 +257,39 @@ class NodeState:
         floor = MEM_MIN_CHUNK_BYTES_SHAPED if self.fabric_shaped else MEM_MIN_CHUNK_BYTES
         return min(slot_elems, max(floor // itemsize, -(-count // MEM_MIN_CHUNKS)))
 
+    def stream_rto(self, window_bytes: int, dst: int | None = None) -> dict[str, float]:
+        """RTO bounds of a stream to node ``dst`` from the slowest link on its path.
+
+        On a slow (or oversubscribed) path a burst of windows from a few concurrent
+        streams queues longer than the fabric's defaults (0.1 s first, 5 ms
+        floor): every frame would be resent spuriously, and Karn's rule would
+        leave the estimator without samples. The first RTO covers
+        STREAMS_IN_FLIGHT windows at the bottleneck rate, the floor one window.
+        """
+        from fabric.reliability import DEFAULT_RTO_INITIAL, DEFAULT_RTO_MIN
+
+        gbps = self._bottleneck_gbps(dst)
+        if gbps is None:
+            return {"rto_initial": DEFAULT_RTO_INITIAL, "rto_min": DEFAULT_RTO_MIN}
+        wire = window_bytes * 8 / (gbps * 1e9)
+        return {"rto_initial": min(max(DEFAULT_RTO_INITIAL, STREAMS_IN_FLIGHT * wire),
+                                   STREAM_RTO_MAX_S),
+                "rto_min": min(max(DEFAULT_RTO_MIN, wire), STREAM_RTO_MAX_S)}
+
+    def _bottleneck_gbps(self, dst: int | None) -> float | None:
+        """The lowest shaped bandwidth on the path to ``dst`` (None: none shaped)."""
+        cache: dict[int | None, float | None] = self.__dict__.setdefault("_bottleneck", {})
+        if dst in cache:
+            return cache[dst]
+        hops = [self.name, self.switch_name]
+        if dst is not None:
+            far = self.topo.by_id(dst).name
+            hops = [self.name, *self.topo.route(self.name, far), far]
+        rates = [lk.params.bandwidth_gbps for a, b in zip(hops, hops[1:], strict=False)
+                 if (lk := self.topo.link_between(a, b)) is not None and lk.params.shaped]
+        cache[dst] = min(rates) if rates else None
+        return cache[dst]
+
     def route_cost(self, dst: int) -> tuple[int, int]:
         """(hops, crossings) of one payload sent from this node to node ``dst``."""
         cost = self._route_cost.get(dst)
@@ -1115,7 +1148,10 @@ P2P_FLOW = 16
 #: fabric's round trip is milliseconds, and go-back-N under heavy loss needs
 #: many rounds for a tail frame.
 STREAM_MAX_RETRIES = 64
-STREAM_RTO_MAX_S = 0.25
+STREAM_RTO_MAX_S = 1.0
+#: Windows a node may have queued on its link at once (a collective runs one
+#: stream per peer), for the first RTO on a slow link.
+STREAMS_IN_FLIGHT = 4
 #: Frames in flight per stream (a deeper window only queues in the sockets).
 STREAM_WINDOW = 16
 STREAM_FRAME_BYTES = 64 * 1024
@@ -1164,7 +1200,7 @@ class StreamSend(Program):
         self.sender: Sender[int] = Sender(
             P2P_FLOW, policy=policy, window_frames=window_frames,
             max_retries=STREAM_MAX_RETRIES, rto_max=STREAM_RTO_MAX_S, peer=self.peer,
-            operation="WRITE stream")
+            **st.stream_rto(window_frames * frame_bytes, self.dst), operation="WRITE stream")
         self.t0 = 0.0
 
     def _put(self, transmits: list[Any]) -> list[Send]:
