@@ -180,12 +180,14 @@ class McastSend(Program):
         self.sid, self.msg, self.fb = sid & 0xFFFF, msg, frame_bytes
         self.nframes = max(-(-self.nbytes // frame_bytes), 1)
         self.receivers = [d for d in group.ids if d != st.node_id]
-        self.senders: dict[int, Sender[int]] = {
-            d: Sender(COLL_FLOW, policy=policy, window_frames=window_frames,
-                      max_retries=STREAM_MAX_RETRIES, rto_max=STREAM_RTO_MAX_S,
-                      **st.stream_rto(window_frames * frame_bytes, d),
-                      peer=st.topo.by_id(d).name, operation="multicast stream")
-            for d in self.receivers}
+        self.senders: dict[int, Sender[int]] = {}
+        for d in self.receivers:
+            rto_initial, rto_min = st.stream_rto(window_frames * frame_bytes, d)
+            self.senders[d] = Sender(
+                COLL_FLOW, policy=policy, window_frames=window_frames,
+                max_retries=STREAM_MAX_RETRIES, rto_max=STREAM_RTO_MAX_S,
+                rto_initial=rto_initial, rto_min=rto_min, peer=st.topo.by_id(d).name,
+                operation="multicast stream")
         self.released: dict[int, int] = {}  # psn -> receivers whose window let it out
         self.retransmits = 0
         self.t0 = 0.0

@@ -257,8 +257,9 @@ class NodeState:
         floor = MEM_MIN_CHUNK_BYTES_SHAPED if self.fabric_shaped else MEM_MIN_CHUNK_BYTES
         return min(slot_elems, max(floor // itemsize, -(-count // MEM_MIN_CHUNKS)))
 
-    def stream_rto(self, window_bytes: int, dst: int | None = None) -> dict[str, float]:
-        """RTO bounds of a stream to node ``dst`` from the slowest link on its path.
+    def stream_rto(self, window_bytes: int, dst: int | None = None) -> tuple[float, float]:
+        """(first RTO, RTO floor) of a stream to node ``dst``, from the slowest link on
+        its path.
 
         On a slow (or oversubscribed) path a burst of windows from a few concurrent
         streams queues longer than the fabric's defaults (0.1 s first, 5 ms
@@ -270,11 +271,10 @@ class NodeState:
 
         gbps = self._bottleneck_gbps(dst)
         if gbps is None:
-            return {"rto_initial": DEFAULT_RTO_INITIAL, "rto_min": DEFAULT_RTO_MIN}
+            return DEFAULT_RTO_INITIAL, DEFAULT_RTO_MIN
         wire = window_bytes * 8 / (gbps * 1e9)
-        return {"rto_initial": min(max(DEFAULT_RTO_INITIAL, STREAMS_IN_FLIGHT * wire),
-                                   STREAM_RTO_MAX_S),
-                "rto_min": min(max(DEFAULT_RTO_MIN, wire), STREAM_RTO_MAX_S)}
+        return (min(max(DEFAULT_RTO_INITIAL, STREAMS_IN_FLIGHT * wire), STREAM_RTO_MAX_S),
+                min(max(DEFAULT_RTO_MIN, wire), STREAM_RTO_MAX_S))
 
     def _bottleneck_gbps(self, dst: int | None) -> float | None:
         """The lowest shaped bandwidth on the path to ``dst`` (None: none shaped)."""
@@ -1197,10 +1197,11 @@ class StreamSend(Program):
         self.fb = frame_bytes
         self.nframes = max(-(-self.nbytes // frame_bytes), 1)
         self.peer = st.topo.by_id(self.dst).name
+        rto_initial, rto_min = st.stream_rto(window_frames * frame_bytes, self.dst)
         self.sender: Sender[int] = Sender(
             P2P_FLOW, policy=policy, window_frames=window_frames,
             max_retries=STREAM_MAX_RETRIES, rto_max=STREAM_RTO_MAX_S, peer=self.peer,
-            **st.stream_rto(window_frames * frame_bytes, self.dst), operation="WRITE stream")
+            rto_initial=rto_initial, rto_min=rto_min, operation="WRITE stream")
         self.t0 = 0.0
 
     def _put(self, transmits: list[Any]) -> list[Send]:
