@@ -59,6 +59,8 @@ MASKED_FLOW = 22
 ROWS_WINDOW = 64
 #: Most members of a group the in-network variant serves (the frame's 32-bit mask).
 MASK_MEMBERS = 32
+#: Dispatch rows with the same targets travel together, up to this many bytes a frame.
+ROWS_FRAME_BYTES = 64 * 1024
 
 
 @dataclass
@@ -443,9 +445,10 @@ def _hier_combine(st: NodeState, g: Group, d: Dispatched,
 
 # ---------------------------------------------------------------------- in the network
 class RowsSend(Program):
-    """Dispatch rows as masked multicast frames (one per token, ``key`` = mask of
-    its target members); each target ACKs each row; a row some targets lack by its
-    RTO goes again to those alone (a smaller mask)."""
+    """Dispatch rows as masked multicast frames (``key`` = the mask of the target
+    members; rows with the same targets share a frame); each target ACKs each
+    frame; a frame some targets lack by its RTO goes again to those alone (a
+    smaller mask)."""
 
     def __init__(self, st: NodeState, g: Group, rows: list[tuple[int, list[int], Any]], *,
                  sid: int, msg: int) -> None:
@@ -532,12 +535,14 @@ class RowsSend(Program):
 
 
 class RowsRecv(Program):
-    """Receive the dispatch rows every other member sends us (``counts[k]`` from
-    group rank ``k``), ACKing each; the result is {(k, row): payload}."""
+    """Receive the dispatch rows every other member sends us (``counts[k]`` rows of
+    ``row_bytes`` from group rank ``k``), ACKing each frame; the result is
+    {(k, frame): payload}."""
 
-    def __init__(self, st: NodeState, g: Group, counts: Sequence[int], *, sid: int,
-                 msg: int) -> None:
+    def __init__(self, st: NodeState, g: Group, counts: Sequence[int], row_bytes: int, *,
+                 sid: int, msg: int) -> None:
         self.st, self.g, self.sid, self.msg = st, g, sid, msg
+        self.row_bytes = row_bytes
         self.rank_of = {nid: k for k, nid in enumerate(g.ids)}
         self.need = {g.ids[k]: int(c) for k, c in enumerate(counts) if k != g.rank and c}
         self.got: dict[tuple[int, int], bytes] = {}
@@ -563,9 +568,9 @@ class RowsRecv(Program):
     def handle_frame(self, f: fr.Frame, now: float) -> list[Send]:
         self.last = now
         key = (self.rank_of[f.src], f.psn)
-        if key not in self.got:
+        if key not in self.got and f.length and f.length % self.row_bytes == 0:
             self.got[key] = bytes(f.payload)
-            self.have[f.src] += 1
+            self.have[f.src] += f.length // self.row_bytes
             self._check()
         return [(fr.encode_header(Op.ACK, src=self.st.node_id, dst=f.src,
                                   flow=MASKED_FLOW + 1, job=self.sid, psn=f.psn, msg=self.msg,
@@ -600,36 +605,43 @@ def _innet_dispatch(st: NodeState, g: Group, x: np.ndarray | None, idx: np.ndarr
         raise UsageError(f"moe in-network: at most {MASK_MEMBERS} ranks in the group (the "
                          f"frame's member mask), not {W}; use a group or another variant")
     item = np_dtype(dtype).itemsize
+    nm = (1 + 2 * K) * 4
+    row_bytes = nm + H * item
+    per_frame = max(1, min(ROWS_FRAME_BYTES, st.mtu) // row_bytes)
     sc = [0] * W
-    rows: list[tuple[int, list[int], Any]] = []
+    by_targets: dict[tuple[int, ...], list[bytes]] = {}
     mine: list[int] = []  # our own tokens we hold experts of
     zeros_row = bytes(H * item)
     for t in range(T):
-        targets = [q for q in ranks_of[t] if q != r]
+        targets = tuple(q for q in ranks_of[t] if q != r)
         if r in ranks_of[t]:
             mine.append(t)
         for q in targets:
             sc[q] += 1
         if targets:
             head = np.array([t, *idx[t], *wbits[t]], np.int32).tobytes()
-            rows.append((t, targets, head + (x[t].tobytes() if x is not None else zeros_row)))
+            by_targets.setdefault(targets, []).append(
+                head + (x[t].tobytes() if x is not None else zeros_row))
+    frames: list[tuple[int, list[int], Any]] = []
+    for targets, rows in sorted(by_targets.items()):
+        for a in range(0, len(rows), per_frame):
+            frames.append((a, list(targets), b"".join(rows[a: a + per_frame])))
     counts = yield collective_program(st, "alltoall", np.array(sc, np.int32),
                                       np.empty(W, np.int32), path="host-p2p", group=g)
     msg = g.next_msg()
-    got = yield Parallel([RowsSend(st, g, rows, sid=_sid(msg, 0), msg=msg),
-                          RowsRecv(st, g, counts, sid=_sid(msg, 0), msg=msg)])
+    got = yield Parallel([RowsSend(st, g, frames, sid=_sid(msg, 0), msg=msg),
+                          RowsRecv(st, g, counts, row_bytes, sid=_sid(msg, 0), msg=msg)])
     received = got[1]
-    keys = sorted(received)
-    nm = (1 + 2 * K) * 4
-    src = np.array([r] * len(mine) + [k for k, _j in keys], np.int64)
+    bodies = [(k, received[(k, j)][a: a + row_bytes]) for k, j in sorted(received)
+              for a in range(0, len(received[(k, j)]), row_bytes)]
+    src = np.array([r] * len(mine) + [k for k, _b in bodies], np.int64)
     meta = np.empty((len(src), 1 + 2 * K), np.int32)
     vecs = np.empty((len(src), H), np_dtype(dtype)) if x is not None else None
     for i, t in enumerate(mine):
         meta[i] = [t, *idx[t], *wbits[t]]
         if vecs is not None and x is not None:
             vecs[i] = x[t]
-    for i, key in enumerate(keys, start=len(mine)):
-        body = received[key]
+    for i, (_k, body) in enumerate(bodies, start=len(mine)):
         meta[i] = np.frombuffer(body[:nm], np.int32)
         if vecs is not None:
             vecs[i] = np.frombuffer(body[nm:], np_dtype(dtype))
