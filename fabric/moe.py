@@ -653,40 +653,40 @@ def _innet_dispatch(st: NodeState, g: Group, x: np.ndarray | None, idx: np.ndarr
 
 class CombineSend(Program):
     """Each dispatched row's partial, towards the token's home; this rank's switch
-    sums the partials of one token from every rank below it (``key`` = how many)
-    and ACKs each; unACKed partials are sent again."""
+    sums the partials of one token from every rank below it. Rows of one home with
+    the same count of contributions below the switch (``key``) share a frame
+    (``offset`` tokens: their ids, then their vectors); unACKed frames go again."""
 
-    def __init__(self, st: NodeState, g: Group, parts: list[tuple[int, int, int, Any]], *,
+    def __init__(self, st: NodeState, frames: list[tuple[int, int, int, bytes]], *,
                  sid: int, msg: int, dtype: str) -> None:
         from fabric.reliability import RttEstimator
 
         self.st, self.sid, self.msg = st, sid, msg
-        self.parts = parts  # (home node id, token, contributions below our switch, payload)
+        self.frames = frames  # (home node id, tokens, contributions below our switch, body)
         self.code = fr.dtype_from_name(dtype)
-        self.pending: dict[tuple[int, int], int] = {}  # (home, token) -> index
-        self.sent_at: dict[tuple[int, int], float] = {}
-        self.tries: dict[tuple[int, int], int] = {}
+        self.pending: set[int] = set()
+        self.sent_at: dict[int, float] = {}
+        self.tries: dict[int, int] = {}
         self.next = 0
         self.rtt = RttEstimator(rto_min=0.02)
 
-    def _frame(self, i: int) -> Send:
+    def _frame(self, j: int) -> Send:
         from switchd.core import COMBINE_FLOW
 
-        home, t, n, body = self.parts[i]
+        home, n, below, body = self.frames[j]
         return (fr.encode_header(Op.REDUCE, src=self.st.node_id, dst=home, flow=COMBINE_FLOW,
-                                 job=self.sid, psn=t, key=n, msg=self.msg, dtype=self.code,
-                                 payload=body, crc=self.st.crc), body)
+                                 job=self.sid, psn=j, key=below, offset=n, msg=self.msg,
+                                 dtype=self.code, payload=body, crc=self.st.crc), body)
 
     def _pump(self, now: float) -> list[Send]:
         out: list[Send] = []
-        while self.next < len(self.parts) and len(self.pending) < ROWS_WINDOW:
-            i = self.next
+        while self.next < len(self.frames) and len(self.pending) < ROWS_WINDOW:
+            j = self.next
             self.next += 1
-            k = (self.parts[i][0], self.parts[i][1])
-            self.pending[k] = i
-            self.sent_at[k] = now
-            out.append(self._frame(i))
-        if self.next == len(self.parts) and not self.pending:
+            self.pending.add(j)
+            self.sent_at[j] = now
+            out.append(self._frame(j))
+        if self.next == len(self.frames) and not self.pending:
             self.done = True
         return out
 
@@ -700,28 +700,29 @@ class CombineSend(Program):
                 and f.msg == self.msg and f.src == self.st.switch_id)
 
     def handle_frame(self, f: fr.Frame, now: float) -> list[Send]:
-        k = (f.key, f.psn)  # the switch names the home in key
-        if self.pending.pop(k, None) is not None and not self.tries.get(k):
-            self.rtt.sample(now - self.sent_at[k])
+        if f.psn in self.pending:
+            self.pending.discard(f.psn)
+            if not self.tries.get(f.psn):
+                self.rtt.sample(now - self.sent_at[f.psn])
         return self._pump(now)
 
     def get_timer(self) -> float | None:
         if self.done or not self.pending:
             return None
-        return min(self.sent_at[k] for k in self.pending) + self.rtt.rto
+        return min(self.sent_at[j] for j in self.pending) + self.rtt.rto
 
     def handle_timer(self, now: float) -> list[Send]:
         out = []
-        for k, i in self.pending.items():
-            if self.sent_at[k] + self.rtt.rto <= now:
-                n = self.tries[k] = self.tries.get(k, 0) + 1
+        for j in sorted(self.pending):
+            if self.sent_at[j] + self.rtt.rto <= now:
+                n = self.tries[j] = self.tries.get(j, 0) + 1
                 if n > 64:
                     from fabric.errors import FabricTimeout
 
                     raise FabricTimeout(f"{self.st.name}: moe combine: switch "
-                                        f"{self.st.switch_name} never took token {k[1]}")
-                self.sent_at[k] = now
-                out.append(self._frame(i))
+                                        f"{self.st.switch_name} never took frame {j}")
+                self.sent_at[j] = now
+                out.append(self._frame(j))
         if out:
             self.rtt.backoff()
             self.st.retransmits += len(out)
@@ -732,8 +733,9 @@ class CombineSend(Program):
 
 
 class CombineRecv(Program):
-    """At a token's home: one summed partial per leaf that holds its experts; a
-    missing one is asked for again (NACK to that switch, which kept it)."""
+    """At a token's home: one summed partial per leaf that holds its experts (frames
+    of several tokens); a missing one is asked for again (NACK to that switch,
+    which kept it)."""
 
     def __init__(self, st: NodeState, expect: dict[tuple[int, int], None], T: int, H: int,
                  *, sid: int, msg: int, data: bool) -> None:
@@ -742,7 +744,6 @@ class CombineRecv(Program):
         self.st, self.sid, self.msg = st, sid, msg
         self.expect = expect  # (token, switch id) still to come
         self.out = np.zeros((T, H), np.float32) if data else None
-        self.data = data
         self.result = self.out
         self.rtt = RttEstimator(rto_min=0.05)
         self.last = 0.0
@@ -760,15 +761,22 @@ class CombineRecv(Program):
                 and f.msg == self.msg and f.dst == self.st.node_id)
 
     def handle_frame(self, f: fr.Frame, now: float) -> list[Send]:
-        k = (f.psn, f.src)
-        if k not in self.expect:
-            return []  # a late copy
-        del self.expect[k]
-        self.last = now
-        if self.out is not None:
-            from kernels.dtypes import DTYPES
+        from kernels.dtypes import DTYPES
 
-            self.out[f.psn] += np.frombuffer(f.payload, DTYPES[fr.DTYPE_NAMES[f.dtype]])
+        n = f.offset
+        raw = np.frombuffer(f.payload, np.uint8)
+        if n <= 0 or raw.size <= 4 * n:
+            return []
+        tokens = raw[:4 * n].view(np.int32).tolist()
+        vecs = raw[4 * n:].view(DTYPES[fr.DTYPE_NAMES[f.dtype]]).reshape(n, -1)
+        for t, v in zip(tokens, vecs, strict=True):
+            k = (t, f.src)
+            if k not in self.expect:
+                continue  # a late copy
+            del self.expect[k]
+            self.last = now
+            if self.out is not None:
+                self.out[t] += v
         self.done = not self.expect
         return []
 
@@ -809,13 +817,20 @@ def _innet_combine(st: NodeState, g: Group, d: Dispatched,
     per = d.num_experts // W
     item = np_dtype(d.dtype).itemsize
     zeros_row = bytes(d.hidden * item)
-    parts = []
+    per_frame = max(1, min(ROWS_FRAME_BYTES, st.mtu) // (4 + d.hidden * item))
+    groups: dict[tuple[int, int], list[tuple[int, bytes]]] = {}
     for i in range(d.src.shape[0]):
         targets = {int(e) // per for e in d.experts[i]}
         below = sum(1 for q in targets if sw_of[q] == sw_of[r])
         body = (np.ascontiguousarray(partials[i]).tobytes() if partials is not None
                 else zeros_row)
-        parts.append((g.ids[int(d.src[i])], int(d.tok[i]), below, body))
+        groups.setdefault((g.ids[int(d.src[i])], below), []).append((int(d.tok[i]), body))
+    frames: list[tuple[int, int, int, bytes]] = []
+    for (home, below), rows in sorted(groups.items()):
+        for a in range(0, len(rows), per_frame):
+            chunk = rows[a: a + per_frame]
+            ids = np.array([t for t, _ in chunk], np.int32).tobytes()
+            frames.append((home, len(chunk), below, ids + b"".join(b for _, b in chunk)))
     expect: dict[tuple[int, int], None] = {}
     ranks_of = d.plan["ranks_of"]
     for t in range(d.tokens):
@@ -823,7 +838,7 @@ def _innet_combine(st: NodeState, g: Group, d: Dispatched,
             expect[(t, sw)] = None
     msg = g.next_msg()
     sid = _sid(msg, 0)
-    got = yield Parallel([CombineSend(st, g, parts, sid=sid, msg=msg, dtype=d.dtype),
+    got = yield Parallel([CombineSend(st, frames, sid=sid, msg=msg, dtype=d.dtype),
                           CombineRecv(st, expect, d.tokens, d.hidden, sid=sid, msg=msg,
                                       data=partials is not None)])
     out = got[1]

@@ -450,62 +450,70 @@ class SwitchCore:
         self.counters.forwarded += len(ports)
 
     def _on_combine(self, f: fr.Frame, port: bytes) -> None:
-        """One rank's partial of one token (MoE combine, in the network): sum the
-        ``key`` contributions expected below this switch, then send one partial to
-        the token's home (``dst``) and ACK every contributor."""
-        home = f.dst
+        """Partials of tokens of one home from one rank (MoE combine, in the network):
+        ``offset`` tokens (int32 ids, then one vector each), ``key`` contributions
+        expected below this switch for each. A token whose contributions are all in
+        goes on to its home (``dst``), those completed by one frame in one frame;
+        the sender gets one ACK per frame."""
+        home, n = f.dst, f.offset
         if home not in self._worker_ids:
             raise FrameError(NackCode.MALFORMED, f"combine for node {home}: not a worker")
-        if f.dtype not in _FLOAT_CODES or not 0 < f.key <= len(self._attached_ids):
+        if f.dtype not in _FLOAT_CODES or not 0 < f.key <= len(self._attached_ids) or n <= 0:
             raise FrameError(NackCode.MALFORMED,
-                             f"combine frame: dtype {f.dtype}, {f.key} contributions")
-        k = (home, f.msg, f.job, f.psn)
-        done = self._combine_done.get(k)
-        if done is not None:  # its ACK was lost: say it again
-            if f.src in done.seen:
-                self._combine_ack(f.src, f)
-            return
-        acc = self._combine.get(k)
-        data = np.frombuffer(f.payload, dtype=DTYPES[fr.DTYPE_NAMES[f.dtype]])
-        if acc is None:
-            acc = self._combine[k] = _CombineSum(np.zeros(data.size, np.float32), set(), f.key,
-                                                 f.dtype)
-        if data.size != acc.total.size or f.key != acc.expected or f.dtype != acc.dtype:
-            raise FrameError(NackCode.MALFORMED, f"combine of token {f.psn}: contributions "
-                             "of different sizes or counts")
-        if f.src not in acc.seen:
-            acc.seen.add(f.src)
-            acc.total += data
-            self.counters.payload_copies += 1
-        self._combine_ack(f.src, f)
-        if len(acc.seen) < acc.expected:
-            return
-        del self._combine[k]
-        acc.result = acc.total.astype(DTYPES[fr.DTYPE_NAMES[f.dtype]])
-        self._combine_done[k] = acc
+                             f"combine frame: dtype {f.dtype}, {f.key} contributions, {n} tokens")
+        dt = DTYPES[fr.DTYPE_NAMES[f.dtype]]
+        vec_bytes, rest = divmod(f.length - 4 * n, n)
+        if f.length <= 4 * n or rest or vec_bytes % dt.itemsize:
+            raise FrameError(NackCode.MALFORMED, f"combine frame of {f.length} B for {n} tokens")
+        raw = np.frombuffer(f.payload, np.uint8)
+        tokens = raw[:4 * n].view(np.int32)
+        vecs = raw[4 * n:].view(dt).reshape(n, -1)
+        done_now: list[tuple[int, _CombineSum]] = []
+        for t, v in zip(tokens.tolist(), vecs, strict=True):
+            k = (home, f.msg, f.job, t)
+            if k in self._combine_done:
+                continue  # a resent frame: this token is summed already
+            acc = self._combine.get(k)
+            if acc is None:
+                acc = self._combine[k] = _CombineSum(np.zeros(v.size, np.float32), set(), f.key,
+                                                     f.dtype)
+            if v.size != acc.total.size or f.key != acc.expected or f.dtype != acc.dtype:
+                raise FrameError(NackCode.MALFORMED, f"combine of token {t}: contributions "
+                                 "of different sizes or counts")
+            if f.src not in acc.seen:
+                acc.seen.add(f.src)
+                acc.total += v
+                self.counters.payload_copies += 1
+            if len(acc.seen) >= acc.expected:
+                del self._combine[k]
+                acc.result = acc.total.astype(dt)
+                self._combine_done[k] = acc
+                done_now.append((t, acc))
         while len(self._combine_done) > COMBINE_KEPT:
             self._combine_done.popitem(last=False)
-        self._send_combine(k, acc)
+        self._send(self._ident[f.src], fr.encode_header(  # key: the tokens' home
+            Op.ACK, src=self.id, dst=f.src, flow=COMBINE_FLOW + 1, job=f.job, psn=f.psn,
+            key=home, msg=f.msg))
+        if done_now:
+            self._send_combine(home, f.msg, f.job, done_now)
 
-    def _send_combine(self, k: tuple[int, int, int, int], acc: _CombineSum) -> None:
-        home, msg, stream, token = k
-        assert acc.result is not None
-        body = byte_view(acc.result)
+    def _send_combine(self, home: int, msg: int, stream: int,
+                      items: list[tuple[int, _CombineSum]]) -> None:
+        """Finished sums of tokens of ``home``, in one frame."""
+        ids = np.array([t for t, _ in items], np.int32)
+        vecs = [acc.result for _, acc in items if acc.result is not None]
+        body = np.concatenate([ids.view(np.uint8), *(byte_view(v) for v in vecs)])
         self.counters.results_sent += 1
         self._send(self._next_hop[home], fr.encode_header(
-            Op.REDUCE, src=self.id, dst=home, flow=COMBINE_FLOW, job=stream, psn=token,
-            msg=msg, dtype=acc.dtype, payload=body, crc=self._ctrl_crc), body)
-
-    def _combine_ack(self, member: int, f: fr.Frame) -> None:
-        self._send(self._ident[member], fr.encode_header(  # key: the token's home
-            Op.ACK, src=self.id, dst=member, flow=COMBINE_FLOW + 1, job=f.job, psn=f.psn,
-            key=f.dst, msg=f.msg))
+            Op.REDUCE, src=self.id, dst=home, flow=COMBINE_FLOW, job=stream, psn=int(ids[0]),
+            offset=len(items), msg=msg, dtype=items[0][1].dtype, payload=body,
+            crc=self._ctrl_crc), body)
 
     def _resend_combine(self, f: fr.Frame, port: bytes) -> None:
         """A home lost our sum of one token (it asks by NACK): send it again."""
         acc = self._combine_done.get((f.src, f.msg, f.job, f.psn))
         if acc is not None:
-            self._send_combine((f.src, f.msg, f.job, f.psn), acc)
+            self._send_combine(f.src, f.msg, f.job, [(f.psn, acc)])
 
     # ------------------------------------------------------------------ aggregation
     def _on_reduce(self, f: fr.Frame, port: bytes) -> None:

@@ -285,21 +285,29 @@ def test_a_leaf_sums_one_tokens_partials_and_sends_one_vector_home() -> None:
 
     net = Net(leaf_spine(2, 2))
     home = net.topo.node("w2").id
-    parts = {"w0": np.full(5, 1.5, np.float32), "w1": np.full(5, 2.25, np.float32)}
+    # tokens 4 and 7 of w2 in one frame: ids, then one vector each
+    parts = {"w0": np.concatenate([np.array([4, 7], np.int32).view(np.float32),
+                                   np.full(5, 1.5, np.float32), np.full(5, -1.0, np.float32)]),
+             "w1": np.concatenate([np.array([4, 7], np.int32).view(np.float32),
+                                   np.full(5, 2.25, np.float32), np.full(5, 0.5, np.float32)])}
     for name, part in parts.items():
         for _ in range(2):  # a resent contribution counts once
             n = net.topo.node(name)
             net.send(name, fr.encode_header(Op.REDUCE, src=n.id, dst=home, flow=COMBINE_FLOW,
-                                            job=9, psn=4, key=2, msg=1,
+                                            job=9, psn=0, key=2, offset=2, msg=1,
                                             dtype=fr.dtype_from_name("float32"),
                                             payload=part), part)
             acks = net.take(name)
             assert acks and acks[-1].op is Op.ACK and acks[-1].key == home
-    (got,) = net.take("w2")
-    assert got.src == net.topo.node("leaf0").id and got.psn == 4
-    np.testing.assert_array_equal(np.frombuffer(got.payload, np.float32), np.full(5, 3.75))
+    (got,) = net.take("w2")  # both tokens done by w1's frame: one frame home
+    assert got.src == net.topo.node("leaf0").id and got.offset == 2
+    body = np.frombuffer(got.payload, np.float32)
+    assert body[:2].view(np.int32).tolist() == [4, 7]
+    np.testing.assert_array_equal(body[2:7], np.full(5, 3.75))
+    np.testing.assert_array_equal(body[7:], np.full(5, -0.5))
     # the home lost it: it asks the leaf, which kept the sum
     net.send("w2", fr.encode_nack(src=home, dst=net.topo.node("leaf0").id, flow=COMBINE_FLOW,
                                   psn=4, code=NackCode.MISSING, job=9, msg=1))
     (again,) = net.take("w2")
-    assert bytes(again.payload) == bytes(got.payload)
+    assert again.offset == 1
+    np.testing.assert_array_equal(np.frombuffer(again.payload, np.float32)[1:], np.full(5, 3.75))
