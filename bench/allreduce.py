@@ -5,7 +5,9 @@ over the same sizes; gloo and MPI run on the same sizes and process counts in
 the same run. Timing (also used by the peers, see docs/PEERS.md): per size,
 ``warmup`` untimed iterations, then ``iters`` timed ones, each after a
 barrier; each rank times its own call; an iteration's time is the maximum over
-ranks; the row reports the median (time), p50, p99, min and max.
+ranks; the row reports p50, p99, min and max of those. Then ``iters`` more
+run back to back with no barrier between them, and ``time`` is their total
+over ``iters`` (the slowest rank's), as nccl-tests' ``time`` column is.
 
 Output follows nccl-tests' habits: a header with every parameter first, then
 one fixed-width row per size as soon as that size is done (each size is its own
@@ -90,13 +92,22 @@ def measure_on_worker(ep: Any, path: str, sizes: list[int], dtype: str, op: str,
         # nccl-tests style: the result of the last iteration, every element
         wrong = count_wrong(x, expected_allreduce(ep.world, last, count, dtype, op, seed)) \
             if check else 0
+        # nccl-tests' "time": `iters` calls back to back, no barrier between them,
+        # total / iters. Each call reduces the previous result again (inputs are
+        # not refreshed, that would time a copy too), so the exact check can only
+        # be made on the barrier-separated iterations above.
+        ep.barrier()
+        t0 = time.perf_counter_ns()
+        for _ in range(iters):
+            ep.allreduce(x, op=op, path=path, out=x)
+        avg_us = (time.perf_counter_ns() - t0) / 1e3 / iters
         sem = ep.sem(path).minus(sem0)
         ep.barrier()  # every worker's frames are in the switch's counters
         # what the switch did to payloads, counted by the switch: its share per
         # chunk of every worker (all workers run the same chunks)
         sem.copies += (ep.switch_stats()["payload_copies"] - switch0) / ep.world
         ep.barrier()  # nobody starts the next size before everyone has read them
-        results.append({"size": size, "times_us": times, "wrong": wrong,
+        results.append({"size": size, "times_us": times, "wrong": wrong, "avg_us": avg_us,
                         "chunks": sem.chunks / max(warmup + iters, 1), **sem.per_chunk(),
                         "fallbacks": ep.fallbacks[fallbacks0:]})
     ep.free(buf)
@@ -111,10 +122,12 @@ def combine(path: str, workers: int, dtype: str, op: str, per_rank: list[list[di
         samples = np.max(np.array([r[i]["times_us"] for r in per_rank]), axis=0)
         wrong = sum(r[i]["wrong"] for r in per_rank) if check else -1
         notes = sorted({n for r in per_rank for n in r[i]["fallbacks"]})
+        avgs = [r[i].get("avg_us") for r in per_rank]
         rows.append(report.AllreduceRow.from_samples(
             path, workers, first["size"], dtype, op, samples.tolist(), wrong,
             copies=first["copies"], encodes=first["encodes"], crossings=first["crossings"],
             hops=first["hops"], chunks=int(first["chunks"]), note="; ".join(notes),
+            avg_us=None if None in avgs else max(float(a) for a in avgs if a is not None),
         ))
     return rows
 

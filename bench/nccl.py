@@ -129,13 +129,13 @@ def expected_output(kind: str, rank: int, step: int, count: int, nranks: int, dt
 
 def make_row(kind: str, path: str, workers: int, size_bytes: int, count: int, dtype: str,
              op: str, root: int, samples_us: list[float], wrong: int, *, note: str = "",
-             **counters: Any) -> CollectiveRow:
+             avg_us: float | None = None, **counters: Any) -> CollectiveRow:
     """A measured row of ``kind``: ``size_bytes``/``count`` as :func:`row_size` and
     :func:`per_rank_count` give them; redop ``none`` for a collective that does not
     reduce; root -1 where it has none (as nccl-tests prints them)."""
     row = CollectiveRow.from_samples(
         path, workers, size_bytes, dtype, op if kind in REDUCING else "none", samples_us,
-        wrong, note=note, collective=kind, **counters)
+        wrong, note=note, collective=kind, avg_us=avg_us, **counters)
     row.count = count
     row.collective = kind
     row.root = root if kind in ROOTED else -1

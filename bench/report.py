@@ -355,6 +355,13 @@ class AllreduceRow:
     ``runs`` > 1 independent runs (:func:`merge_runs`) has ``time_us`` the
     median of the runs' times, ``time_min_us``..``time_max_us`` their spread,
     and the percentiles of every run's samples together.
+
+    ``avg_us`` is nccl-tests' ``time``: ``iters`` iterations run back to back
+    (no barrier between them), their total over ``iters`` (the slowest rank's);
+    where a bench measured it, ``time_us`` is that average and algbw/busbw
+    follow from it, while ``p50_us``/``p99_us`` stay the barrier-separated
+    iterations' percentiles. None where only barrier-separated iterations were
+    timed (the real-library peers): ``time_us`` is then their median.
     """
 
     path: str
@@ -381,6 +388,7 @@ class AllreduceRow:
     time_min_us: float | None = None
     time_max_us: float | None = None
     failed_runs: int = 0
+    avg_us: float | None = None
     samples_us: list[float] | None = dataclasses.field(default=None, repr=False)
 
     @property
@@ -437,14 +445,16 @@ class AllreduceRow:
         chunks: int | None = None,
         note: str = "",
         collective: str = "allreduce",
+        avg_us: float | None = None,
     ) -> Self:
         """Build a row from per-iteration times (already max-over-ranks).
 
-        ``time_us`` is the median; algbw = size / time (GB = 1e9);
+        ``time_us`` is ``avg_us`` when given (nccl-tests' back-to-back
+        average), else the median of the samples; algbw = size / time (GB = 1e9);
         busbw = algbw * :func:`busbw_factor`.
         """
         stats = latency_stats(samples_us)
-        time_us = stats["p50"]
+        time_us = stats["p50"] if avg_us is None else float(avg_us)
         algbw = _algbw(size_bytes, time_us)
         return cls(
             path=path,
@@ -467,6 +477,7 @@ class AllreduceRow:
             hops=hops,
             chunks=chunks,
             note=note,
+            avg_us=None if avg_us is None else float(avg_us),
             samples_us=[float(v) for v in samples_us],
         )
 
@@ -548,6 +559,7 @@ def merge_runs(runs: Sequence[Sequence[AllreduceRow]],
         stats = latency_stats(samples)
         algbw = _algbw(first.size_bytes, median)
         checked = [r.wrong for r in ran if r.wrong >= 0]
+        avgs = [r.avg_us for r in ran if r.avg_us is not None]
         out.append(dataclasses.replace(
             ran[0],
             time_us=median,
@@ -563,6 +575,7 @@ def merge_runs(runs: Sequence[Sequence[AllreduceRow]],
             time_min_us=min(times),
             time_max_us=max(times),
             failed_runs=len(failed),
+            avg_us=float(np.median(avgs)) if avgs else None,
             samples_us=samples,
         ))
     return out

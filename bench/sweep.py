@@ -426,9 +426,14 @@ def header_lines(args: argparse.Namespace, plan: Plan, name: str, n_cores: int,
         f"# links: {links_text(topo0, args)}",
         f"# faults: {getattr(args, 'faults', None) or 'none'}",
         f"# machine: {socket.gethostname()}, {n_cores} cores{loadavg}",
-        "# time: median over the timed iterations (each after a barrier, max over ranks)"
+        "# time: as nccl-tests: -n iterations back to back (no barrier between them), "
+        "total / iters, the slowest rank's; p50/p99: over -n other iterations, each after "
+        "a barrier (max over ranks), whose last is the one checked"
         + ("; with --repeat, the median over runs" if repeat > 1 else ""),
     ]
+    if plan.peers:
+        lines.append(f"# time of {', '.join(plan.peers)}: the median of the barrier-separated "
+                     "iterations (the peers do not time a back-to-back loop)")
     if plan.peers and shaped(topo0):
         lines.append(f"# note: {', '.join(plan.peers)} traffic is not shaped by the emulator: "
                      "the peers use this host's own transports, outside the emulated links")

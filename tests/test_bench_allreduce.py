@@ -334,5 +334,10 @@ def test_real_tiny_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> No
     doc = json.loads(out_json.read_text())
     assert doc["ok"] and doc["failed"] == 0 and len(doc["results"]) == 4
     assert doc["settings"]["iters"] == 2 and doc["settings"]["workers"] == [2]
+    # nccl-tests' time: the back-to-back average, beside the barrier-separated p50
+    for r in doc["results"]:
+        assert r["avg_us"] is not None and r["avg_us"] > 0 and r["time_us"] == r["avg_us"]
+        assert r["p50_us"] is not None and len(r["samples_us"]) == 2
+    assert "# time: as nccl-tests: -n iterations back to back" in text
     md = out_md.read_text()
     assert "# minBytes 4096" in md and "| size(B) | ina busbw(GB/s) |" in md

@@ -232,6 +232,20 @@ def test_sim_runs_the_same_collective(tmp_path: Path,
                r["redop"] == "max" for r in doc["results"])
 
 
+def test_time_is_the_back_to_back_average(tmp_path: Path,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    # nccl-tests' time: -n calls without a barrier between them, total / n; p50 and
+    # p99 stay those of the barrier-separated iterations (in virtual time here)
+    out = tmp_path / "avg.json"
+    assert main(["bench", "all_gather", "--sim", "--workers", "4", "-b", "4K", "-e", "4K",
+                 "-w", "0", "-n", "2", "--paths", "host-p2p", "--json", str(out)]) == 0
+    assert "back to back (no barrier between them)" in capsys.readouterr().out
+    (row,) = json.loads(out.read_text())["results"]
+    assert row["avg_us"] is not None and row["time_us"] == row["avg_us"]
+    assert row["algbw_gbps"] == pytest.approx(row["size_bytes"] / row["avg_us"] / 1e3)
+    assert row["avg_us"] < row["p50_us"]  # no barrier: the next call starts at once
+
+
 def test_peers_in_the_same_run_and_compare(tmp_path: Path,
                                            capsys: pytest.CaptureFixture[str]) -> None:
     status = peers.peer_status()

@@ -140,7 +140,7 @@ def test_row_dict_has_the_json_keys() -> None:
     }
     assert required <= set(d)
     assert set(d) - required == {"count", "redop", "min_us", "max_us", "chunks", "note",
-                                 "runs", "time_min_us", "time_max_us", "failed_runs",
+                                 "runs", "time_min_us", "time_max_us", "failed_runs", "avg_us",
                                  "samples_us", "ok", "status"}
     assert d["hops"] is None and d["wrong"] == -1
     assert d["ok"] is True and d["status"] == "ok" and d["samples_us"] == [10.0]
