@@ -460,7 +460,8 @@ class RowsSend(Program):
         self.sent_at: dict[int, float] = {}
         self.tries: dict[int, int] = {}
         self.next = 0
-        self.rtt = RttEstimator(rto_min=0.02)
+        # one estimator per node and role: later calls start from what earlier ones measured
+        self.rtt = st.__dict__.setdefault("moe_rows_rtt", RttEstimator(rto_min=0.02))
         self.retransmits = 0
 
     def _frame(self, j: int, members: set[int]) -> Send:
@@ -668,7 +669,8 @@ class CombineSend(Program):
         self.sent_at: dict[int, float] = {}
         self.tries: dict[int, int] = {}
         self.next = 0
-        self.rtt = RttEstimator(rto_min=0.02)
+        # one estimator per node and role: later calls start from what earlier ones measured
+        self.rtt = st.__dict__.setdefault("moe_combine_rtt", RttEstimator(rto_min=0.02))
 
     def _frame(self, j: int) -> Send:
         from switchd.core import COMBINE_FLOW
@@ -745,7 +747,8 @@ class CombineRecv(Program):
         self.expect = expect  # (token, switch id) still to come
         self.out = np.zeros((T, H), np.float32) if data else None
         self.result = self.out
-        self.rtt = RttEstimator(rto_min=0.05)
+        # one estimator per node and role: later calls start from what earlier ones measured
+        self.rtt = st.__dict__.setdefault("moe_home_rtt", RttEstimator(rto_min=0.05))
         self.last = 0.0
         self.quiet_since = 0.0
 
