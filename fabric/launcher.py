@@ -21,6 +21,7 @@ process and no socket folder behind.
 from __future__ import annotations
 
 import atexit
+import inspect
 import itertools
 import logging
 import os
@@ -79,6 +80,24 @@ def _function_ref(fn: Callable[..., Any]) -> tuple[str, str | None]:
         raise UsageError("functions run on workers must live in a module or a script file, "
                          "not in an interactive session")
     return module, str(Path(file).resolve())
+
+
+@dataclass(frozen=True)
+class FunctionRef:
+    """A function argument from a script (``__main__``) as a name the workers can
+    import: pickle would look it up in *their* ``__main__`` (fabric.node) and fail."""
+
+    module: str
+    func: str
+    file: str | None
+
+
+def _portable(value: Any) -> Any:
+    """``value``, or a FunctionRef when it is a function of a script."""
+    if inspect.isfunction(value) and value.__module__ in ("__main__", "semfab_user_script"):
+        module, file = _function_ref(value)
+        return FunctionRef(module, value.__qualname__, file)
+    return value
 
 
 @dataclass
@@ -256,7 +275,8 @@ class Fabric:
         """Start ``fn(ep, *args, **kwargs)`` on ``nodes`` (default: every worker) and
         return at once; :meth:`wait` collects the results. Hosts take tasks too."""
         module, file = _function_ref(fn)
-        return self.submit_ref(module, fn.__qualname__, file, args, kwargs, nodes)
+        return self.submit_ref(module, fn.__qualname__, file, [_portable(a) for a in args],
+                               {k: _portable(v) for k, v in kwargs.items()}, nodes)
 
     def run_ref(self, module: str, func: str, file: str | None, args: Sequence[Any] = (),
                 kwargs: dict[str, Any] | None = None, timeout_s: float | None = None

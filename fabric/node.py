@@ -142,11 +142,21 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _resolved(value: Any) -> Any:
+    from fabric.launcher import FunctionRef
+
+    if isinstance(value, FunctionRef):
+        return resolve_function(value.module, value.func, value.file)
+    return value
+
+
 def _run_task(ep: Endpoint, msg: dict[str, Any]) -> bytes:
     task = msg.get("task")
     try:
         fn = resolve_function(msg["module"], msg["func"], msg.get("file"))
         args, kwargs = pickle.loads(msg["args"])
+        args = [_resolved(a) for a in args]  # functions of the launching script
+        kwargs = {k: _resolved(v) for k, v in kwargs.items()}
         result = fn(ep, *args, **kwargs)
         return control.pack("done", task=task, ok=True, result=pickle.dumps(result))
     except Exception as exc:  # reported to the launcher with the traceback
