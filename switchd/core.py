@@ -78,7 +78,7 @@ MISSING_ASKS = 4
 #: MISSING requests remembered (so each lost contribution is asked for once).
 ASKED_KEPT = 65536
 #: Multicast group ids the tree root hands out (0 is every worker, built in). A
-#: group's jobs take ids ``gid << GROUP_JOB_BITS | n`` (see fabric.comm).
+#: group's jobs take ids ``gid << GROUP_JOB_BITS | n`` (fabric.programs.Group).
 MAX_GROUPS = 255
 GROUP_JOB_BITS = 8
 #: In-network MoE combine: REDUCE frames on this flow, addressed to a token's home,
