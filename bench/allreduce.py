@@ -60,58 +60,86 @@ QUICK = dict(begin="4K", end="16M", factor=4, workers="2,4",
 
 
 def measure_on_worker(ep: Any, path: str, sizes: list[int], dtype: str, op: str, warmup: int,
-                      iters: int, check: bool, seed: int) -> list[dict[str, Any]]:
+                      iters: int, check: bool, seed: int,
+                      places: tuple[str, ...] = ("in",)) -> list[dict[str, Any]]:
     """Runs on every worker: time ``path`` at every size. Returns one dict per size.
 
-    `semfab bench allreduce` calls it with one size at a time, so each row is
-    printed as soon as its size is done.
+    ``places``: the halves to time, nccl-tests' out-of-place (``"out"``: the
+    result lands in a second registered buffer) and in-place (``"in"``: ``out
+    is x``; ina-mem reduces the registered memory in place, the frame-plane
+    paths receive into ``x``). The first half's figures are the dict's own, a
+    second one's are under ``"inplace"``. `semfab bench allreduce` calls it
+    with one size at a time, so each row is printed as soon as its size is done.
     """
-    from kernels.checking import expected_allreduce, make_input
     from kernels.dtypes import np_dtype
-    from kernels.reference import count_wrong
 
     item = np_dtype(dtype).itemsize
-    buf = ep.alloc(max(sizes) // item, dtype)  # registered memory, reused for every size
+    n = max(sizes) // item
+    buf = ep.alloc(n, dtype)  # registered memory, reused for every size
+    obuf = ep.alloc(n, dtype) if "out" in places else None
     results = []
     for size in sizes:
         count = size // item
-        x = buf[:count]
         sem0 = ep.sem(path).copy()
         switch0 = ep.switch_stats()["payload_copies"]
         fallbacks0 = len(ep.fallbacks)
-        times: list[float] = []
-        last = warmup + iters - 1
-        for it in range(warmup + iters):
-            np.copyto(x, make_input(ep.rank, it, count, dtype, seed))
-            ep.barrier()
-            t0 = time.perf_counter_ns()
-            ep.allreduce(x, op=op, path=path, out=x)
-            t1 = time.perf_counter_ns()
-            if it >= warmup:
-                times.append((t1 - t0) / 1e3)
-        # nccl-tests style: the result of the last iteration, every element
-        wrong = count_wrong(x, expected_allreduce(ep.world, last, count, dtype, op, seed)) \
-            if check else 0
-        # nccl-tests' "time": `iters` calls back to back, no barrier between them,
-        # total / iters. Each call reduces the previous result again (inputs are
-        # not refreshed, that would time a copy too), so the exact check can only
-        # be made on the barrier-separated iterations above.
-        ep.barrier()
-        t0 = time.perf_counter_ns()
-        for _ in range(iters):
-            ep.allreduce(x, op=op, path=path, out=x)
-        avg_us = (time.perf_counter_ns() - t0) / 1e3 / iters
+        halves = [_time_half(ep, path, buf[:count], None if place == "in" else
+                             obuf[:count] if obuf is not None else None, dtype, op, warmup,
+                             iters, check, seed) for place in places]
         sem = ep.sem(path).minus(sem0)
         ep.barrier()  # every worker's frames are in the switch's counters
         # what the switch did to payloads, counted by the switch: its share per
         # chunk of every worker (all workers run the same chunks)
         sem.copies += (ep.switch_stats()["payload_copies"] - switch0) / ep.world
         ep.barrier()  # nobody starts the next size before everyone has read them
-        results.append({"size": size, "times_us": times, "wrong": wrong, "avg_us": avg_us,
-                        "chunks": sem.chunks / max(warmup + iters, 1), **sem.per_chunk(),
-                        "fallbacks": ep.fallbacks[fallbacks0:]})
+        calls = max(len(places) * (warmup + 2 * iters), 1)
+        res: dict[str, Any] = {"size": size, **halves[0], "place": places[0],
+                               "chunks": sem.chunks / calls, **sem.per_chunk(),
+                               "fallbacks": ep.fallbacks[fallbacks0:]}
+        if len(halves) > 1:
+            res["inplace"] = halves[1]
+        results.append(res)
+    if obuf is not None:
+        ep.free(obuf)
     ep.free(buf)
     return results
+
+
+def _time_half(ep: Any, path: str, x: Any, o: Any, dtype: str, op: str, warmup: int,
+               iters: int, check: bool, seed: int) -> dict[str, Any]:
+    """One half of a size: in place (``o`` None: ``out is x``) or out of place (into ``o``).
+
+    ``warmup`` + ``iters`` barrier-separated calls (the timed ones give p50/p99,
+    the last is checked, every element), then ``iters`` back to back.
+    """
+    from kernels.checking import expected_allreduce, make_input
+    from kernels.reference import count_wrong
+
+    count = x.size
+    out = x if o is None else o
+    times: list[float] = []
+    last = warmup + iters - 1
+    for it in range(warmup + iters):
+        np.copyto(x, make_input(ep.rank, it, count, dtype, seed))
+        ep.barrier()
+        t0 = time.perf_counter_ns()
+        ep.allreduce(x, op=op, path=path, out=out)
+        t1 = time.perf_counter_ns()
+        if it >= warmup:
+            times.append((t1 - t0) / 1e3)
+    # nccl-tests style: the result of the last iteration, every element
+    wrong = count_wrong(out, expected_allreduce(ep.world, last, count, dtype, op, seed)) \
+        if check else 0
+    # nccl-tests' "time": `iters` calls back to back, no barrier between them,
+    # total / iters. In place, each call reduces the previous result again
+    # (inputs are not refreshed, that would time a copy too), so the exact
+    # check can only be made on the barrier-separated iterations above.
+    ep.barrier()
+    t0 = time.perf_counter_ns()
+    for _ in range(iters):
+        ep.allreduce(x, op=op, path=path, out=out)
+    avg_us = (time.perf_counter_ns() - t0) / 1e3 / iters
+    return {"times_us": times, "wrong": int(wrong), "avg_us": avg_us}
 
 
 def combine(path: str, workers: int, dtype: str, op: str, per_rank: list[list[dict[str, Any]]],
@@ -123,12 +151,15 @@ def combine(path: str, workers: int, dtype: str, op: str, per_rank: list[list[di
         wrong = sum(r[i]["wrong"] for r in per_rank) if check else -1
         notes = sorted({n for r in per_rank for n in r[i]["fallbacks"]})
         avgs = [r[i].get("avg_us") for r in per_rank]
-        rows.append(report.AllreduceRow.from_samples(
+        row = report.AllreduceRow.from_samples(
             path, workers, first["size"], dtype, op, samples.tolist(), wrong,
             copies=first["copies"], encodes=first["encodes"], crossings=first["crossings"],
             hops=first["hops"], chunks=int(first["chunks"]), note="; ".join(notes),
             avg_us=None if None in avgs else max(float(a) for a in avgs if a is not None),
-        ))
+        )
+        row.place = first.get("place", "out")
+        ip = [r[i]["inplace"] for r in per_rank if "inplace" in r[i]]
+        rows.append(report.add_inplace_half(row, ip or None, check))
     return rows
 
 # --------------------------------------------------------------------------
@@ -192,7 +223,7 @@ def _above_link(row: report.AllreduceRow, rate: float) -> str:
 def _measure(fab: Any, path: str, workers: int, size: int, dtype: str, op: str,
              args: argparse.Namespace) -> report.AllreduceRow:
     per_rank = fab.run(measure_on_worker, path, [size], dtype, op, args.warmup, args.iters,
-                       bool(args.check), args.seed)
+                       bool(args.check), args.seed, places=sweep.places(args))
     return combine(path, workers, dtype, op, per_rank, bool(args.check))[0]
 
 

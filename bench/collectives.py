@@ -81,13 +81,46 @@ def all_paths(kind: str) -> tuple[str, ...]:
 # --------------------------------------------------------------------------
 
 
+#: The collectives NCCL defines an in-place form of (nccl-tests' in-place half).
+INPLACE = ("all_gather", "reduce_scatter", "broadcast", "reduce")
+
+
+def _buffers(kind: str, place: str, fresh: np.ndarray, keep: np.ndarray | None, r: int,
+             count: int, root: int) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
+    """(input, output, what to check) of one iteration, ``fresh`` the rank's new input.
+
+    Out of place: the input is ``fresh`` and the output ``keep`` (broadcast and
+    reduce keep one too: ``out`` is not ``x``). In place, as NCCL defines it:
+    all_gather's input is this rank's slice of the output, reduce_scatter's
+    output this rank's slice of the input, broadcast and reduce use one buffer.
+    """
+    if place == "out":
+        return fresh, keep, keep
+    if kind == "all_gather":
+        assert keep is not None
+        mine = keep[r * count:(r + 1) * count]
+        np.copyto(mine, fresh)
+        return mine, keep, keep
+    if kind == "reduce_scatter":
+        mine = fresh[r * count:(r + 1) * count]
+        return fresh, mine, mine
+    if kind == "broadcast":
+        return fresh, fresh, fresh
+    if kind == "reduce":
+        return fresh, (fresh if r == root else None), (fresh if r == root else None)
+    raise ValueError(f"{kind} has no in-place form")
+
+
 def collective_workload(ctx: Any, kind: str, path: str, sizes: list[int], dtype: str, op: str,
                         root: int, warmup: int, iters: int, check: bool, seed: int,
-                        data: bool = True) -> Generator[Any, Any, list[dict[str, Any]]]:
+                        data: bool = True, place: str = "out"
+                        ) -> Generator[Any, Any, list[dict[str, Any]]]:
     """Time ``kind`` on ``path`` at every size (``sizes`` as swept: see :mod:`bench.nccl`).
 
     A workload (fabric.workload): the same code runs on an emulated worker and
     in the simulator. ``data=False`` is timing-only (simulation), unchecked.
+    ``place``: nccl-tests' out-of-place (``"out"``) or in-place (``"in"``,
+    :data:`INPLACE` kinds only) half.
     """
     from kernels.dtypes import np_dtype
     from kernels.reference import count_wrong
@@ -98,7 +131,12 @@ def collective_workload(ctx: Any, kind: str, path: str, sizes: list[int], dtype:
     for size in sizes:
         count = nccl.per_rank_count(kind, size, item, W)
         n_in, n_out = nccl.buffer_counts(kind, count, W, r, root)
-        out = np.empty(n_out, np_dtype(dtype)) if data and n_out else None
+        if place == "out" and kind == "broadcast":
+            n_out = count  # out of place: the result lands in a buffer of its own
+        if place == "out" and kind == "reduce" and r == root:
+            n_out = count
+        keep = np.empty(n_out, np_dtype(dtype)) if data and n_out else None
+        out = keep
         times: list[float] = []
         last = warmup + iters - 1
         got: np.ndarray | None = None
@@ -106,6 +144,7 @@ def collective_workload(ctx: Any, kind: str, path: str, sizes: list[int], dtype:
             x = None
             if data:  # fresh every iteration, writable (broadcast lands in it)
                 x = np.array(nccl.make_collective_input(kind, r, it, count, W, dtype, seed))
+                x, out, got = _buffers(kind, place, x, keep, r, count, root)
             yield ctx.barrier()
             t0 = yield ctx.clock()
             if kind == "sendrecv":
@@ -116,11 +155,17 @@ def collective_workload(ctx: Any, kind: str, path: str, sizes: list[int], dtype:
             t1 = yield ctx.clock()
             if it >= warmup:
                 times.append((t1 - t0) * 1e6)
-            got = x if kind == "broadcast" else out
+        wrong = 0
+        if check and data:
+            want = nccl.expected_output(kind, r, last, count, W, dtype, op, root, seed)
+            if want is not None:
+                assert got is not None
+                wrong = count_wrong(got, want)
         # nccl-tests' "time": `iters` calls back to back, no barrier between them,
         # total / iters. The buffers are not refreshed between them (that would
-        # time the copies too), so the exact check is of the barrier-separated
-        # iterations above only.
+        # time the copies too; in place, each call works on the last one's
+        # result), so the exact check, made above, is of the barrier-separated
+        # iterations only.
         yield ctx.barrier()
         t0 = yield ctx.clock()
         for _ in range(iters):
@@ -131,28 +176,35 @@ def collective_workload(ctx: Any, kind: str, path: str, sizes: list[int], dtype:
                                      dtype=dtype)
         t1 = yield ctx.clock()
         avg_us = (t1 - t0) * 1e6 / iters
-        wrong = 0
-        if check and data:
-            want = nccl.expected_output(kind, r, last, count, W, dtype, op, root, seed)
-            if want is not None:
-                assert got is not None
-                wrong = count_wrong(got, want)
+
         results.append({"size": nccl.row_size(kind, count, item, W), "count": count,
                         "times_us": times, "avg_us": avg_us, "wrong": int(wrong)})
     return results
 
 
+def halves(kind: str, places: tuple[str, ...]) -> tuple[str, ...]:
+    """The halves of ``places`` that ``kind`` has (no in-place alltoall or sendrecv)."""
+    return tuple(p for p in places if p == "out" or kind in INPLACE)
+
+
 def measure_on_worker(ep: Any, kind: str, path: str, size: int, dtype: str, op: str, root: int,
-                      warmup: int, iters: int, check: bool, seed: int) -> dict[str, Any]:
+                      warmup: int, iters: int, check: bool, seed: int,
+                      places: tuple[str, ...] = ("out",)) -> dict[str, Any]:
     """Runs on every emulated worker: one size of ``kind`` on ``path``, with this node's
-    semantic-distance counters and fallbacks of that size."""
+    semantic-distance counters and fallbacks of that size. ``places``: the halves
+    (``"out"``, ``"in"``); a second half's figures are under ``"inplace"``."""
     from fabric.emulation import run_in_emulation
 
     sem0 = ep.sem(path).copy()
     switch0 = ep.switch_stats()["payload_copies"]
     fallbacks0 = len(ep.fallbacks)
-    (res,) = run_in_emulation(ep, collective_workload, kind, path, [size], dtype, op, root,
-                              warmup, iters, check, seed)
+    places = halves(kind, places)
+    done = [run_in_emulation(ep, collective_workload, kind, path, [size], dtype, op, root,
+                             warmup, iters, check, seed, True, place)[0] for place in places]
+    res = done[0]
+    res["place"] = places[0]
+    if len(done) > 1:
+        res["inplace"] = done[1]
     sem = ep.sem(path).minus(sem0)
     ep.barrier()  # every worker's frames are in the switch's counters
     switch_copies = (ep.switch_stats()["payload_copies"] - switch0) / ep.world
@@ -161,7 +213,8 @@ def measure_on_worker(ep: Any, kind: str, path: str, size: int, dtype: str, op: 
     res["counters"] = None
     if sem.chunks:  # the path keeps counters (in-network reductions): per chunk
         sem.copies += switch_copies
-        res["counters"] = {**sem.per_chunk(), "chunks": sem.chunks / max(warmup + iters, 1)}
+        res["counters"] = {**sem.per_chunk(),
+                           "chunks": sem.chunks / max(len(places) * (warmup + 2 * iters), 1)}
     return dict(res)
 
 
@@ -182,9 +235,13 @@ def combine(kind: str, path: str, workers: int, dtype: str, op: str, root: int,
         counters["chunks"] = int(c["chunks"])
     avgs = [r.get("avg_us") for r in per_rank]
     avg = None if None in avgs else max(float(a) for a in avgs if a is not None)
-    return nccl.make_row(kind, path, workers, first["size"], first["count"], dtype, op, root,
-                         samples.tolist(), wrong, note="; ".join(notes), avg_us=avg,
-                         **counters)
+    row = nccl.make_row(kind, path, workers, first["size"], first["count"], dtype, op, root,
+                        samples.tolist(), wrong, note="; ".join(notes), avg_us=avg,
+                        **counters)
+    row.place = first.get("place", "out")
+    ip = [r["inplace"] for r in per_rank if "inplace" in r]
+    report.add_inplace_half(row, ip or None, check, kind)
+    return row
 
 
 # --------------------------------------------------------------------------
@@ -241,6 +298,9 @@ def _parse(args: argparse.Namespace, kind: str) -> sweep.Plan:
     carried = "the switches reduce" if reduces else "the fabric carries"
     plan = sweep.parse_plan(args, all_paths(kind), ops=None if reduces else ["none"],
                             carried_by=carried)
+    if str(getattr(args, "inplace", "both")) == "1" and kind not in INPLACE:
+        raise UsageError(f"--inplace 1: {kind} has no in-place form (NCCL defines one for "
+                         f"{', '.join(INPLACE)}); use --inplace 0 or both")
     if kind == "sendrecv" and min(plan.workers) < 2:
         raise UsageError("sendrecv needs at least 2 workers (rank r sends to r+1 and "
                          "receives from r-1)")
@@ -275,7 +335,8 @@ def _measure(kind: str, root: int) -> sweep.Measure:
         if isinstance(fab, SimFabric):
             return fab.measure(kind, path, size, dtype, run_op, root, args)
         per_rank = fab.run(measure_on_worker, kind, path, size, dtype, run_op, root,
-                           args.warmup, args.iters, bool(args.check), args.seed)
+                           args.warmup, args.iters, bool(args.check), args.seed,
+                           places=sweep.places(args))
         return combine(kind, path, workers, dtype, op, root, per_rank, bool(args.check))
 
     return measure
@@ -326,20 +387,34 @@ class SimFabric:
         from fabric.sim.engine import Simulation, SimulationError
 
         w = len(self.topo.workers)
-        sim = Simulation(self.topo, seed=args.seed, faults=args.faults, timeout_s=args.timeout,
-                         crc=bool(args.faults and "corrupt" in args.faults))
-        try:
-            res = sim.run(collective_workload, kind, path, [size], dtype, op, root,
-                          args.warmup, args.iters, bool(args.check), args.seed)
-        except SimulationError as exc:
-            return _fix_row(kind, root)(report.AllreduceRow.unavailable(
-                path, w, size, dtype, f"failed: {exc}", op))
-        per_rank = [r[0] for r in res.results]
-        sem = [n.sem(path) for n in res.nodes.values()][0]
+        places = halves(kind, sweep.places(args))
+        per_place, retransmits = [], 0
+        for place in places:
+            # a simulation per half: each starts from an idle fabric, as after a barrier
+            sim = Simulation(self.topo, seed=args.seed, faults=args.faults,
+                             timeout_s=args.timeout,
+                             crc=bool(args.faults and "corrupt" in args.faults))
+            try:
+                res = sim.run(collective_workload, kind, path, [size], dtype, op, root,
+                              args.warmup, args.iters, bool(args.check), args.seed, True,
+                              place)
+            except SimulationError as exc:
+                return _fix_row(kind, root)(report.AllreduceRow.unavailable(
+                    path, w, size, dtype, f"failed: {exc}", op))
+            per_place.append([r[0] for r in res.results])
+            retransmits += res.retransmits
+            if len(per_place) == 1:
+                sem = [n.sem(path) for n in res.nodes.values()][0]
+        per_rank = per_place[0]
+        for k, r in enumerate(per_rank):
+            r["place"] = places[0]
+            if len(per_place) > 1:
+                r["inplace"] = per_place[1][k]
         if sem.chunks:
             per_rank[0]["counters"] = {**sem.per_chunk(),
-                                       "chunks": sem.chunks / max(args.warmup + args.iters, 1)}
-        note = SIM_NOTE + (f"; {res.retransmits} retransmissions" if res.retransmits else "")
+                                       "chunks": sem.chunks / max(args.warmup + 2 * args.iters,
+                                                                  1)}
+        note = SIM_NOTE + (f"; {retransmits} retransmissions" if retransmits else "")
         return combine(kind, path, w, dtype, op, root, per_rank, bool(args.check), note)
 
 

@@ -362,6 +362,12 @@ class AllreduceRow:
     follow from it, while ``p50_us``/``p99_us`` stay the barrier-separated
     iterations' percentiles. None where only barrier-separated iterations were
     timed (the real-library peers): ``time_us`` is then their median.
+
+    nccl-tests' two halves: ``place`` says which one the main fields hold
+    (``"out"``: out-of-place, ``"in"``: in-place, with ``--inplace 1``); the
+    ``inplace_*`` fields hold the in-place half when both ran, None (printed
+    "-") where it did not or the path has no in-place form. A row is failed
+    when either half has wrong elements.
     """
 
     path: str
@@ -389,6 +395,13 @@ class AllreduceRow:
     time_max_us: float | None = None
     failed_runs: int = 0
     avg_us: float | None = None
+    place: str = "out"
+    inplace_time_us: float | None = None
+    inplace_algbw_gbps: float | None = None
+    inplace_busbw_gbps: float | None = None
+    inplace_wrong: int = -1
+    inplace_p50_us: float | None = None
+    inplace_p99_us: float | None = None
     samples_us: list[float] | None = dataclasses.field(default=None, repr=False)
 
     @property
@@ -400,7 +413,7 @@ class AllreduceRow:
     def status(self) -> str:
         """``"ok"``, ``"failed"`` (wrong elements, an error, a failed run) or
         ``"unavailable"`` (a peer that is not installed: not a failure)."""
-        if self.failed_runs or (self.ran and self.wrong > 0):
+        if self.failed_runs or (self.ran and self.wrong > 0) or self.inplace_wrong > 0:
             return "failed"
         if self.ran:
             return "ok"
@@ -502,6 +515,26 @@ class AllreduceRow:
         )
 
 
+def add_inplace_half(row: AllreduceRow, per_rank: Sequence[dict[str, Any]] | None,
+                     check: bool, collective: str = "allreduce") -> AllreduceRow:
+    """Fill the ``inplace_*`` fields of ``row`` from every rank's in-place half
+    (``{"times_us", "wrong", "avg_us"}``; max over ranks per iteration, the slowest
+    rank's average, wrong elements summed). None: no in-place half."""
+    if not per_rank:
+        return row
+    samples = np.max(np.array([r["times_us"] for r in per_rank]), axis=0).tolist()
+    stats = latency_stats(samples)
+    avgs = [r.get("avg_us") for r in per_rank]
+    t = stats["p50"] if None in avgs else max(float(a) for a in avgs if a is not None)
+    algbw = _algbw(row.size_bytes, t)
+    row.inplace_time_us = t
+    row.inplace_algbw_gbps = algbw
+    row.inplace_busbw_gbps = algbw * busbw_factor(collective, row.workers)
+    row.inplace_wrong = sum(int(r["wrong"]) for r in per_rank) if check else -1
+    row.inplace_p50_us, row.inplace_p99_us = stats["p50"], stats["p99"]
+    return row
+
+
 @dataclasses.dataclass
 class CollectiveRow(AllreduceRow):
     """A row of `semfab bench <collective>`: an :class:`AllreduceRow` that also names
@@ -560,6 +593,17 @@ def merge_runs(runs: Sequence[Sequence[AllreduceRow]],
         algbw = _algbw(first.size_bytes, median)
         checked = [r.wrong for r in ran if r.wrong >= 0]
         avgs = [r.avg_us for r in ran if r.avg_us is not None]
+        ip = [r for r in ran if r.inplace_time_us is not None]
+        ip_kw: dict[str, Any] = {}
+        if ip:
+            ip_t = float(np.median([r.inplace_time_us for r in ip]))
+            ip_bw = _algbw(first.size_bytes, ip_t)
+            ip_wrong = [r.inplace_wrong for r in ip if r.inplace_wrong >= 0]
+            ip_kw = dict(inplace_time_us=ip_t, inplace_algbw_gbps=ip_bw,
+                         inplace_busbw_gbps=ip_bw * busbw_factor(collective, first.workers),
+                         inplace_wrong=sum(ip_wrong) if ip_wrong else -1,
+                         inplace_p50_us=float(np.median([r.inplace_p50_us or 0.0 for r in ip])),
+                         inplace_p99_us=max(r.inplace_p99_us or 0.0 for r in ip))
         out.append(dataclasses.replace(
             ran[0],
             time_us=median,
@@ -577,6 +621,7 @@ def merge_runs(runs: Sequence[Sequence[AllreduceRow]],
             failed_runs=len(failed),
             avg_us=float(np.median(avgs)) if avgs else None,
             samples_us=samples,
+            **ip_kw,
         ))
     return out
 
@@ -692,6 +737,10 @@ _TEXT_COLUMNS: tuple[tuple[str, str, int], ...] = (
     ("#wrong", "", 7),
     ("p50", "(us)", 11),
     ("p99", "(us)", 11),
+    ("in:time", "(us)", 11),
+    ("in:algbw", "(GB/s)", 9),
+    ("in:busbw", "(GB/s)", 9),
+    ("in:#wrong", "", 10),
 )
 
 
@@ -727,16 +776,28 @@ def format_text_row(row: AllreduceRow, root: bool = False) -> str:
     shows dashes and its note. ``root``: with the root column (the row's ``root``)."""
     dash = "-"
     wrong = _fmt_wrong(row).replace("—", dash)
+    main = [_fmt_time(row.time_us).replace("—", dash),
+            _fmt_bw(row.algbw_gbps).replace("—", dash),
+            _fmt_bw(row.busbw_gbps).replace("—", dash), wrong]
+    if row.place == "in":  # --inplace 1: the main fields are the in-place half
+        out_half, in_half = [dash] * 4, main
+    else:
+        out_half = main
+        ip_wrong = dash if row.inplace_time_us is None or row.inplace_wrong < 0 \
+            else str(row.inplace_wrong)
+        in_half = [_fmt_time(row.inplace_time_us).replace("—", dash),
+                   _fmt_bw(row.inplace_algbw_gbps).replace("—", dash),
+                   _fmt_bw(row.inplace_busbw_gbps).replace("—", dash), ip_wrong]
     cells = [
         str(row.size_bytes), str(row.count), row.dtype, row.redop, row.path, str(row.workers),
-        _fmt_time(row.time_us).replace("—", dash), _fmt_bw(row.algbw_gbps).replace("—", dash),
-        _fmt_bw(row.busbw_gbps).replace("—", dash), wrong,
+        *out_half,
         _fmt_time(row.p50_us).replace("—", dash), _fmt_time(row.p99_us).replace("—", dash),
+        *in_half,
     ]
     if root:
         cells.insert(4, str(getattr(row, "root", -1)))
     line = _cells_line(cells, root=root)
-    if row.status == "failed" and row.ran and row.wrong > 0:
+    if row.status == "failed" and ((row.ran and row.wrong > 0) or row.inplace_wrong > 0):
         line += "  FAILED: wrong elements"
     if row.note:
         line += "  " + row.note.replace("\n", " ")
@@ -833,7 +894,7 @@ def format_footer(rows: Sequence[AllreduceRow], elapsed_s: float | None = None) 
     """
     ran = [r for r in rows if r.ran and r.busbw_gbps is not None
            and math.isfinite(r.busbw_gbps)]
-    wrong = [r for r in rows if r.ran and r.wrong > 0]
+    wrong = [r for r in rows if (r.ran and r.wrong > 0) or r.inplace_wrong > 0]
     failed = failures(rows)
     unavailable = [r for r in rows if r.status == "unavailable"]
     avg = (f"{sum(r.busbw_gbps or 0.0 for r in ran) / len(ran):.4g}  (GB/s, mean over "
@@ -847,7 +908,11 @@ def format_footer(rows: Sequence[AllreduceRow], elapsed_s: float | None = None) 
     for r in failed:
         why = []
         if r.ran and r.wrong > 0:
-            why.append(f"{r.wrong} wrong elements")
+            half = "in-place" if r.place == "in" else "out-of-place" \
+                if r.inplace_time_us is not None else ""
+            why.append(f"{r.wrong} wrong elements" + (f" ({half})" if half else ""))
+        if r.inplace_wrong > 0:
+            why.append(f"{r.inplace_wrong} wrong elements (in-place)")
         if r.failed_runs and r.runs > 1:
             why.append(f"failed in {r.failed_runs} of {r.runs} runs")
         if r.note and not (r.ran and r.wrong > 0 and not r.failed_runs):

@@ -93,6 +93,9 @@ def add_arguments(p: argparse.ArgumentParser, all_paths: Sequence[str], *, sim_h
     p.add_argument("-w", "--warmup", type=int, default=3, help="untimed iterations per size")
     p.add_argument("-n", "--iters", type=int, default=10, help="timed iterations per size")
     p.add_argument("-c", "--check", type=int, default=1, help="1: count wrong elements")
+    p.add_argument("--inplace", default="both", choices=("0", "1", "both"),
+                   help="nccl-tests' halves: 0 out-of-place only, 1 in-place only, both "
+                   "(default: out-of-place, then in-place, each size)")
     p.add_argument("--repeat", type=int, default=1, metavar="K",
                    help="K independent runs of the whole sweep: time is the median over runs, "
                    "with the spread (min..max)")
@@ -120,6 +123,23 @@ def add_arguments(p: argparse.ArgumentParser, all_paths: Sequence[str], *, sim_h
     p.add_argument("-t", "--nthreads", metavar="N", default=None,
                    help="nccl-tests' threads per process: refused (workers are processes; use "
                    "--workers)")
+
+
+def places(args: argparse.Namespace) -> tuple[str, ...]:
+    """The halves ``--inplace`` asks for, in nccl-tests' order: ``"out"``, ``"in"``."""
+    which = str(getattr(args, "inplace", "both"))
+    return {"0": ("out",), "1": ("in",)}.get(which, ("out", "in"))
+
+
+def peer_place(peer: str, collective: str) -> str:
+    """The half a peer's call is (``"in"`` or ``"out"``): gloo's all_reduce,
+    broadcast and reduce work on one tensor, MPI's Bcast on one buffer; the
+    other calls take a separate output. The peers time that one form only."""
+    if peer == "gloo" and collective in ("allreduce", "broadcast", "reduce"):
+        return "in"
+    if peer == "mpi" and collective == "broadcast":
+        return "in"
+    return "out"
 
 
 def refuse_nccl_only(args: argparse.Namespace) -> None:
@@ -354,6 +374,7 @@ def settings(args: argparse.Namespace, plan: Plan, name: str, n_cores: int,
         "link_gbps": args.link_gbps, "link_latency_us": args.link_latency_us,
         "faults": getattr(args, "faults", None), "timeout_s": args.timeout,
         "sim": bool(getattr(args, "sim", False)), "cores": n_cores,
+        "inplace": str(getattr(args, "inplace", "both")),
     }
     s.update(extra or {})
     s["command"] = command_line(s, name)
@@ -372,6 +393,8 @@ def command_line(s: dict[str, Any], name: str = "allreduce") -> str:
         words += ["-r", str(s["root"])]
     words += ["-w", str(s["warmup"]), "-n", str(s["iters"]), "-c", str(s["check"]),
               "--seed", str(s["seed"])]
+    if s.get("inplace", "both") != "both":
+        words += ["--inplace", str(s["inplace"])]
     if s["repeat"] != 1:
         words += ["--repeat", str(s["repeat"])]
     if s["topology"]:
@@ -431,6 +454,12 @@ def header_lines(args: argparse.Namespace, plan: Plan, name: str, n_cores: int,
         "a barrier (max over ranks), whose last is the one checked"
         + ("; with --repeat, the median over runs" if repeat > 1 else ""),
     ]
+    half = {"0": "out-of-place only (--inplace 0)", "1": "in-place only (--inplace 1): the "
+            "out-of-place columns show -"}.get(str(getattr(args, "inplace", "both")),
+                                               "out-of-place, then in-place")
+    lines.append(f"# halves: {half}; time algbw busbw #wrong p50 p99: out-of-place; "
+                 "in:time in:algbw in:busbw in:#wrong: in-place (p50/p99 of the first half "
+                 "run); - where a path has no such form")
     if plan.peers:
         lines.append(f"# time of {', '.join(plan.peers)}: the median of the barrier-separated "
                      "iterations (the peers do not time a back-to-back loop)")
@@ -578,6 +607,7 @@ def run_sweep(args: argparse.Namespace, plan: Plan, *, name: str, header: list[s
                         for peer in plan.peers:
                             bar.describe(f"{peer} x{w}")
                             for row in run_peer(peer, w, plan.sizes, args, dtype, op):
+                                row.place = peer_place(peer, collective)
                                 printer.add(rep, row)
                             bar.advance(len(plan.sizes))
     elapsed = time.monotonic() - t_start

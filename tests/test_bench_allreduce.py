@@ -57,7 +57,7 @@ class FakeFabric:
         return "".join(self.out)
 
     def run(self, fn: Any, path: str, sizes: list[int], dtype: str, op: str, warmup: int,
-            iters: int, check: bool, seed: int) -> list[list[dict[str, Any]]]:
+            iters: int, check: bool, seed: int, **kw: Any) -> list[list[dict[str, Any]]]:
         assert fn is allreduce.measure_on_worker
         self.calls.append((path, list(sizes), self.printed()))
         if self.fail_call is not None and len(self.calls) == self.fail_call:
@@ -337,6 +337,9 @@ def test_real_tiny_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> No
     # nccl-tests' time: the back-to-back average, beside the barrier-separated p50
     for r in doc["results"]:
         assert r["avg_us"] is not None and r["avg_us"] > 0 and r["time_us"] == r["avg_us"]
+        # both halves, each checked: out-of-place into its own buffer, in place (out is x)
+        assert r["place"] == "out" and r["inplace_wrong"] == 0
+        assert r["inplace_time_us"] and r["inplace_busbw_gbps"]
         assert r["p50_us"] is not None and len(r["samples_us"]) == 2
     assert "# time: as nccl-tests: -n iterations back to back" in text
     md = out_md.read_text()

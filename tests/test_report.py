@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -141,6 +142,9 @@ def test_row_dict_has_the_json_keys() -> None:
     assert required <= set(d)
     assert set(d) - required == {"count", "redop", "min_us", "max_us", "chunks", "note",
                                  "runs", "time_min_us", "time_max_us", "failed_runs", "avg_us",
+                                 "place",
+                                 "inplace_time_us", "inplace_algbw_gbps", "inplace_busbw_gbps",
+                                 "inplace_wrong", "inplace_p50_us", "inplace_p99_us",
                                  "samples_us", "ok", "status"}
     assert d["hops"] is None and d["wrong"] == -1
     assert d["ok"] is True and d["status"] == "ok" and d["samples_us"] == [10.0]
@@ -259,7 +263,7 @@ def test_text_rows_line_up_under_the_header() -> None:
     line = report.format_text_row(ok)
     assert not line.startswith("#")
     assert line.split() == ["1048576", "262144", "float32", "sum", "host-ring", "4", "100.0",
-                            "10.49", "15.73", "0", "100.0", "100.0"]
+                            "10.49", "15.73", "0", "100.0", "100.0", "-", "-", "-", "-"]
     # every number ends under the end of its column title
     title_end = {w: header[0].index(w) + len(w) for w in ("size", "busbw", "p99")}
     assert line.index("1048576") + 7 == title_end["size"]
@@ -271,6 +275,30 @@ def test_text_rows_line_up_under_the_header() -> None:
     gone = report.format_text_row(AllreduceRow.unavailable("mpi", 2, 4096, "float32",
                                                            "unavailable: no mpirun"))
     assert gone.split()[6:12] == ["-"] * 6 and gone.endswith("unavailable: no mpirun")
+
+
+def test_in_place_half_beside_the_out_of_place_one() -> None:
+    # nccl-tests prints out-of-place, then in-place: time algbw busbw #wrong each
+    header = report.format_text_header().splitlines()[0]
+    for word in ("in:time", "in:algbw", "in:busbw", "in:#wrong"):
+        assert word in header
+    row = AllreduceRow.from_samples("ina", 2, 1 << 20, "float32", "sum", [100.0], 0,
+                                    avg_us=50.0)
+    report.add_inplace_half(row, [{"times_us": [80.0], "wrong": 0, "avg_us": 40.0},
+                                  {"times_us": [90.0], "wrong": 2, "avg_us": 25.0}], True)
+    assert (row.inplace_time_us, row.inplace_p50_us, row.inplace_wrong) == (40.0, 90.0, 2)
+    assert row.inplace_algbw_gbps == pytest.approx((1 << 20) / 40.0 / 1e3)
+    assert row.time_us == 50.0 and row.status == "failed"  # the in-place half was wrong
+    cells = report.format_text_row(row).split()
+    assert cells[6:16] == ["50.00", "20.97", "20.97", "0", "100.0", "100.0", "40.00", "26.21",
+                           "26.21", "2"]
+    assert "2 wrong elements (in-place)" in "\n".join(report.format_footer([row]))
+    # in-place only (--inplace 1): the out-of-place half shows dashes, never a figure
+    only = AllreduceRow.from_samples("ina", 2, 4096, "float32", "sum", [10.0], 0)
+    only.place = "in"
+    assert report.format_text_row(only).split()[6:10] == ["-"] * 4
+    merged = report.merge_runs([[row], [dataclasses.replace(row, inplace_time_us=60.0)]])
+    assert merged[0].inplace_time_us == 50.0 and merged[0].inplace_wrong == 4
 
 
 def test_side_by_side_every_path_at_each_size() -> None:
