@@ -984,22 +984,47 @@ def write_markdown(path: str | Path, text: str) -> Path:
 # --------------------------------------------------------------------------
 
 
-def plot_busbw(rows: Iterable[AllreduceRow], path: str | Path, title: str) -> Path:
-    """PNG of bus bandwidth against size (log2 x axis), one line per (path, workers).
+#: Line styles per worker count (the first count solid, the next dashed, ...).
+LINE_STYLES = ("-", "--", ":", "-.")
 
-    Rows that did not run are not plotted; the (path, workers) groups that
-    had any are listed under the plot with their first note, so a missing
-    line is explained rather than silently absent.
+
+def plot_busbw(rows: Iterable[AllreduceRow], path: str | Path, title: str) -> Path:
+    """PNG of two panels against size (log2 x axis): bus bandwidth (left) and
+    latency, the row's ``time`` (right, log y), one line per (path, workers).
+
+    A path keeps its colour in both panels and a worker count its line style
+    (:data:`LINE_STYLES`), so counts stay apart where colours repeat. Rows that
+    did not run are not plotted; the (path, workers) groups that had any are
+    listed under the plot with their first note, so a missing line is explained
+    rather than silently absent. Returns the path; the figure's axes are
+    ``busbw`` then ``latency`` (see :func:`busbw_figure`).
     """
+    fig = busbw_figure(rows, title)
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, format="png")
+    return out
+
+
+def busbw_figure(rows: Iterable[AllreduceRow], title: str) -> Any:
+    """The figure :func:`plot_busbw` writes (a matplotlib Figure, Agg canvas)."""
     # The object-oriented API with the Agg canvas never touches pyplot's
     # global backend, so it is safe in any process (headless, threads, tests).
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.ticker import FuncFormatter
 
-    fig = Figure(figsize=(8, 5), dpi=110)
+    rows = list(rows)
+    fig = Figure(figsize=(13, 5), dpi=110)
     FigureCanvasAgg(fig)
-    ax = fig.add_subplot(1, 1, 1)
+    bw_ax = fig.add_subplot(1, 2, 1)
+    lat_ax = fig.add_subplot(1, 2, 2)
+    counts = sorted({r.workers for r in rows})
+    style = {w: LINE_STYLES[i % len(LINE_STYLES)] for i, w in enumerate(counts)}
+    colours: dict[str, str] = {}
+    from matplotlib import rcParams
+
+    cycle = [c["color"] for c in rcParams["axes.prop_cycle"]]
     missing: list[str] = []
     plotted = 0
     for (name, workers), group in _groups(rows).items():
@@ -1012,27 +1037,33 @@ def plot_busbw(rows: Iterable[AllreduceRow], path: str | Path, title: str) -> Pa
                 note = note[:87] + "..."
             missing.append(f"{name} ×{workers}: {note}")
         if ran:
-            ax.plot([r.size_bytes for r in ran], [r.busbw_gbps or 0.0 for r in ran],
-                    marker="o", label=f"{name} ×{workers}")
+            colour = colours.setdefault(name, cycle[len(colours) % len(cycle)])
+            kw: dict[str, Any] = dict(marker="o", color=colour, linestyle=style[workers],
+                                      label=f"{name} ×{workers}")
+            sizes = [r.size_bytes for r in ran]
+            bw_ax.plot(sizes, [r.busbw_gbps or 0.0 for r in ran], **kw)
+            lat_ax.plot(sizes, [r.time_us or 0.0 for r in ran], **kw)
             plotted += 1
-    ax.set_xscale("log", base=2)
-    ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _pos: format_size(int(round(x)))))
-    ax.set_xlabel("message size (bytes)")
-    ax.set_ylabel("bus bandwidth (GB/s, GB = 1e9)")
-    ax.set_title(title)
-    ax.grid(True, which="both", alpha=0.3)
+    for ax in (bw_ax, lat_ax):
+        ax.set_xscale("log", base=2)
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _pos: format_size(int(round(x)))))
+        ax.set_xlabel("message size (bytes)")
+        ax.grid(True, which="both", alpha=0.3)
+    bw_ax.set_ylabel("bus bandwidth (GB/s, GB = 1e9)")
+    bw_ax.set_title(title)
+    lat_ax.set_ylabel("time (us)")
+    lat_ax.set_title("latency: time against size")
     if plotted:
-        ax.legend(loc="best", fontsize="small")
+        lat_ax.set_yscale("log")
+        bw_ax.legend(loc="best", fontsize="small")
     else:
-        ax.text(0.5, 0.5, "no path ran", ha="center", va="center", transform=ax.transAxes)
+        for ax in (bw_ax, lat_ax):
+            ax.text(0.5, 0.5, "no path ran", ha="center", va="center", transform=ax.transAxes)
     if missing:
         text = "not plotted:\n" + "\n".join(missing)
         fig.text(0.01, 0.01, text, fontsize="x-small", va="bottom", ha="left", wrap=True)
         fig.subplots_adjust(bottom=0.14 + 0.035 * len(missing))
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, format="png")
-    return out
+    return fig
 
 
 # --------------------------------------------------------------------------

@@ -111,7 +111,8 @@ def add_arguments(p: argparse.ArgumentParser, all_paths: Sequence[str], *, sim_h
     p.add_argument("--json", metavar="PATH",
                    help="write every row and every setting of the run as JSON")
     p.add_argument("--markdown", metavar="PATH", help="write the header and tables as Markdown")
-    p.add_argument("--plot", metavar="PATH", help="write busbw against size as PNG")
+    p.add_argument("--plot", metavar="PATH",
+                   help="write busbw and latency (time) against size as PNG, two panels")
     p.add_argument("--run-dir", help="where process logs go (default: ./runs/<stamp>)")
     p.add_argument("--timeout", type=float, default=60.0,
                    help="seconds any single wait may take before the run fails")

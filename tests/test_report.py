@@ -393,6 +393,22 @@ def test_plot_writes_png(tmp_path: Path) -> None:
     assert len(data) > 5000
 
 
+def test_plot_has_busbw_and_latency_panels() -> None:
+    rows = [AllreduceRow.from_samples(p, w, s, "float32", "sum", [t * w], 0)
+            for p in ("ina", "host-ring") for w in (2, 4)
+            for s, t in ((4096, 10.0), (1 << 20, 200.0))]
+    fig = report.busbw_figure(rows, "allreduce")
+    bw, lat = fig.axes
+    assert "bus bandwidth" in bw.get_ylabel() and "time" in lat.get_ylabel()
+    assert bw.get_xscale() == lat.get_xscale() == "log" and lat.get_yscale() == "log"
+    (ina2,) = [ln for ln in lat.get_lines() if ln.get_label() == "ina ×2"]
+    assert list(ina2.get_ydata()) == [20.0, 400.0]  # the row's time at each size
+    styles = {ln.get_label(): ln.get_linestyle() for ln in lat.get_lines()}
+    assert styles["ina ×2"] == styles["host-ring ×2"] != styles["ina ×4"]  # per count
+    colours = {ln.get_label(): ln.get_color() for ln in bw.get_lines()}
+    assert colours["ina ×2"] == colours["ina ×4"] != colours["host-ring ×2"]  # per path
+
+
 def test_plot_with_nothing_ran(tmp_path: Path) -> None:
     rows = [AllreduceRow.unavailable("gloo", 2, 4096, "float32", "unavailable: torch")]
     out = plot_busbw(rows, tmp_path / "none.png", "nothing")
