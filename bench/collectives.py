@@ -138,6 +138,7 @@ def collective_workload(ctx: Any, kind: str, path: str, sizes: list[int], dtype:
         keep = np.empty(n_out, np_dtype(dtype)) if data and n_out else None
         out = keep
         times: list[float] = []
+        spans: list[tuple[float, float]] = []  # the timed iterations (--trace)
         last = warmup + iters - 1
         got: np.ndarray | None = None
         for it in range(warmup + iters):
@@ -155,6 +156,7 @@ def collective_workload(ctx: Any, kind: str, path: str, sizes: list[int], dtype:
             t1 = yield ctx.clock()
             if it >= warmup:
                 times.append((t1 - t0) * 1e6)
+                spans.append((float(t0), float(t1)))
         wrong = 0
         if check and data:
             want = nccl.expected_output(kind, r, last, count, W, dtype, op, root, seed)
@@ -178,7 +180,8 @@ def collective_workload(ctx: Any, kind: str, path: str, sizes: list[int], dtype:
         avg_us = (t1 - t0) * 1e6 / iters
 
         results.append({"size": nccl.row_size(kind, count, item, W), "count": count,
-                        "times_us": times, "avg_us": avg_us, "wrong": int(wrong)})
+                        "times_us": times, "avg_us": avg_us, "wrong": int(wrong),
+                        "spans": spans, "b2b": (float(t0), float(t1))})
     return results
 
 
@@ -259,6 +262,9 @@ def add_arguments(p: argparse.ArgumentParser, kind: str) -> None:
                  "supported)") if reduces else None,
         sim_help=f"simulate in virtual time (same table, marked simulated) instead of "
         f"launching processes; paths {', '.join(our_paths(kind))}")
+    p.add_argument("--trace", metavar="PATH",
+                   help="write a Chrome Trace Event file (open in ui.perfetto.dev): a track "
+                   "per node, a slice per timed iteration of every path")
     p.set_defaults(collective=kind)
 
 
@@ -328,15 +334,79 @@ def _above_link(row: report.AllreduceRow, rate: float) -> str:
             f"{(row.algbw_gbps or 0.0) * 8:.3g} Gbit/s)")
 
 
-def _measure(kind: str, root: int) -> sweep.Measure:
+class Tracer:
+    """The ``--trace`` file: Chrome Trace Event JSON (ui.perfetto.dev, chrome://tracing).
+
+    One process per worker count, one track per node (worker) in it, one slice
+    per timed (barrier-separated) iteration of every path, size and half, from
+    the start to the end of that node's call as the node's own clock measured
+    them, and one slice for each back-to-back loop. Emulation: every worker's
+    clock is the host's monotonic clock, so the tracks line up. Simulation:
+    virtual time, each measurement (its own simulation, starting at 0) placed
+    after the one before.
+    """
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        # (pid, pid name, node, name, cat, start s, end s, args)
+        self.slices: list[tuple[int, str, str, str, str, float, float, dict[str, Any]]] = []
+        self._virtual_end = 0.0
+
+    def add(self, workers: int, nodes: list[str], path: str, size: int,
+            per_rank: list[dict[str, Any]], virtual: bool = False) -> None:
+        """Every rank's spans of one measurement (both halves where there are two)."""
+        halves: list[tuple[str, list[dict[str, Any]]]] = []
+        if per_rank:
+            halves.append((per_rank[0].get("place", "out"), per_rank))
+            if "inplace" in per_rank[0]:
+                halves.append(("in", [r["inplace"] for r in per_rank]))
+        shift = 0.0
+        if virtual:  # each simulation starts its clock at 0: after the last one
+            starts = [t for _, rs in halves for r in rs for t, _e in r.get("spans", [])]
+            shift = self._virtual_end - min(starts, default=0.0)
+        pname = f"{self.kind}, {workers} workers"
+        label = f"{path} {report.format_size(size)}"
+        for place, rs in halves:
+            half = "in-place" if place == "in" else "out-of-place"
+            for rank, r in enumerate(rs):
+                node = nodes[rank] if rank < len(nodes) else f"rank {rank}"
+                meta = {"path": path, "size": size, "half": half, "rank": rank}
+                for k, (t0, t1) in enumerate(r.get("spans", [])):
+                    self.slices.append((workers, pname, node, f"{label} {half} #{k}", "timed",
+                                        t0 + shift, t1 + shift, {**meta, "iteration": k}))
+                if r.get("b2b"):
+                    t0, t1 = r["b2b"]
+                    n = len(r.get("spans", []))
+                    self.slices.append((workers, pname, node,
+                                        f"{label} {half} back-to-back x{n}", "back-to-back",
+                                        t0 + shift, t1 + shift, meta))
+        if virtual and self.slices:
+            self._virtual_end = max(e for *_x, e, _a in self.slices) + 1e-6
+
+    def write(self, path: str) -> None:
+        """Write the trace (an empty one when nothing ran)."""
+        from fabric.serving.trace import TraceBuilder
+
+        tb = TraceBuilder()
+        tb.t0 = min((int(s[5] * 1e9) for s in self.slices), default=0)
+        for pid, pname, node, name, cat, t0, t1, meta in sorted(
+                self.slices, key=lambda s: (s[0], s[2], s[5])):
+            tb.process(pid, pname, sort=pid)
+            tb.slice(pid, node, name, int(t0 * 1e9), int(t1 * 1e9), cat, meta)
+        tb.write(path)
+
+
+def _measure(kind: str, root: int, tracer: Tracer | None = None) -> sweep.Measure:
     def measure(fab: Any, path: str, workers: int, size: int, dtype: str, op: str,
                 args: argparse.Namespace) -> report.AllreduceRow:
         run_op = "sum" if op == "none" else op  # a collective that does not reduce ignores it
         if isinstance(fab, SimFabric):
-            return fab.measure(kind, path, size, dtype, run_op, root, args)
+            return fab.measure(kind, path, size, dtype, run_op, root, args, tracer)
         per_rank = fab.run(measure_on_worker, kind, path, size, dtype, run_op, root,
                            args.warmup, args.iters, bool(args.check), args.seed,
                            places=sweep.places(args))
+        if tracer is not None:
+            tracer.add(workers, [w.name for w in fab.topo.workers], path, size, per_rank)
         return combine(kind, path, workers, dtype, op, root, per_rank, bool(args.check))
 
     return measure
@@ -383,7 +453,8 @@ class SimFabric:
         return None
 
     def measure(self, kind: str, path: str, size: int, dtype: str, op: str, root: int,
-                args: argparse.Namespace) -> report.AllreduceRow:
+                args: argparse.Namespace, tracer: Tracer | None = None
+                ) -> report.AllreduceRow:
         from fabric.sim.engine import Simulation, SimulationError
 
         w = len(self.topo.workers)
@@ -410,6 +481,9 @@ class SimFabric:
             r["place"] = places[0]
             if len(per_place) > 1:
                 r["inplace"] = per_place[1][k]
+        if tracer is not None:
+            tracer.add(w, [n.name for n in self.topo.workers], path, size, per_rank,
+                       virtual=True)
         if sem.chunks:
             per_rank[0]["counters"] = {**sem.per_chunk(),
                                        "chunks": sem.chunks / max(args.warmup + 2 * args.iters,
@@ -441,11 +515,19 @@ def run(args: argparse.Namespace) -> int:
     header = sweep.header_lines(args, plan, kind, n_cores, extra, processes=not sim)
     setts = sweep.settings(args, plan, kind, n_cores, extra={
         "collective": kind, "root": root if kind in nccl.ROOTED else None})
-    return sweep.run_sweep(
-        args, plan, name=kind, header=header, setts=setts, measure=_measure(kind, root),
-        run_peer=_run_peer(kind, root), notes=sweep.row_notes(args, _above_link),
-        collective=kind, root=kind in nccl.ROOTED, fix_row=_fix_row(kind, root),
-        launch=(lambda a, w: SimFabric(sweep.topology(a, w), a)) if sim else None)
+    tracer = Tracer(kind) if getattr(args, "trace", None) else None
+    try:
+        return sweep.run_sweep(
+            args, plan, name=kind, header=header, setts=setts,
+            measure=_measure(kind, root, tracer), run_peer=_run_peer(kind, root),
+            notes=sweep.row_notes(args, _above_link), collective=kind,
+            root=kind in nccl.ROOTED, fix_row=_fix_row(kind, root),
+            launch=(lambda a, w: SimFabric(sweep.topology(a, w), a)) if sim else None)
+    finally:
+        if tracer is not None:
+            tracer.write(args.trace)
+            print(f"# wrote {args.trace} ({len(tracer.slices)} slices; open it in "
+                  "ui.perfetto.dev)", flush=True)
 
 
 def _size_words(kind: str) -> str:

@@ -272,8 +272,8 @@ def check_run_inputs(args: argparse.Namespace, workers: list[int], fabric: bool)
             parse_faults(args.faults)
         except FaultSpecError as exc:
             raise UsageError(f"--faults: {exc}") from None
-    for flag in ("json", "markdown", "plot"):
-        if getattr(args, flag):
+    for flag in ("json", "markdown", "plot", "trace"):
+        if getattr(args, flag, None):
             check_output_file(f"--{flag}", getattr(args, flag))
     if args.run_dir:
         check_dir("--run-dir", args.run_dir)

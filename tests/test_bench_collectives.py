@@ -193,6 +193,8 @@ def test_real_tiny_run(kind: str, tmp_path: Path, capsys: pytest.CaptureFixture[
             "--run-dir", str(tmp_path / "runs")]
     if kind == "reduce_scatter":  # host-p2p's in-place form is wrong: see test_in_place_halves
         argv += ["--inplace", "0"]
+    trace = tmp_path / f"{kind}.trace.json"
+    argv += ["--trace", str(trace)]
     assert main(argv) == 0
     text = capsys.readouterr().out
     assert text.index(f"# semfab bench {kind}") < text.index("#        size")
@@ -219,6 +221,11 @@ def test_real_tiny_run(kind: str, tmp_path: Path, capsys: pytest.CaptureFixture[
             assert r["copies"] is None  # streams keep no counters: none shown
     printed = _rows(text)
     assert [row[4 + (kind in ("broadcast", "reduce"))] for row in printed] == list(ours)
+    # a slice per timed iteration and per back-to-back loop, per path, half and node
+    halves = 2 if kind in collectives.INPLACE and kind != "reduce_scatter" else 1
+    slices = [e for e in json.loads(trace.read_text())["traceEvents"] if e["ph"] == "X"]
+    assert len(slices) == len(ours) * halves * 2 * (1 + 1)
+    assert f"# wrote {trace}" in text
 
 
 def test_sim_runs_the_same_collective(tmp_path: Path,
@@ -264,6 +271,30 @@ def test_in_place_halves(kind: str, tmp_path: Path) -> None:
         else:
             assert r["inplace_wrong"] == 0, r
     assert code == (1 if known else 0)
+
+
+def test_trace_a_track_per_node_a_slice_per_timed_iteration(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    trace = tmp_path / "t.json"
+    assert main(["bench", "all_gather", "--sim", "--workers", "3", "-b", "4K", "-e", "16K",
+                 "-w", "1", "-n", "2", "--paths", "ina,host-ring", "--inplace", "0",
+                 "--trace", str(trace)]) == 0
+    assert f"# wrote {trace}" in capsys.readouterr().out
+    events = json.loads(trace.read_text())["traceEvents"]
+    names = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
+             if e["ph"] == "M" and e["name"] == "thread_name"}
+    assert sorted(names.values()) == ["w0", "w1", "w2"]  # one track per node
+    slices = [e for e in events if e["ph"] == "X"]
+    timed = [e for e in slices if e["cat"] == "timed"]
+    assert len(timed) == 2 * 2 * 3 * 2  # paths x sizes x nodes x -n
+    assert len(slices) - len(timed) == 2 * 2 * 3  # one back-to-back loop each
+    assert {e["args"]["path"] for e in timed} == {"ina", "host-ring"}
+    for e in slices:
+        assert e["ts"] >= 0 and e["dur"] > 0 and isinstance(e["pid"], int)
+    for key in names:  # the slices of one track follow each other (simulations in a row)
+        spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in slices
+                       if (e["pid"], e["tid"]) == key)
+        assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:], strict=False))
 
 
 def test_time_is_the_back_to_back_average(tmp_path: Path,
