@@ -508,7 +508,9 @@ def _reduce_scatter(st: NodeState, g: Group, x: np.ndarray | None, out: np.ndarr
         def steps() -> Generator[Program, Any, Any]:
             yield Parallel(progs)
             if x is not None and out is not None:
-                bufs[r] = x[r * m:(r + 1) * m]
+                own = x[r * m:(r + 1) * m]
+                # in place, ``out`` is this very segment: keep it before summing into it
+                bufs[r] = own.copy() if np.shares_memory(own, out) else own
                 _reduce_in_order([b for b in bufs if b is not None], op, out)
             return out
 
@@ -578,7 +580,7 @@ def _reduce(st: NodeState, g: Group, x: np.ndarray | None, out: np.ndarray | Non
     def steps() -> Generator[Program, Any, Any]:
         yield recv
         if x is not None and out is not None:
-            bufs[r] = x
+            bufs[r] = x.copy() if np.shares_memory(x, out) else x  # in place: keep ours
             _reduce_in_order([b for b in bufs if b is not None], op, out)
         return out
 

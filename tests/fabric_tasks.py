@@ -412,3 +412,26 @@ def tenants_task(ep, per_tenant: int, n: int) -> dict:
     out = run_in_emulation(ep, tenants_workload, per_tenant, n)
     out["fallbacks"] = list(ep.fallbacks)
     return out
+
+
+def in_place_workload(ctx, m: int):
+    """NCCL's in-place forms: all_gather's input is its slice of the output,
+    reduce_scatter's output its slice of the input, broadcast/reduce one buffer."""
+    from fabric.collective_programs import COLLECTIVES
+
+    W, r = ctx.world, ctx.rank
+    out = {}
+    for path in COLLECTIVES["all_gather"]:
+        buf = np.zeros(W * m, np.int32)
+        buf[r * m:(r + 1) * m] = coll_input(r, 0, m, "int32")
+        y = yield ctx.all_gather(buf[r * m:(r + 1) * m], buf, path=path)
+        out[f"all_gather/{path}"] = np.array(y)
+    for path in COLLECTIVES["reduce_scatter"]:
+        buf = coll_input(r, 1, W * m, "int32")
+        y = yield ctx.reduce_scatter(buf, buf[r * m:(r + 1) * m], path=path)
+        out[f"reduce_scatter/{path}"] = np.array(y)
+    for path in COLLECTIVES["reduce"]:
+        buf = coll_input(r, 2, m, "int32")
+        y = yield ctx.reduce(buf, buf if r == 0 else None, path=path, root=0)
+        out[f"reduce/{path}"] = None if y is None else np.array(y)
+    return out

@@ -243,10 +243,10 @@ def test_sim_runs_the_same_collective(tmp_path: Path,
                r["redop"] == "max" for r in doc["results"])
 
 
-#: (collective, path) whose in-place form gives wrong elements today: host-p2p's
-#: reduce_scatter reduces into ``out`` while ``out`` is also its own segment of ``x``
-#: (fabric/collective_programs.py, _reduce_scatter); the bench finds it.
-KNOWN_WRONG_IN_PLACE = {("reduce_scatter", "host-p2p")}
+#: (collective, path) whose in-place form gives wrong elements (none: host-p2p's
+#: reduce_scatter once summed into ``out`` while ``out`` was its own segment of
+#: ``x``; the bench found it).
+KNOWN_WRONG_IN_PLACE: set[tuple[str, str]] = set()
 
 
 @pytest.mark.parametrize("kind", collectives.KINDS)

@@ -128,3 +128,21 @@ def test_alltoallv_sizes_that_disagree_fail_fast_naming_the_sender() -> None:
 
     with pytest.raises((PeerFailed, SimulationError), match="sizes disagree|refused"):
         _run(star(2), mismatched)
+
+
+@pytest.mark.parametrize("topo", [star(4), leaf_spine(2, 2)], ids=["star4", "2x2"])
+def test_in_place_forms_are_exact(topo) -> None:
+    m, W = 2001, len(topo.workers)
+    res = Simulation(topo).run(tasks.in_place_workload, m)
+    ag = np.concatenate([tasks.coll_input(k, 0, m, "int32") for k in range(W)])
+    rs = sum(tasks.coll_input(k, 1, W * m, "int32") for k in range(W))
+    rd = sum(tasks.coll_input(k, 2, m, "int32") for k in range(W))
+    for r, out in enumerate(res.results):
+        for path in COLLECTIVES["all_gather"]:
+            np.testing.assert_array_equal(out[f"all_gather/{path}"], ag, err_msg=path)
+        for path in COLLECTIVES["reduce_scatter"]:
+            np.testing.assert_array_equal(out[f"reduce_scatter/{path}"],
+                                          rs[r * m:(r + 1) * m], err_msg=path)
+        for path in COLLECTIVES["reduce"]:
+            if r == 0:
+                np.testing.assert_array_equal(out[f"reduce/{path}"], rd, err_msg=path)
