@@ -121,7 +121,6 @@ def run(args: argparse.Namespace) -> int:
     except TopologyError as exc:
         raise UsageError(str(exc)) from None
     with fab:
-        _write_info(fab)
         print(f"fabric up in {time.monotonic() - t0:.1f}s: {len(fab.procs)} processes "
               f"({', '.join(fab.procs)}); logs in {fab.run_dir}", file=sys.stderr)
         if ref is not None:
@@ -132,13 +131,6 @@ def run(args: argparse.Namespace) -> int:
             return 0
         _status_loop(fab, args.duration)
     return 0
-
-
-def _write_info(fab: Any) -> None:
-    info = {"sock_dir": str(fab.sock_dir), "pid": os.getpid(),
-            "switches": {s.name: {"address": fab.topo.endpoint_address(s.name, fab.sock_dir),
-                                  "id": s.id} for s in fab.topo.switches}}
-    (fab.run_dir / "fabric.json").write_text(json.dumps(info, indent=2))
 
 
 def _status_loop(fab: Any, duration: float) -> None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import atexit
 import inspect
 import itertools
+import json
 import logging
 import os
 import pickle
@@ -201,11 +202,22 @@ class Fabric:
                     *(["-v"] if self.verbose else []),
                 ])
             self._wait_ready()
+            self._write_info()
         except BaseException:
             self.close()
             raise
         log.info("fabric up: %d processes, run folder %s", len(self.procs), self.run_dir)
         return self
+
+    def _write_info(self) -> None:
+        """fabric.json in the run folder: how `semfab stats` finds a running fabric
+        (whoever launched it: the CLI, a benchmark, user code)."""
+        assert self.sock_dir is not None
+        info = {"sock_dir": str(self.sock_dir), "pid": os.getpid(),
+                "switches": {s.name: {"address": self.topo.endpoint_address(s.name,
+                                                                            self.sock_dir),
+                                      "id": s.id} for s in self.topo.switches}}
+        (self.run_dir / "fabric.json").write_text(json.dumps(info, indent=2))
 
     def _spawn(self, name: str, kind: str, cmd: list[str]) -> None:
         log_path = self.run_dir / f"{name}.log"

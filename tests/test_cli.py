@@ -224,3 +224,18 @@ def test_stats_reads_a_running_fabric(tmp_path: Path) -> None:
         os.killpg(proc.pid, 2)  # Ctrl-C
         proc.wait(30)
     assert proc.returncode in (0, 130)
+
+
+def test_stats_finds_a_fabric_launched_from_python(tmp_path) -> None:
+    """Any fabric (a benchmark's, user code's) writes fabric.json, so `semfab stats
+    <run folder>` reads its counters, not only `semfab launch`'s."""
+    import subprocess
+    import sys
+
+    from fabric.launcher import launch
+
+    with launch(workers=2, run_dir=tmp_path, timeout_s=20):
+        out = subprocess.run([sys.executable, "-m", "fabric", "stats", str(tmp_path)],
+                             capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "sw0: up" in out.stdout

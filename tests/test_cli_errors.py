@@ -353,7 +353,7 @@ def test_a_script_without_main_guard_is_refused(tmp_path: Path,
     assert 'put the launch() call under `if __name__ == "__main__":`' in err
     # one fabric only: the worker refused to start a second one
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == [
-        "host0.log", "sw0.log", "topology.toml", "w0.log"]
+        "fabric.json", "host0.log", "sw0.log", "topology.toml", "w0.log"]
 
 
 def test_stale_socket_folders_of_dead_launchers_are_swept(tmp_path: Path) -> None:
