@@ -191,8 +191,6 @@ def test_real_tiny_run(kind: str, tmp_path: Path, capsys: pytest.CaptureFixture[
     ours = collectives.our_paths(kind)
     argv = ["bench", kind, *TINY, "--paths", ",".join(ours), "--seed", "3", "--json", str(out),
             "--run-dir", str(tmp_path / "runs")]
-    if kind == "reduce_scatter":  # host-p2p's in-place form is wrong: see test_in_place_halves
-        argv += ["--inplace", "0"]
     trace = tmp_path / f"{kind}.trace.json"
     argv += ["--trace", str(trace)]
     assert main(argv) == 0
@@ -222,7 +220,7 @@ def test_real_tiny_run(kind: str, tmp_path: Path, capsys: pytest.CaptureFixture[
     printed = _rows(text)
     assert [row[4 + (kind in ("broadcast", "reduce"))] for row in printed] == list(ours)
     # a slice per timed iteration and per back-to-back loop, per path, half and node
-    halves = 2 if kind in collectives.INPLACE and kind != "reduce_scatter" else 1
+    halves = 2 if kind in collectives.INPLACE else 1
     slices = [e for e in json.loads(trace.read_text())["traceEvents"] if e["ph"] == "X"]
     assert len(slices) == len(ours) * halves * 2 * (1 + 1)
     assert f"# wrote {trace}" in text
@@ -232,8 +230,7 @@ def test_sim_runs_the_same_collective(tmp_path: Path,
                                       capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "sim.json"
     assert main(["bench", "reduce_scatter", "--sim", "--workers", "4", "-b", "4K", "-e", "16K",
-                 "-w", "0", "-n", "1", "-d", "bf16", "-o", "max", "--inplace", "0",
-                 "--json", str(out)]) == 0
+                 "-w", "0", "-n", "1", "-d", "bf16", "-o", "max", "--json", str(out)]) == 0
     text = capsys.readouterr().out
     assert "# simulated: virtual time" in text and "oversubscribed" not in text
     doc = json.loads(out.read_text())
