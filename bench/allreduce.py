@@ -7,7 +7,9 @@ the same run. Timing (also used by the peers, see docs/PEERS.md): per size,
 barrier; each rank times its own call; an iteration's time is the maximum over
 ranks; the row reports p50, p99, min and max of those. Then ``iters`` more
 run back to back with no barrier between them, and ``time`` is their total
-over ``iters`` (the slowest rank's), as nccl-tests' ``time`` column is.
+over ``iters`` (the slowest rank's), as nccl-tests' ``time`` column is. Each
+size runs nccl-tests' two halves (``--inplace``): out-of-place (the result in
+a second registered buffer), then in-place (``out is x``), each checked.
 
 Output follows nccl-tests' habits: a header with every parameter first, then
 one fixed-width row per size as soon as that size is done (each size is its own
