@@ -42,19 +42,9 @@ def hosts_needed(transports: list[str] | tuple[str, ...]) -> int:
 
 def launch_for(transports: list[str] | tuple[str, ...], workers: int = 1,
                **kwargs: Any) -> Fabric:
-    """A star fabric with the hosts the given transports need.
-
-    Its run folder gets a ``fabric.json``, as `semfab launch` writes, so
-    `semfab stats` finds the fabric while it runs.
-    """
-    from fabric.launch_cli import _write_info
-
-    fab = launch(topology=star(workers, hosts=hosts_needed(transports)), **kwargs)
-    try:
-        _write_info(fab)
-    except OSError as exc:  # stats cannot find it; the chain itself still works
-        log.warning("could not write %s/fabric.json: %s", fab.run_dir, exc)
-    return fab
+    """A star fabric with the hosts the given transports need (its run folder gets
+    the ``fabric.json`` every launched fabric writes, so `semfab stats` finds it)."""
+    return launch(topology=star(workers, hosts=hosts_needed(transports)), **kwargs)
 
 
 class ServingChain:
