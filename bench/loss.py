@@ -104,6 +104,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--markdown", metavar="PATH", help="write the table as Markdown")
     p.add_argument("--plot", metavar="PATH", help="goodput ratio against loss, PNG")
     p.add_argument("--run-dir", help="where process logs go")
+    p.add_argument("--keep-runs", action="store_true",
+                   help="keep the process logs of a clean run (removed by default)")
 
 
 def _parse(args: argparse.Namespace) -> tuple[list[float], list[str], list[str], int, int]:
@@ -150,7 +152,8 @@ def run(args: argparse.Namespace) -> int:
     topo = star(2, mtu=max(frame, 256))
     with report.progress(len(scenarios) * len(combos), "loss") as bar:
         for label, p, faults in scenarios:
-            kw: dict[str, Any] = dict(timeout_s=args.timeout, faults=faults, seed=args.seed)
+            kw: dict[str, Any] = dict(timeout_s=args.timeout, faults=faults, seed=args.seed,
+                                      remove_run_dir=not (args.run_dir or args.keep_runs))
             if args.run_dir:
                 kw["run_dir"] = f"{args.run_dir}/{label.replace(':', '_')}"
             with launch(topology=topo, **kw) as fab:

@@ -57,6 +57,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", metavar="PATH", help="write rows and settings as JSON")
     p.add_argument("--markdown", metavar="PATH", help="write the table as Markdown")
     p.add_argument("--run-dir", help="where process logs go (emulation)")
+    p.add_argument("--keep-runs", action="store_true",
+                   help="keep the process logs of a clean run (removed by default)")
 
 
 def _settings(args: argparse.Namespace) -> dict[str, Any]:
@@ -203,7 +205,8 @@ def run(args: argparse.Namespace) -> int:
             continue
         from fabric.launcher import launch
 
-        kw: dict[str, Any] = {"timeout_s": args.timeout, "seed": s["seed"]}
+        kw: dict[str, Any] = {"timeout_s": args.timeout, "seed": s["seed"],
+                              "remove_run_dir": not (args.run_dir or args.keep_runs)}
         if args.run_dir:
             kw["run_dir"] = f"{args.run_dir}/r{ratio:g}"
         with launch(topology=topo, **kw) as fab:

@@ -114,6 +114,8 @@ def add_arguments(p: argparse.ArgumentParser, all_paths: Sequence[str], *, sim_h
     p.add_argument("--plot", metavar="PATH",
                    help="write busbw and latency (time) against size as PNG, two panels")
     p.add_argument("--run-dir", help="where process logs go (default: ./runs/<stamp>)")
+    p.add_argument("--keep-runs", action="store_true",
+                   help="keep the process logs of a clean run (removed by default)")
     p.add_argument("--timeout", type=float, default=60.0,
                    help="seconds any single wait may take before the run fails")
     p.add_argument("--sim", action="store_true", help=sim_help)
@@ -534,7 +536,8 @@ def _launch(args: argparse.Namespace, w: int) -> Any:
     """A launched fabric of ``w`` workers with the run's topology, faults and timeout."""
     from fabric.launcher import launch
 
-    kw: dict[str, Any] = dict(timeout_s=args.timeout)
+    kw: dict[str, Any] = dict(timeout_s=args.timeout, remove_run_dir=not (
+        args.run_dir or getattr(args, "keep_runs", False)))
     if args.run_dir:
         kw["run_dir"] = f"{args.run_dir}/w{w}"
     if getattr(args, "faults", None):
@@ -572,6 +575,11 @@ def _run_fabric(args: argparse.Namespace, plan: Plan, w: int, printer: Printer,
                                     broken = (f"the fabric of {w} workers failed earlier "
                                               f"({path} {report.format_size(size)})")
                             printer.add(rep, row)
+                            removing = bool(getattr(fab, "remove_run_dir", False))
+                            if removing and report.failures([row]):
+                                fab.remove_run_dir = False  # a failed row keeps its logs
+                                print(f"# logs of the failed run kept in {fab.run_dir}",
+                                      flush=True)
                             bar.advance()
 
 

@@ -141,9 +141,12 @@ class Fabric:
         seed: int = 0,
         crc: bool | None = None,
         verbose: bool = False,
+        remove_run_dir: bool = False,
     ) -> None:
         self.topo = topo
         self.run_dir = Path(run_dir) if run_dir else default_run_dir()
+        # benchmarks drop the logs of a clean run (their --keep-runs keeps them)
+        self.remove_run_dir = remove_run_dir
         self.timeout_s = check_seconds("timeout_s", timeout_s)
         self.start_timeout_s = check_seconds("start_timeout_s", start_timeout_s)
         self.switch_args = list(switch_args)
@@ -405,6 +408,8 @@ class Fabric:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+        if exc[0] is None and self.remove_run_dir:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
 
 
 def _signal_group(popen: subprocess.Popen[bytes], sig: int) -> None:

@@ -331,3 +331,14 @@ def test_peers_in_the_same_run_and_compare(tmp_path: Path,
     # semfab compare reads these files
     assert main(["compare", str(out), str(out)]) == 0
     assert "saved alltoall runs" in capsys.readouterr().out
+
+
+def test_a_clean_run_removes_its_process_logs_unless_asked(tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SEMFAB_RUN_DIR", str(tmp_path / "runs"))
+    base = ["bench", "broadcast", "--workers", "2", "-b", "4K", "-e", "4K", "-w", "0", "-n",
+            "1", "--paths", "ina", "--inplace", "0"]
+    assert main(base) == 0
+    assert not list((tmp_path / "runs").glob("*/sw0.log"))
+    assert main([*base, "--keep-runs"]) == 0
+    assert list((tmp_path / "runs").glob("*/sw0.log"))
