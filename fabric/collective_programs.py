@@ -69,6 +69,7 @@ __all__ = [
     "close_group_program",
     "group_program",
     "segment_bounds",
+    "stream_id",
 ]
 
 #: Flow of collective streams; their ACK/NACK travel on COLL_FLOW + 1.
@@ -94,7 +95,7 @@ def segment_bounds(counts: Sequence[int]) -> list[int]:
     return out
 
 
-def _sid(msg: int, slot: int) -> int:
+def stream_id(msg: int, slot: int) -> int:
     """Stream id of stream ``slot`` of collective ``msg`` (with src, flow and msg,
     it names one stream)."""
     return ((msg & 0xFF) << 8 | (slot & 0xFF)) & 0xFFFF
@@ -301,13 +302,13 @@ class InaReduce(InaAllreduce):
 # ---------------------------------------------------------------------- helpers
 def _recv_stream(st: NodeState, g: Group, k: int, out: np.ndarray | None, nbytes: int,
                  msg: int, slot: int) -> StreamRecv:
-    return StreamRecv(st, g.ranks[k], out, nbytes, sid=_sid(msg, slot), flow=COLL_FLOW,
+    return StreamRecv(st, g.ranks[k], out, nbytes, sid=stream_id(msg, slot), flow=COLL_FLOW,
                       msg=msg)
 
 
 def _send_stream(st: NodeState, g: Group, k: int, x: np.ndarray | None, nbytes: int,
                  msg: int, slot: int) -> StreamSend:
-    return StreamSend(st, g.ranks[k], x, nbytes, sid=_sid(msg, slot), flow=COLL_FLOW, msg=msg)
+    return StreamSend(st, g.ranks[k], x, nbytes, sid=stream_id(msg, slot), flow=COLL_FLOW, msg=msg)
 
 
 class _Done(Program):
@@ -458,7 +459,7 @@ def _all_gather(st: NodeState, g: Group, x: np.ndarray | None, out: np.ndarray |
         return Chain(steps())
     progs: list[Program] = []
     if path == "ina":
-        progs.append(McastSend(st, g, x, m * item, sid=_sid(msg, 0), msg=msg))
+        progs.append(McastSend(st, g, x, m * item, sid=stream_id(msg, 0), msg=msg))
     for k in range(W):
         if k == r:
             continue
@@ -478,7 +479,7 @@ def _broadcast(st: NodeState, g: Group, x: np.ndarray | None, out: np.ndarray | 
     if r != root:
         return _finish(_recv_stream(st, g, root, out, n * item, msg, 0), out)
     if path == "ina":
-        return _finish(McastSend(st, g, x, n * item, sid=_sid(msg, 0), msg=msg), out)
+        return _finish(McastSend(st, g, x, n * item, sid=stream_id(msg, 0), msg=msg), out)
     return _finish(Parallel([_send_stream(st, g, k, x, n * item, msg, 0)
                              for k in range(W) if k != root]), out)
 

@@ -444,64 +444,56 @@ def _hier_combine(st: NodeState, g: Group, d: Dispatched,
 
 
 # ---------------------------------------------------------------------- in the network
-class RowsSend(Program):
-    """Dispatch rows as masked multicast frames (``key`` = the mask of the target
-    members; rows with the same targets share a frame); each target ACKs each
-    frame; a frame some targets lack by its RTO goes again to those alone (a
-    smaller mask)."""
+class _AckedFrames(Program):
+    """Frames sent in a window, each until every node it waits on ACKed it; one RTO
+    (RFC 6298, per node and role across calls) resends a frame to whoever still
+    owes its ACK. Subclasses say what a frame is (:meth:`_frame`), who ACKs it
+    (:meth:`_ackers`) and which ACKs are theirs (:meth:`wants`)."""
 
-    def __init__(self, st: NodeState, g: Group, rows: list[tuple[int, list[int], Any]], *,
-                 sid: int, msg: int) -> None:
+    role = "frames"
+
+    def __init__(self, st: NodeState, count: int, *, rto_min: float = 0.02) -> None:
         from fabric.reliability import RttEstimator
 
-        self.st, self.g, self.rows, self.sid, self.msg = st, g, rows, sid, msg
-        self.order = sorted(g.ids)  # mask bit i: the i-th member by id
-        self.pending: dict[int, set[int]] = {}  # row -> member ids still to ACK
+        self.st, self.count = st, count
+        self.pending: dict[int, set[int]] = {}  # frame -> node ids still to ACK it
         self.sent_at: dict[int, float] = {}
         self.tries: dict[int, int] = {}
         self.next = 0
         # one estimator per node and role: later calls start from what earlier ones measured
-        self.rtt = st.__dict__.setdefault("moe_rows_rtt", RttEstimator(rto_min=0.02))
-        self.retransmits = 0
+        self.rtt: RttEstimator = st.__dict__.setdefault(f"moe_{self.role}_rtt",
+                                                        RttEstimator(rto_min=rto_min))
 
-    def _frame(self, j: int, members: set[int]) -> Send:
-        mask = 0
-        for m in members:
-            mask |= 1 << self.order.index(m)
-        body = self.rows[j][2]
-        return (fr.encode_header(Op.WRITE, src=self.st.node_id, dst=self.g.gid,
-                                 flags=Flag.MCAST, flow=MASKED_FLOW, job=self.sid, psn=j,
-                                 key=mask, msg=self.msg, payload=body, crc=self.st.crc), body)
+    def _frame(self, j: int, left: set[int]) -> Send:
+        raise NotImplementedError
+
+    def _ackers(self, j: int) -> set[int]:
+        raise NotImplementedError
 
     def _pump(self, now: float) -> list[Send]:
         out: list[Send] = []
-        while self.next < len(self.rows) and len(self.pending) < ROWS_WINDOW:
+        while self.next < self.count and len(self.pending) < ROWS_WINDOW:
             j = self.next
             self.next += 1
-            members = {self.g.ids[k] for k in self.rows[j][1]}
-            self.pending[j] = members
+            self.pending[j] = left = self._ackers(j)
             self.sent_at[j] = now
-            out.append(self._frame(j, members))
-        if self.next == len(self.rows) and not self.pending:
+            out.append(self._frame(j, left))
+        if self.next == self.count and not self.pending:
             self.done = True
         return out
 
     def start(self, now: float) -> list[Send]:
         return self._pump(now)
 
-    def wants(self, f: fr.Frame) -> bool:
-        return (f.op is Op.ACK and f.flow == MASKED_FLOW + 1 and f.job == self.sid
-                and f.msg == self.msg)
-
-    def handle_frame(self, f: fr.Frame, now: float) -> list[Send]:
-        left = self.pending.get(f.psn)
-        if left is None or f.src not in left:
+    def _acked(self, j: int, who: int, now: float) -> list[Send]:
+        left = self.pending.get(j)
+        if left is None or who not in left:
             return []
-        left.discard(f.src)
+        left.discard(who)
         if not left:
-            del self.pending[f.psn]
-            if not self.tries.get(f.psn):  # Karn: only rows sent once
-                self.rtt.sample(now - self.sent_at[f.psn])
+            del self.pending[j]
+            if not self.tries.get(j):  # Karn: only frames sent once
+                self.rtt.sample(now - self.sent_at[j])
         return self._pump(now)
 
     def get_timer(self) -> float | None:
@@ -516,13 +508,12 @@ class RowsSend(Program):
             if self.sent_at[j] + rto <= now:
                 n = self.tries[j] = self.tries.get(j, 0) + 1
                 if n > 64:
-                    names = ", ".join(self.st.topo.by_id(m).name for m in sorted(left))
                     from fabric.errors import FabricTimeout
 
-                    raise FabricTimeout(f"{self.st.name}: moe dispatch row {j}: no ACK from "
-                                        f"{names} after {n - 1} retransmissions")
+                    names = ", ".join(self.st.topo.by_id(m).name for m in sorted(left))
+                    raise FabricTimeout(f"{self.st.name}: moe {self.role} frame {j}: no ACK "
+                                        f"from {names} after {n - 1} retransmissions")
                 self.sent_at[j] = now
-                self.retransmits += 1
                 out.append(self._frame(j, left))
         if out:
             self.rtt.backoff()
@@ -531,8 +522,42 @@ class RowsSend(Program):
 
     def waiting_for(self) -> str:
         late = sorted({m for left in self.pending.values() for m in left})
-        return "ACKs of dispatch rows from " + ", ".join(
+        return f"ACKs of moe {self.role} frames from " + ", ".join(
             self.st.topo.by_id(m).name for m in late[:8])
+
+
+class RowsSend(_AckedFrames):
+    """Dispatch rows as masked multicast frames (``key`` = the mask of the target
+    members; rows with the same targets share a frame); each target ACKs each
+    frame; a frame some targets lack by its RTO goes again to those alone (a
+    smaller mask)."""
+
+    role = "dispatch"
+
+    def __init__(self, st: NodeState, g: Group, rows: list[tuple[int, list[int], Any]], *,
+                 sid: int, msg: int) -> None:
+        super().__init__(st, len(rows))
+        self.g, self.rows, self.sid, self.msg = g, rows, sid, msg
+        self.order = sorted(g.ids)  # mask bit i: the i-th member by id
+
+    def _ackers(self, j: int) -> set[int]:
+        return {self.g.ids[k] for k in self.rows[j][1]}
+
+    def _frame(self, j: int, left: set[int]) -> Send:
+        mask = 0
+        for m in left:
+            mask |= 1 << self.order.index(m)
+        body = self.rows[j][2]
+        return (fr.encode_header(Op.WRITE, src=self.st.node_id, dst=self.g.gid,
+                                 flags=Flag.MCAST, flow=MASKED_FLOW, job=self.sid, psn=j,
+                                 key=mask, msg=self.msg, payload=body, crc=self.st.crc), body)
+
+    def wants(self, f: fr.Frame) -> bool:
+        return (f.op is Op.ACK and f.flow == MASKED_FLOW + 1 and f.job == self.sid
+                and f.msg == self.msg)
+
+    def handle_frame(self, f: fr.Frame, now: float) -> list[Send]:
+        return self._acked(f.psn, f.src, now)
 
 
 class RowsRecv(Program):
@@ -598,7 +623,7 @@ class RowsRecv(Program):
 def _innet_dispatch(st: NodeState, g: Group, x: np.ndarray | None, idx: np.ndarray,
                     wbits: np.ndarray, ranks_of: list[list[int]], T: int, H: int, K: int,
                     dtype: str, E: int) -> Generator[Program, Any, Dispatched]:
-    from fabric.collective_programs import _sid
+    from fabric.collective_programs import stream_id
     from fabric.programs import Parallel
 
     W, r = g.size, g.rank
@@ -630,8 +655,8 @@ def _innet_dispatch(st: NodeState, g: Group, x: np.ndarray | None, idx: np.ndarr
     counts = yield collective_program(st, "alltoall", np.array(sc, np.int32),
                                       np.empty(W, np.int32), path="host-p2p", group=g)
     msg = g.next_msg()
-    got = yield Parallel([RowsSend(st, g, frames, sid=_sid(msg, 0), msg=msg),
-                          RowsRecv(st, g, counts, row_bytes, sid=_sid(msg, 0), msg=msg)])
+    got = yield Parallel([RowsSend(st, g, frames, sid=stream_id(msg, 0), msg=msg),
+                          RowsRecv(st, g, counts, row_bytes, sid=stream_id(msg, 0), msg=msg)])
     received = got[1]
     bodies = [(k, received[(k, j)][a: a + row_bytes]) for k, j in sorted(received)
               for a in range(0, len(received[(k, j)]), row_bytes)]
@@ -646,54 +671,37 @@ def _innet_dispatch(st: NodeState, g: Group, x: np.ndarray | None, idx: np.ndarr
         meta[i] = np.frombuffer(body[:nm], np.int32)
         if vecs is not None:
             vecs[i] = np.frombuffer(body[nm:], np_dtype(dtype))
-    plan = {"ranks_of": ranks_of, "idx": idx}
+    plan = {"ranks_of": ranks_of}
     return Dispatched(vecs, src, meta[:, 0].copy(), meta[:, 1:1 + K].copy(),
                       meta[:, 1 + K:].copy().view(np.float32), E, "in-network", T, H, dtype,
                       plan)
 
 
-class CombineSend(Program):
+class CombineSend(_AckedFrames):
     """Each dispatched row's partial, towards the token's home; this rank's switch
     sums the partials of one token from every rank below it. Rows of one home with
     the same count of contributions below the switch (``key``) share a frame
-    (``offset`` tokens: their ids, then their vectors); unACKed frames go again."""
+    (``offset`` tokens: their ids, then their vectors); the switch ACKs each."""
+
+    role = "combine"
 
     def __init__(self, st: NodeState, frames: list[tuple[int, int, int, bytes]], *,
                  sid: int, msg: int, dtype: str) -> None:
-        from fabric.reliability import RttEstimator
-
-        self.st, self.sid, self.msg = st, sid, msg
+        super().__init__(st, len(frames))
         self.frames = frames  # (home node id, tokens, contributions below our switch, body)
+        self.sid, self.msg = sid, msg
         self.code = fr.dtype_from_name(dtype)
-        self.pending: set[int] = set()
-        self.sent_at: dict[int, float] = {}
-        self.tries: dict[int, int] = {}
-        self.next = 0
-        # one estimator per node and role: later calls start from what earlier ones measured
-        self.rtt = st.__dict__.setdefault("moe_combine_rtt", RttEstimator(rto_min=0.02))
 
-    def _frame(self, j: int) -> Send:
+    def _ackers(self, j: int) -> set[int]:
+        return {self.st.switch_id}
+
+    def _frame(self, j: int, left: set[int]) -> Send:
         from switchd.core import COMBINE_FLOW
 
         home, n, below, body = self.frames[j]
         return (fr.encode_header(Op.REDUCE, src=self.st.node_id, dst=home, flow=COMBINE_FLOW,
                                  job=self.sid, psn=j, key=below, offset=n, msg=self.msg,
                                  dtype=self.code, payload=body, crc=self.st.crc), body)
-
-    def _pump(self, now: float) -> list[Send]:
-        out: list[Send] = []
-        while self.next < len(self.frames) and len(self.pending) < ROWS_WINDOW:
-            j = self.next
-            self.next += 1
-            self.pending.add(j)
-            self.sent_at[j] = now
-            out.append(self._frame(j))
-        if self.next == len(self.frames) and not self.pending:
-            self.done = True
-        return out
-
-    def start(self, now: float) -> list[Send]:
-        return self._pump(now)
 
     def wants(self, f: fr.Frame) -> bool:
         from switchd.core import COMBINE_FLOW
@@ -702,36 +710,7 @@ class CombineSend(Program):
                 and f.msg == self.msg and f.src == self.st.switch_id)
 
     def handle_frame(self, f: fr.Frame, now: float) -> list[Send]:
-        if f.psn in self.pending:
-            self.pending.discard(f.psn)
-            if not self.tries.get(f.psn):
-                self.rtt.sample(now - self.sent_at[f.psn])
-        return self._pump(now)
-
-    def get_timer(self) -> float | None:
-        if self.done or not self.pending:
-            return None
-        return min(self.sent_at[j] for j in self.pending) + self.rtt.rto
-
-    def handle_timer(self, now: float) -> list[Send]:
-        out = []
-        for j in sorted(self.pending):
-            if self.sent_at[j] + self.rtt.rto <= now:
-                n = self.tries[j] = self.tries.get(j, 0) + 1
-                if n > 64:
-                    from fabric.errors import FabricTimeout
-
-                    raise FabricTimeout(f"{self.st.name}: moe combine: switch "
-                                        f"{self.st.switch_name} never took frame {j}")
-                self.sent_at[j] = now
-                out.append(self._frame(j))
-        if out:
-            self.rtt.backoff()
-            self.st.retransmits += len(out)
-        return out
-
-    def waiting_for(self) -> str:
-        return f"switch {self.st.switch_name} (ACKs of combine partials)"
+        return self._acked(f.psn, f.src, now)
 
 
 class CombineRecv(Program):
@@ -811,7 +790,7 @@ class CombineRecv(Program):
 
 def _innet_combine(st: NodeState, g: Group, d: Dispatched,
                    partials: np.ndarray | None) -> Generator[Program, Any, Any]:
-    from fabric.collective_programs import _sid
+    from fabric.collective_programs import stream_id
     from fabric.programs import Parallel
 
     W, r = g.size, g.rank
@@ -840,7 +819,7 @@ def _innet_combine(st: NodeState, g: Group, d: Dispatched,
         for sw in sorted({sw_of[q] for q in ranks_of[t]}):
             expect[(t, sw)] = None
     msg = g.next_msg()
-    sid = _sid(msg, 0)
+    sid = stream_id(msg, 0)
     got = yield Parallel([CombineSend(st, frames, sid=sid, msg=msg, dtype=d.dtype),
                           CombineRecv(st, expect, d.tokens, d.hidden, sid=sid, msg=msg,
                                       data=partials is not None)])
