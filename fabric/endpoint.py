@@ -29,6 +29,7 @@ import numpy as np
 import zmq
 
 from fabric import control, transport
+from fabric import doorbell as db
 from fabric import frame as fr
 from fabric.errors import FabricTimeout, PeerFailed, UsageError
 from fabric.frame import NackCode, Op
@@ -48,7 +49,9 @@ DTYPE_NAMES = tuple(_REGISTRY_DTYPES)
 DEFAULT_TIMEOUT_S = 30.0
 #: Control message types that answer a request (see :meth:`Endpoint.defer`).
 CTRL_REPLIES = frozenset({"welcome", "barrier_done", "job_reply", "region_reply", "stats",
-                          "release_reply", "group_reply", "group_released"})
+                          "release_reply", "group_reply", "group_released", "doorbell_reply"})
+# what Endpoint._wait found
+_NOTHING, _SOCKET, _RING = 0, 1, 2
 
 
 def np_dtype(name: str) -> np.dtype[Any]:
@@ -132,6 +135,10 @@ class Endpoint:
         self.dropped = 0  # unsolicited frames dropped from a full stash
         self.scratch: np.ndarray | None = None  # staging region for ina-mem
         self.fixed_scratch: np.ndarray | None = None  # int32 region for fixed-point ina-mem
+        # shared-memory doorbell to the switch, opened with the first region
+        self.bell: db.Doorbell | None = None
+        self._bell_tried = False
+        self._poller: zmq.Poller | None = None
         self._hello()
 
     # the counters live in the protocol state, which programs update
@@ -168,9 +175,12 @@ class Endpoint:
         return self.state.sem(path)
 
     def send_frame(self, header: bytes, payload: Any = None) -> None:
-        """Send one frame to the switch (payload zero-copy when large)."""
+        """Send one frame to the switch (payload zero-copy when large; a memory-plane
+        descriptor through the doorbell when there is one)."""
         if payload is None:
-            self.sock.send(header)
+            bell = self.bell
+            if bell is None or not db.carries(header) or not bell.send(header):
+                self.sock.send(header)
             return
         nbytes = memoryview(payload).nbytes
         self.sock.send(header, zmq.SNDMORE)
@@ -208,6 +218,11 @@ class Endpoint:
     def drain_idle(self) -> None:
         """Between operations: take what arrived and apply :meth:`defer` to it (late
         retransmissions of finished collectives are answered, the rest kept)."""
+        while self.bell is not None and (raw := self.bell.recv()) is not None:
+            try:
+                self.defer(fr.decode(raw, None))
+            except fr.FrameError:
+                self.bad_frames += 1
         while True:
             try:
                 parts = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
@@ -241,7 +256,27 @@ class Endpoint:
             timer = prog.get_timer()
             until = quiet_until if timer is None else min(timer, quiet_until)
             wait_ms = max(math.ceil((until - time.monotonic()) * 1000), 0)
-            if not transport.spin_poll(sock, wait_ms):
+            got = self._wait(wait_ms)
+            if got == _RING:  # a memory-plane descriptor through the doorbell
+                assert self.bell is not None
+                raw = self.bell.recv()
+                if raw is None:
+                    continue
+                try:
+                    f = fr.decode(raw, None)
+                except fr.FrameError as exc:
+                    self.bad_frames += 1
+                    log.info("%s: dropped a bad doorbell frame: %s", self.name, exc)
+                    continue
+                if prog.wants(f):
+                    now = time.monotonic()
+                    self._send_all(prog.handle_frame(f, now))
+                    stage = self._replay(prog, stage)
+                    quiet_until = now + self.timeout_s
+                else:
+                    self.defer(f)
+                continue
+            if got == _NOTHING:
                 now = time.monotonic()
                 if timer is not None and now >= timer:
                     self._send_all(prog.handle_timer(now))
@@ -314,6 +349,51 @@ class Endpoint:
                 self.defer(f)
         return prog.result
 
+    def _wait(self, wait_ms: int) -> int:
+        """What came within ``wait_ms``: a frame on the socket, one in the doorbell
+        ring, or nothing. With a doorbell: spin on both (yielding the core), then
+        block on the socket and the doorbell's pipe."""
+        bell, sock = self.bell, self.sock
+        if bell is None:
+            return _SOCKET if transport.spin_poll(sock, wait_ms) else _NOTHING
+
+        def ready() -> bool:
+            return bell.pending() or transport.has_frame(sock)
+
+        if not db.spin_until(ready, min(db.SPIN_S, wait_ms / 1000)):
+            if not bell.sleep():
+                assert self._poller is not None
+                self._poller.poll(wait_ms)
+            bell.wake()
+        if bell.pending():
+            return _RING
+        return _SOCKET if transport.has_frame(sock) else _NOTHING
+
+    def _open_doorbell(self) -> None:
+        """Offer the switch a shared-memory doorbell for memory-plane descriptors;
+        without one (refused, or off) they keep to the socket."""
+        self._bell_tried = True
+        if not db.enabled():
+            return
+        from switchd.core import DOORBELL_SUFFIX
+
+        try:
+            bell = db.Doorbell.create(
+                f"semfab-{self.run_id}-{self.name}{DOORBELL_SUFFIX}{self.node_id}")
+        except OSError as exc:
+            log.info("%s: no doorbell (%s); descriptors go over the socket", self.name, exc)
+            return
+        reply = self.request("doorbell", "doorbell_reply", path=str(bell.path))
+        if not reply.get("ok"):
+            log.info("%s: switch refused the doorbell: %s", self.name, reply.get("reason"))
+            bell.close()
+            return
+        self.bell = bell
+        self._poller = zmq.Poller()
+        self._poller.register(self.sock, zmq.POLLIN)
+        self._poller.register(bell.fileno(), zmq.POLLIN)
+        log.debug("%s: doorbell open (%s)", self.name, bell.path)
+
     def _replay(self, prog: Any, stage: Any) -> Any:
         """Hand the stash to ``prog`` when its running step is new (a chain moved on:
         frames of the new step may have come early, during the previous one).
@@ -370,6 +450,8 @@ class Endpoint:
         """
         dt = np_dtype(dtype)
         size = max(int(count) * dt.itemsize, 1)
+        if not self._bell_tried:
+            self._open_doorbell()
         # unguessable, like an RDMA rkey: knowing one key tells nothing of another
         key = 0
         while not key or any(k == key for _, _, k, _ in self.regions):
@@ -570,21 +652,27 @@ class Endpoint:
             self.run(allreduce_program(self.state, Tensor(x.size, name, x, out), op, path,
                                        group=g), what)
             return out
-        # memory plane: reduced in place in registered memory, else staged through scratch
-        loc = self.region_of(out) if out is x else None
+        # memory plane: reduced in place in registered memory (an out-of-place call
+        # into a registered ``out`` copies x there first), else staged through scratch
+        loc = self.region_of(out)
         work = out
-        if loc is None:
+        copies = 0  # copies per chunk this call adds around the switch's work
+        if loc is not None and out is not x:
+            np.copyto(out, x)
+            copies = 1
+        elif loc is None:
             work = collectives.scratch_region(self, x.nbytes).view(x.dtype)
             np.copyto(work, x)
             loc = self.region_of(work)
             assert loc is not None
+            copies = 2  # staged in, copied out
         t = Tensor(x.size, name, work, work)
         self.run(allreduce_program(self.state, t, op, path, region=loc, group=g), what)
         if work is not out:
             np.copyto(out, work)
-            nch = self.sem(path).chunks and -(-x.size // max(self.state.mem_chunk_elems(
+        if copies and self.sem(path).chunks:
+            self.sem(path).copies += copies * -(-x.size // max(self.state.mem_chunk_elems(
                 self.state.chunk_elems("ina-mem", x.itemsize), x.size, x.itemsize), 1))
-            self.sem(path).copies += 2 * nch  # staged in, copied out
         return out
 
     def switch_stats(self) -> dict[str, Any]:
@@ -598,6 +686,9 @@ class Endpoint:
         for _, _, _, region in self.regions:
             region.close()
         self.regions.clear()
+        if self.bell is not None:
+            self.bell.close()
+            self.bell = None
         self.sock.close(0)
         if self._own_ctx:
             self.ctx.term()

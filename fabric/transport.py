@@ -43,6 +43,12 @@ def spin(sock: zmq.Socket, seconds: float = SPIN_S) -> bool:
             return False
 
 
+def has_frame(sock: zmq.Socket) -> bool:
+    """True when a frame waits on ``sock`` (no system call, unlike ``poll(0)``)."""
+    events = sock.get(zmq.EVENTS)
+    return bool(events & zmq.POLLIN) if isinstance(events, int) else False
+
+
 def spin_poll(sock: zmq.Socket, timeout_ms: int, spin_s: float = SPIN_S) -> bool:
     """True when ``sock`` has a frame within ``timeout_ms``; spins ``spin_s`` first."""
     return spin(sock, min(spin_s, timeout_ms / 1000)) or bool(sock.poll(timeout_ms))

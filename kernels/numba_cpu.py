@@ -341,6 +341,9 @@ class NumbaCpuBackend(Backend):
         shape, dt = reference.check_multicast(srcs, dsts)
         if math.prod(shape) == 0 or len(dsts) == 0:
             return
+        if math.prod(shape) < PARALLEL_MIN and not _kind16(dt):
+            reference.multicast_reduce_native(srcs, dsts, code)  # small: no thread pool
+            return
         if (
             math.prod(shape) < PARALLEL_MIN
             or len(srcs) > MAX_FUSED

@@ -238,6 +238,21 @@ def multicast_reduce(srcs: Sequence[np.ndarray], dsts: Sequence[np.ndarray], op:
         d[...] = res
 
 
+def multicast_reduce_native(srcs: Sequence[np.ndarray], dsts: Sequence[np.ndarray],
+                            code: int) -> None:
+    """:func:`multicast_reduce` for checked arguments of a dtype that computes in
+    itself (not float16/bfloat16), op given by its registry code: the same left
+    fold with none of the per-call checks, for small tensors where those cost
+    more than the arithmetic."""
+    ufunc = _UFUNCS[code]
+    with np.errstate(all="ignore"):
+        acc = ufunc(srcs[0], srcs[1]) if len(srcs) > 1 else np.array(srcs[0], copy=True)
+        for s in srcs[2:]:
+            ufunc(acc, s, out=acc)
+    for d in dsts:
+        d[...] = acc
+
+
 def reduce_into(acc: np.ndarray, x: np.ndarray, op: str) -> None:
     """``acc = op(acc, x)`` in place; same as ``multicast_reduce([acc, x], [acc], op)``."""
     multicast_reduce([acc, x], [acc], op)

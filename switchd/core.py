@@ -86,6 +86,8 @@ GROUP_JOB_BITS = 8
 COMBINE_FLOW = 24
 #: Finished per-token combine sums a switch keeps for the home to ask again.
 COMBINE_KEPT = 65536
+#: A node's doorbell file ends in this and its node id (fabric.doorbell).
+DOORBELL_SUFFIX = "-bell-"
 
 
 class MemoryPlane(Protocol):
@@ -198,8 +200,12 @@ class SwitchCore:
 
     def __init__(self, topo: Topology, name: str, *, memory_budget: int = 256 * 2**20,
                  memory: MemoryPlane | None = None,
-                 extra_stats: Callable[[], dict[str, Any]] | None = None) -> None:
+                 extra_stats: Callable[[], dict[str, Any]] | None = None,
+                 attach_doorbell: Callable[[bytes, str], None] | None = None) -> None:
         self.topo = topo
+        # the driver's hook that maps a worker's shared-memory doorbell for its port
+        # (emulation on one host); None: every frame keeps to the sockets
+        self._attach_doorbell = attach_doorbell
         self._extra_stats = extra_stats  # the driver's own counters, for stats replies
         self.name = name
         self.node = topo.node(name)
@@ -762,6 +768,8 @@ class SwitchCore:
                     self.memory.detach(key)
             # idempotent: an unknown key is already gone
             self._ctrl(port, f.src, "region_reply", key=key, ok=True, reason="")
+        elif t == "doorbell":
+            self._on_doorbell(f, port, msg)
         elif t == "barrier":
             self._on_barrier(f, port, msg)
         elif t == "group":
@@ -777,6 +785,24 @@ class SwitchCore:
             self._ctrl(port, f.src, "stats", **stats)
         else:
             raise FrameError(NackCode.MALFORMED, f"unknown control message type {t!r}")
+
+    def _on_doorbell(self, f: fr.Frame, port: bytes, msg: dict[str, Any]) -> None:
+        """A worker on our host offers a shared-memory doorbell for its descriptors."""
+        path = control.need(msg, "path", str)
+        reason = ""
+        if self._attach_doorbell is None:
+            reason = f"switch {self.name} has no doorbells (it is not on a shared host)"
+        elif port in self._switch_ports or self._port_node.get(port) != f.src:
+            reason = "doorbells are for the nodes attached to this switch"
+        elif not path.endswith(f"{DOORBELL_SUFFIX}{f.src}"):
+            # a node names its own doorbell only, never another node's
+            reason = f"node {f.src}'s doorbell file must end in {DOORBELL_SUFFIX}{f.src}"
+        else:
+            try:
+                self._attach_doorbell(port, path)
+            except (OSError, ValueError) as exc:
+                reason = str(exc)
+        self._ctrl(port, f.src, "doorbell_reply", ok=not reason, reason=reason)
 
     def _on_barrier(self, f: fr.Frame, port: bytes, msg: dict[str, Any]) -> None:
         # idempotent: a resent arrival counts once; a finished barrier answers again

@@ -28,6 +28,7 @@ from typing import Any
 import zmq
 
 from fabric import control, transport
+from fabric import doorbell as db
 from fabric.faults import FaultSpec, FaultStats, parse_faults
 from fabric.link import LinkPipeline
 from fabric.topology import Topology
@@ -71,8 +72,15 @@ class SwitchDaemon:
         self.node = topo.node(name)
         self.address = topo.endpoint_address(name, sock_dir)
         self.memory = SharedMemoryPlane()
+        # memory-plane descriptors of the workers on this host, by port (fabric.doorbell)
+        self._bells: dict[bytes, db.Doorbell] = {}
+        self._bells_changed = False
+        self._retired: list[db.Doorbell] = []
+        self.bell_frames_in = 0
+        self.bell_frames_out = 0
         self.core = SwitchCore(topo, name, memory_budget=memory_budget, memory=self.memory,
-                               extra_stats=self._driver_stats)
+                               extra_stats=self._driver_stats,
+                               attach_doorbell=self._attach_bell if db.enabled() else None)
         self.ctx = transport.context(io_threads)
         self.sock = transport.router(self.ctx, topo.bind_address(name, sock_dir))
         self.ctl = transport.dealer(self.ctx, ctl_addr, name) if ctl_addr else None
@@ -118,6 +126,7 @@ class SwitchDaemon:
         log.info("switch %s (id %d) serving at %s", self.name, self.node.id, self.address)
         parent = os.getppid()
         core = self.core
+        polled: set[int] = set()  # doorbell pipes registered with the poller
         try:
             while self._running:
                 now = time.monotonic()
@@ -132,12 +141,20 @@ class SwitchDaemon:
                 timer = core.get_timer()
                 if timer is not None:
                     wait_s = min(wait_s, max(timer - time.monotonic(), 0.0))
-                # whole milliseconds: a held frame leaves <= 1 ms late, but the link's
-                # own timeline stays exact, so throughput is not lost
-                if transport.spin(self.sock, min(transport.SPIN_S, wait_s)):
-                    events: dict[Any, int] = {self.sock: zmq.POLLIN}
-                else:
-                    events = dict(poller.poll(math.ceil(wait_s * 1000)))
+                if self._bells_changed:
+                    self._bells_changed = False
+                    for old in self._retired:
+                        if old.fileno() in polled:
+                            poller.unregister(old.fileno())
+                            polled.discard(old.fileno())
+                        old.close()
+                    self._retired.clear()
+                    for bell in self._bells.values():
+                        poller.register(bell.fileno(), zmq.POLLIN)
+                        polled.add(bell.fileno())
+                events = self._wait(poller, wait_s)
+                if self._bells:
+                    self._drain_bells()
                 if self.sock in events:
                     self._drain_router()
                 for peer, up in self._dealers.items():
@@ -156,6 +173,62 @@ class SwitchDaemon:
                     break
         finally:
             self.close()
+
+    def _wait(self, poller: zmq.Poller, wait_s: float) -> dict[Any, int]:
+        """Until a frame is on a socket or a doorbell ring, or ``wait_s`` passed."""
+        sock, bells = self.sock, self._bells
+        if bells:
+            bell_list = list(bells.values())
+
+            def ready() -> bool:
+                return (any(b.pending() for b in bell_list)
+                        or transport.has_frame(sock))
+
+            # spin on the rings, then block on the sockets and the doorbells' pipes
+            if db.spin_until(ready, min(db.SPIN_S, wait_s)):
+                return dict(poller.poll(0))
+            if db.sleep_all(bell_list):
+                db.wake_all(bell_list)
+                return dict(poller.poll(0))
+            events = dict(poller.poll(math.ceil(wait_s * 1000)))
+            db.wake_all(bell_list)
+            return events
+        elif transport.spin(sock, min(transport.SPIN_S, wait_s)):
+            return {sock: zmq.POLLIN}
+        # whole milliseconds: a held frame leaves <= 1 ms late, but the link's
+        # own timeline stays exact, so throughput is not lost
+        return dict(poller.poll(math.ceil(wait_s * 1000)))
+
+    def _attach_bell(self, port: bytes, path: str) -> None:
+        """The core accepted a worker's doorbell: map it (OSError / ValueError if not)."""
+        old = self._bells.get(port)
+        if old is not None and str(old.path) == path:
+            return  # a retried request: already attached
+        bell = db.Doorbell.attach(path)
+        self._bells.pop(port, None)
+        if old is not None:  # a node that opened a new one: closed once the poller forgets it
+            self._retired.append(old)
+        self._bells[port] = bell
+        self._bells_changed = True
+        log.info("switch %s: doorbell of %s attached (%s)", self.name, port.decode(), path)
+
+    def _drain_bells(self) -> None:
+        """Hand the frames posted in every doorbell ring to the core, as if each had
+        come in on that worker's port (its link's faults and shaping included)."""
+        ingress, core = self._ingress, self.core
+        for port, bell in list(self._bells.items()):
+            for _ in range(BATCH):
+                raw = bell.recv()
+                if raw is None:
+                    break
+                self.bell_frames_in += 1
+                now = time.monotonic()
+                pipe = ingress.get(port)
+                if pipe is not None:
+                    pipe.push((raw, None), now)
+                    self._deliver(port, pipe, now)
+                else:
+                    self._emit(core.handle(port, raw, None, now), now)
 
     def _drain_router(self) -> None:
         """Handle a batch of frames from the ROUTER: one wake-up, many frames."""
@@ -218,6 +291,13 @@ class SwitchDaemon:
 
     def _send_now(self, port: bytes, header: Any, payload: Any = None) -> None:
         nb = memoryview(payload).nbytes if payload is not None else 0
+        if payload is None and self._bells:
+            bell = self._bells.get(port)
+            if bell is not None and db.carries(header) and bell.send(header):
+                self.bell_frames_out += 1
+                self.frames_out += 1
+                self.bytes_out += len(header)
+                return
         up = self._dealers.get(port)
         try:
             if up is not None:  # a neighbour switch we reach through our own DEALER
@@ -243,6 +323,10 @@ class SwitchDaemon:
     def close(self) -> None:
         """Release sockets and mapped regions."""
         self.memory.close()
+        for bell in [*self._bells.values(), *self._retired]:
+            bell.close()
+        self._bells.clear()
+        self._retired.clear()
         self.sock.close(0)
         for up in self._dealers.values():
             up.close(0)
@@ -261,6 +345,10 @@ class SwitchDaemon:
             "bytes_out": self.bytes_out,
             "socket_unroutable": self.unroutable,
             "reduce_seconds": self.memory.reduce_seconds,
+            "doorbells": len(self._bells),
+            "doorbell_frames_in": self.bell_frames_in,
+            "doorbell_frames_out": self.bell_frames_out,
+            "doorbell_full": sum(b.outbox.full for b in self._bells.values()),
             "fault_lost": lost,  # injected losses by opcode
             "held_frames": sum(len(pipe) for _, pipe in self._pipes),
             "faults": {"in": _sum_faults(self._ingress), "out": _sum_faults(self._egress)},
