@@ -66,6 +66,10 @@ FILE_BYTES = 64 + 2 * _RING_BYTES
 #: when other processes need the CPU; measured in docs/BENCHMARKS.md ("Doorbells").
 #: SEMFAB_BELL_SPIN_US sets it.
 SPIN_S = float(os.environ.get("SEMFAB_BELL_SPIN_US", "100")) / 1e6
+#: A worker spins only for memory-plane calls up to this size: beyond it the
+#: switch's kernel takes milliseconds and needs every core (spinning there cost
+#: 12-15% at 16-64 MiB on 2 cores).
+SPIN_MAX_BYTES = 1 << 20
 _DESCRIPTORS = (int(Op.REDUCE), int(Op.RESULT))
 
 

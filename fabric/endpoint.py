@@ -139,6 +139,7 @@ class Endpoint:
         self.bell: db.Doorbell | None = None
         self._bell_tried = False
         self._poller: zmq.Poller | None = None
+        self._spin_s = db.SPIN_S  # this call's spin budget on the doorbell
         self._hello()
 
     # the counters live in the protocol state, which programs update
@@ -360,7 +361,7 @@ class Endpoint:
         def ready() -> bool:
             return bell.pending() or transport.has_frame(sock)
 
-        if not db.spin_until(ready, min(db.SPIN_S, wait_ms / 1000)):
+        if not db.spin_until(ready, min(self._spin_s, wait_ms / 1000)):
             if not bell.sleep():
                 assert self._poller is not None
                 self._poller.poll(wait_ms)
@@ -667,7 +668,12 @@ class Endpoint:
             assert loc is not None
             copies = 2  # staged in, copied out
         t = Tensor(x.size, name, work, work)
-        self.run(allreduce_program(self.state, t, op, path, region=loc, group=g), what)
+        # spin only where the wait is short: a large reduction needs the cores
+        self._spin_s = db.SPIN_S if x.nbytes <= db.SPIN_MAX_BYTES else 0.0
+        try:
+            self.run(allreduce_program(self.state, t, op, path, region=loc, group=g), what)
+        finally:
+            self._spin_s = db.SPIN_S
         if work is not out:
             np.copyto(out, work)
         if copies and self.sem(path).chunks:
