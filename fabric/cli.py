@@ -147,6 +147,9 @@ def build_parser() -> argparse.ArgumentParser:
                      "on every worker or keep it up until Ctrl-C", "fabric.launch_cli")
     _add_lazy_parser(sub, "sim", "simulate the fabric in virtual time: allreduce tables, "
                      "the scaling study (workers x oversubscription x path)", "fabric.sim.cli")
+    _add_lazy_parser(sub, "run", "one process of a fabric placed by mpirun or srun: takes its "
+                     "node from the launcher's rank, joins the rendezvous, runs the workload",
+                     "fabric.run_cli")
     _add_lazy_parser(sub, "switchd", "run one switch daemon (for srun/mpirun/ssh placement)",
                      "switchd.cli")
     _add_lazy_parser(sub, "node", "run one worker or host node (for srun/mpirun/ssh placement)",

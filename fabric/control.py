@@ -39,3 +39,25 @@ def need(msg: dict[str, Any], key: str, kind: type | tuple[type, ...]) -> Any:
             NackCode.MALFORMED, f"control message {msg.get('t')!r}: field {key!r} missing or bad"
         )
     return value
+
+
+class Supervision:
+    """A process's view of the one that supervises it (a placed run's coordinator).
+
+    The coordinator pings every process; a process that hears nothing from it
+    for ``silence_s`` (its host vanished, its link was cut) gives up instead of
+    waiting forever. ``silence_s=None``: no deadline (a local launcher, whose
+    death the process sees as a new parent).
+    """
+
+    def __init__(self, silence_s: float | None, now: float) -> None:
+        self.silence_s = silence_s
+        self.last = now
+
+    def heard(self, now: float) -> None:
+        """A message came from the supervisor."""
+        self.last = now
+
+    def lost(self, now: float) -> bool:
+        """True once the supervisor has been silent for longer than ``silence_s``."""
+        return self.silence_s is not None and now - self.last > self.silence_s

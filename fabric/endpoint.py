@@ -140,6 +140,8 @@ class Endpoint:
         self._bell_tried = False
         self._poller: zmq.Poller | None = None
         self._spin_s = db.SPIN_S  # this call's spin budget on the doorbell
+        # the topology's placement: the switch maps our memory only on our host
+        self.shares_host = topo.host_address(name) == topo.host_address(self.switch_name)
         self._hello()
 
     # the counters live in the protocol state, which programs update
@@ -451,6 +453,9 @@ class Endpoint:
         """
         dt = np_dtype(dtype)
         size = max(int(count) * dt.itemsize, 1)
+        if not self.shares_host:
+            # the switch is on another host: plain memory, served by the frame plane
+            return np.zeros(int(count), dtype=dt)
         if not self._bell_tried:
             self._open_doorbell()
         # unguessable, like an RDMA rkey: knowing one key tells nothing of another
@@ -472,6 +477,8 @@ class Endpoint:
 
         ``x`` (and every view of it) must not be used afterwards.
         """
+        if not self.shares_host:
+            return  # plain memory (see alloc): nothing registered
         base = x.ctypes.data
         for i, (start, _size, key, region) in enumerate(self.regions):
             if start == base:
@@ -649,6 +656,12 @@ class Endpoint:
             collectives.allreduce_fixed(self, x, out, path, group=g)
             return out
         what = f"allreduce {path}"
+        if path == "ina-mem" and not self.shares_host:
+            note = (f"ina-mem: switch {self.switch_name} runs on another host than "
+                    f"{self.name} and cannot map its memory; ran on ina (the frame plane)")
+            if note not in self.fallbacks:
+                self.fallbacks.append(note)
+            path, what = "ina", "allreduce ina"
         if path != "ina-mem":
             self.run(allreduce_program(self.state, Tensor(x.size, name, x, out), op, path,
                                        group=g), what)

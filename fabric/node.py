@@ -17,6 +17,7 @@ import os
 import pickle
 import signal
 import sys
+import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -118,28 +119,46 @@ def run(args: argparse.Namespace) -> int:
     # the end of a collective we finished (answered through the endpoint's rule)
     poller.register(ep.sock, zmq.POLLIN)
     parent = os.getppid()
+    # a placed run's coordinator pings; silence this long ends the node
+    silence = getattr(args, "ctl_timeout", None)
+    boss = control.Supervision(silence, time.monotonic())
+    code = 0
     try:
         while not stop:
             events = dict(poller.poll(1000))
             if ctl is not None and os.getppid() != parent:
                 log.warning("launcher went away; exiting")
+                code = 1
+                break
+            if boss.lost(time.monotonic()):
+                log.error("%s: nothing from the coordinator for %gs (its host or the link "
+                          "to it is gone); exiting", args.name, silence)
+                code = 1
                 break
             if aggregator is not None and ep.sock in events:
                 _serve_host(ep, aggregator)
             elif ep.sock in events:
                 ep.drain_idle()
-            if ctl is not None and ctl in events:
+            while ctl is not None and ctl.poll(0):
                 msg = control.parse(ctl.recv())
+                boss.heard(time.monotonic())
                 if msg["t"] == "shutdown":
+                    if msg.get("error"):
+                        log.error("%s: the run was aborted: %s", args.name, msg["error"])
+                        code = 1
+                    stop = True
                     break
                 if msg["t"] == "run":
                     ctl.send(_run_task(ep, msg))
+                    boss.heard(time.monotonic())  # pings queued while the task ran
+                elif msg["t"] == "ping":
+                    ctl.send(control.pack("pong", name=args.name))
     finally:
         ep.close()
         if ctl is not None:
             ctl.close(0)
         ctx.term()
-    return 0
+    return code
 
 
 def _resolved(value: Any) -> Any:

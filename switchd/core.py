@@ -786,6 +786,12 @@ class SwitchCore:
         else:
             raise FrameError(NackCode.MALFORMED, f"unknown control message type {t!r}")
 
+    def _same_host(self, node_id: int) -> bool:
+        """True when node ``node_id`` runs on this switch's host (the topology's
+        placement): only then is its shared memory mappable here."""
+        topo = self.topo
+        return topo.host_address(topo.by_id(node_id).name) == topo.host_address(self.name)
+
     def _on_doorbell(self, f: fr.Frame, port: bytes, msg: dict[str, Any]) -> None:
         """A worker on our host offers a shared-memory doorbell for its descriptors."""
         path = control.need(msg, "path", str)
@@ -794,6 +800,8 @@ class SwitchCore:
             reason = f"switch {self.name} has no doorbells (it is not on a shared host)"
         elif port in self._switch_ports or self._port_node.get(port) != f.src:
             reason = "doorbells are for the nodes attached to this switch"
+        elif not self._same_host(f.src):
+            reason = f"node {f.src} runs on another host than switch {self.name}"
         elif not path.endswith(f"{DOORBELL_SUFFIX}{f.src}"):
             # a node names its own doorbell only, never another node's
             reason = f"node {f.src}'s doorbell file must end in {DOORBELL_SUFFIX}{f.src}"
@@ -1104,6 +1112,11 @@ class SwitchCore:
         if self.memory is None:
             self._ctrl(port, f.src, "region_reply", key=key, ok=False,
                        reason=f"switch {self.name} has no memory plane")
+            return
+        if not self._same_host(f.src):
+            self._ctrl(port, f.src, "region_reply", key=key, ok=False,
+                       reason=f"node {f.src} runs on another host than switch {self.name}: "
+                              "its memory is not mappable here (the frame plane serves it)")
             return
         existed = key in self.regions
         try:

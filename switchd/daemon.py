@@ -66,8 +66,12 @@ class SwitchDaemon:
         io_threads: int = 1,
         faults: str | None = None,
         seed: int = 0,
+        ctl_silence_s: float | None = None,
     ) -> None:
         self.topo = topo
+        # a placed run's coordinator pings; silence this long ends the daemon
+        self.ctl_silence_s = ctl_silence_s
+        self.exit_code = 0  # 1: ended by an abort or a lost coordinator
         self.name = name
         self.node = topo.node(name)
         self.address = topo.endpoint_address(name, sock_dir)
@@ -127,6 +131,7 @@ class SwitchDaemon:
         parent = os.getppid()
         core = self.core
         polled: set[int] = set()  # doorbell pipes registered with the poller
+        boss = control.Supervision(self.ctl_silence_s, time.monotonic())
         try:
             while self._running:
                 now = time.monotonic()
@@ -164,12 +169,26 @@ class SwitchDaemon:
                     self._release_due()
                 if self.ctl is not None and self.ctl in events:
                     msg = control.parse(self.ctl.recv())
+                    boss.heard(time.monotonic())
                     if msg["t"] == "shutdown":
+                        if msg.get("error"):
+                            log.error("switch %s: the run was aborted: %s", self.name,
+                                      msg["error"])
+                            self.exit_code = 1
                         break
                     if msg["t"] == "stats":
                         self.ctl.send(control.pack("stats", **self.statistics()))
+                    elif msg["t"] == "ping":
+                        self.ctl.send(control.pack("pong", name=self.name))
                 if self.ctl is not None and os.getppid() != parent:
                     log.warning("launcher went away; shutting down")
+                    self.exit_code = 1
+                    break
+                if boss.lost(time.monotonic()):
+                    log.error("switch %s: nothing from the coordinator for %gs (its host or "
+                              "the link to it is gone); shutting down", self.name,
+                              self.ctl_silence_s)
+                    self.exit_code = 1
                     break
         finally:
             self.close()

@@ -19,14 +19,15 @@ PURE = [
     "fabric.frame", "fabric.control", "fabric.memory", "fabric.semantic", "fabric.hostnode",
     "fabric.topology", "fabric.reliability", "fabric.timers", "fabric.faults", "fabric.link",
     "fabric.programs", "fabric.collective_programs", "fabric.moe", "fabric.workload",
-    "fabric.errors", "fabric.testing",
+    "fabric.errors", "fabric.testing", "fabric.placement",
     "switchd.aggregation", "switchd.core", "switchd.shaper", "kernels.dtypes",
 ]
 IO_LIBS = {"zmq", "socket", "asyncio", "selectors", "subprocess", "threading", "time", "mmap",
            "os", "signal", "multiprocessing", "aiohttp", "shutil"}
 #: Driver modules: the core never imports them (they import the core).
 DRIVERS = {"fabric.endpoint", "fabric.transport", "fabric.launcher", "fabric.launch_cli",
-           "fabric.node", "fabric.shm", "fabric.doorbell", "fabric.p2p", "fabric.collectives", "fabric.cli",
+           "fabric.node", "fabric.shm", "fabric.doorbell", "fabric.p2p", "fabric.collectives",
+           "fabric.cli", "fabric.rendezvous", "fabric.run_cli",
            "fabric.serving", "fabric.sim", "fabric.communicator", "switchd.daemon",
            "switchd.memplane", "switchd.cli", "fabric.emulation", "bench"}
 #: The core's allowed third-party imports.
