@@ -435,3 +435,51 @@ def in_place_workload(ctx, m: int):
         y = yield ctx.reduce(buf, buf if r == 0 else None, path=path, root=0)
         out[f"reduce/{path}"] = None if y is None else np.array(y)
     return out
+
+
+def placed_collectives(ep, count: int = 3001) -> dict:
+    """Placed runs: int32 allreduce on every frame-plane path, all_gather and
+    alltoall, exact; the switch's counters at that point (rank 0); then the
+    memory plane (which falls back to ina when the switch is on another host)."""
+    W, r = ep.world, ep.rank
+
+    def inp(rank: int, tag: int, n: int) -> np.ndarray:
+        return np.random.default_rng([tag, rank]).integers(-1000, 1000, n, dtype=np.int32)
+
+    wrong = {}
+    for tag, path in enumerate(("ina", "host-ps", "host-ring")):
+        x = inp(r, tag, count)
+        out = np.empty_like(x)
+        ep.allreduce(x, path=path, out=out)
+        wrong[path] = int((out != sum(inp(q, tag, count) for q in range(W))).sum())
+    x = inp(r, 10, count)
+    got = ep.all_gather(x, path="ina")
+    wrong["all_gather"] = int((got != np.concatenate([inp(q, 10, count) for q in range(W)]))
+                              .sum())
+    k = 257
+    x = inp(r, 11, W * k)
+    got = ep.alltoall(x)
+    want = np.concatenate([inp(q, 11, W * k)[r * k:(r + 1) * k] for q in range(W)])
+    wrong["alltoall"] = int((got != want).sum())
+    ep.barrier()  # every frame of the above is counted before rank 0 reads
+    counters = None
+    if r == 0:
+        stats = ep.switch_stats()
+        counters = {key: stats[key] for key in ("frames_in", "ctrl_frames", "bytes_in",
+                                                "reduce_frames", "results_sent", "forwarded")}
+    ep.barrier()
+    m = ep.alloc(count, "int32")
+    m[:] = inp(r, 12, count)
+    ep.allreduce(m, path="ina-mem", out=m)
+    wrong["ina-mem"] = int((m != sum(inp(q, 12, count) for q in range(W))).sum())
+    return {"wrong": wrong, "fallbacks": list(ep.fallbacks), "retransmits": ep.retransmits,
+            "counters": counters}
+
+
+def placed_loop(ep, iters: int) -> int:
+    """Placed runs: allreduces for a while (a link is cut meanwhile)."""
+    x = np.arange(1024, dtype=np.int32)
+    for _ in range(iters):
+        ep.allreduce(x, path="ina", out=np.empty_like(x))
+        time.sleep(0.02)
+    return iters
