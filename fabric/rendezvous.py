@@ -426,7 +426,9 @@ class PlacedRun:
                             hostname=socket.gethostname(),
                             local=sorted(local_addresses(self.topo)), name=self.name,
                             pid=os.getpid())
-        deadline = time.monotonic() + self.join_timeout_s
+        # rank 0 waits a little longer: its coordinator's verdict (who did not
+        # join) is the better error
+        deadline = time.monotonic() + self.join_timeout_s + (5.0 if self.rank == 0 else 0.0)
         while time.monotonic() < deadline:
             sock.send(join)
             if sock.poll(int(JOIN_RETRY_S * 1000)):

@@ -41,7 +41,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rendezvous", metavar="HOST:PORT",
                    help="where rank 0 listens and every rank joins (default: "
                    "SEMFAB_RENDEZVOUS, or MASTER_ADDR:MASTER_PORT)")
-    p.add_argument("--name", default="",
+    p.add_argument("--name", default=None,
                    help="play this node instead of the one the placement gives")
     p.add_argument("--rank", type=int, help="this process's rank (default: the launcher's)")
     p.add_argument("--world", type=int, help="number of processes (default: the launcher's)")
@@ -50,7 +50,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "ends the run on every host")
     p.add_argument("--join-timeout", type=float, default=60.0,
                    help="seconds for every rank to join and start")
-    p.add_argument("--sock-dir", default="",
+    p.add_argument("--sock-dir", default=None,
                    help="folder of ipc sockets (one-host topologies; default: "
                    "/tmp/semfab-run-<port>)")
     p.add_argument("--json", metavar="PATH", help="rank 0 writes the report here")
@@ -98,12 +98,12 @@ def run(args: argparse.Namespace) -> int:
     placed = PlacedRun(topo, str(Path(args.topology).resolve()), rank, world,
                        rendezvous_of(args.rendezvous, os.environ), (module, func, file),
                        extra if isinstance(extra, list) else [],
-                       extra if isinstance(extra, dict) else {}, name=args.name,
+                       extra if isinstance(extra, dict) else {}, name=args.name or "",
                        timeout_s=args.timeout, join_timeout_s=args.join_timeout,
-                       sock_dir=args.sock_dir)
+                       sock_dir=args.sock_dir or "")
     code, report, error = placed.execute()
     if error:
-        print(f"semfab run: error: rank {rank}: {error}", file=sys.stderr)
+        print(f"semfab: error: rank {rank}: {error}", file=sys.stderr)
     if report is not None:
         print(format_report(report), flush=True)
         if args.json:
