@@ -221,11 +221,10 @@ class Endpoint:
     def drain_idle(self) -> None:
         """Between operations: take what arrived and apply :meth:`defer` to it (late
         retransmissions of finished collectives are answered, the rest kept)."""
-        while self.bell is not None and (raw := self.bell.recv()) is not None:
-            try:
-                self.defer(fr.decode(raw, None))
-            except fr.FrameError:
-                self.bad_frames += 1
+        while self.bell is not None and self.bell.pending():
+            f = self._ring_frame()
+            if f is not None:
+                self.defer(f)
         while True:
             try:
                 parts = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
@@ -260,25 +259,6 @@ class Endpoint:
             until = quiet_until if timer is None else min(timer, quiet_until)
             wait_ms = max(math.ceil((until - time.monotonic()) * 1000), 0)
             got = self._wait(wait_ms)
-            if got == _RING:  # a memory-plane descriptor through the doorbell
-                assert self.bell is not None
-                raw = self.bell.recv()
-                if raw is None:
-                    continue
-                try:
-                    f = fr.decode(raw, None)
-                except fr.FrameError as exc:
-                    self.bad_frames += 1
-                    log.info("%s: dropped a bad doorbell frame: %s", self.name, exc)
-                    continue
-                if prog.wants(f):
-                    now = time.monotonic()
-                    self._send_all(prog.handle_frame(f, now))
-                    stage = self._replay(prog, stage)
-                    quiet_until = now + self.timeout_s
-                else:
-                    self.defer(f)
-                continue
             if got == _NOTHING:
                 now = time.monotonic()
                 if timer is not None and now >= timer:
@@ -289,60 +269,65 @@ class Endpoint:
                         f"{self.name}: {what}: nothing within {self.timeout_s:g}s from "
                         f"{prog.waiting_for()} (see the logs in the run folder)")
                 continue
-            nh = sock.recv_into(self.hdr)
-            more = sock.get(zmq.RCVMORE)
-            if nh > len(self.hdr):  # truncated: no control message is this large
-                self.bad_frames += 1
-                if more:
-                    sock.recv(copy=False)
-                continue
-            leaf = prog.leaf() if isinstance(prog, Chain) else prog
-            if more and isinstance(leaf, InaAllreduce) and leaf.data and leaf.region is None:
-                try:
-                    rop, _fl, rsrc, rjob, psn, _k, _o, length = fr.peek(hdr[:nh])
-                except fr.FrameError:
-                    rop, rsrc, rjob, psn, length = Op.NACK, -1, -1, 0, 0
-                if rop is Op.RESULT and rjob == leaf.js.job and rsrc == self.switch_id:
-                    spot = leaf.landing(psn, length)
-                    if spot is None:  # a late copy (we resent), or a bad length
-                        sock.recv(copy=False)
-                        self.state.duplicates += 1
-                        continue
-                    i, off = spot
-                    assert leaf.t.out is not None
-                    target = leaf.t.out.view(np.uint8).data[off: off + length]
-                    into = target
-                    if self.crc:
-                        # a corrupted result must not overwrite the input we may resend
-                        if bounce is None or bounce.nbytes < length:
-                            bounce = memoryview(bytearray(length))
-                        into = bounce[:length]
-                    nb = sock.recv_into(into)
-                    try:
-                        if nb != length:
-                            raise fr.FrameError(NackCode.MALFORMED, "truncated RESULT")
-                        fr.decode(hdr[:nh], into)  # full validation (CRC, dtype multiple)
-                    except fr.FrameError as exc:
-                        self.bad_frames += 1  # counted; the chunk's timer resends it
-                        log.info("%s: dropped a bad RESULT for chunk %d: %s", self.name, i, exc)
-                        continue
-                    if into is not target:
-                        target[:] = into
-                    now = time.monotonic()
-                    sends = leaf.landed(i, now)
-                    if isinstance(prog, Chain):
-                        sends.extend(prog.poke(now))
-                    self._send_all(sends)
-                    stage = self._replay(prog, stage)
-                    quiet_until = now + self.timeout_s
+            if got == _RING:  # a memory-plane descriptor through the doorbell
+                f = self._ring_frame()
+                if f is None:
                     continue
-            payload = sock.recv(copy=False).buffer if more else None
-            try:
-                f = fr.decode(bytes(hdr[:nh]), payload)
-            except fr.FrameError as exc:
-                self.bad_frames += 1
-                log.info("%s: dropped a bad frame: %s", self.name, exc)
-                continue
+            else:
+                nh = sock.recv_into(self.hdr)
+                more = sock.get(zmq.RCVMORE)
+                if nh > len(self.hdr):  # truncated: no control message is this large
+                    self.bad_frames += 1
+                    if more:
+                        sock.recv(copy=False)
+                    continue
+                leaf = prog.leaf() if isinstance(prog, Chain) else prog
+                if more and isinstance(leaf, InaAllreduce) and leaf.data and leaf.region is None:
+                    try:
+                        rop, _fl, rsrc, rjob, psn, _k, _o, length = fr.peek(hdr[:nh])
+                    except fr.FrameError:
+                        rop, rsrc, rjob, psn, length = Op.NACK, -1, -1, 0, 0
+                    if rop is Op.RESULT and rjob == leaf.js.job and rsrc == self.switch_id:
+                        spot = leaf.landing(psn, length)
+                        if spot is None:  # a late copy (we resent), or a bad length
+                            sock.recv(copy=False)
+                            self.state.duplicates += 1
+                            continue
+                        i, off = spot
+                        assert leaf.t.out is not None
+                        target = leaf.t.out.view(np.uint8).data[off: off + length]
+                        into = target
+                        if self.crc:
+                            # a corrupted result must not overwrite the input we may resend
+                            if bounce is None or bounce.nbytes < length:
+                                bounce = memoryview(bytearray(length))
+                            into = bounce[:length]
+                        nb = sock.recv_into(into)
+                        try:
+                            if nb != length:
+                                raise fr.FrameError(NackCode.MALFORMED, "truncated RESULT")
+                            fr.decode(hdr[:nh], into)  # full validation (CRC, dtype multiple)
+                        except fr.FrameError as exc:
+                            self.bad_frames += 1  # counted; the chunk's timer resends it
+                            log.info("%s: dropped a bad RESULT for chunk %d: %s", self.name, i, exc)
+                            continue
+                        if into is not target:
+                            target[:] = into
+                        now = time.monotonic()
+                        sends = leaf.landed(i, now)
+                        if isinstance(prog, Chain):
+                            sends.extend(prog.poke(now))
+                        self._send_all(sends)
+                        stage = self._replay(prog, stage)
+                        quiet_until = now + self.timeout_s
+                        continue
+                payload = sock.recv(copy=False).buffer if more else None
+                try:
+                    f = fr.decode(bytes(hdr[:nh]), payload)
+                except fr.FrameError as exc:
+                    self.bad_frames += 1
+                    log.info("%s: dropped a bad frame: %s", self.name, exc)
+                    continue
             if prog.wants(f):
                 now = time.monotonic()
                 self._send_all(prog.handle_frame(f, now))
@@ -351,6 +336,19 @@ class Endpoint:
             else:
                 self.defer(f)
         return prog.result
+
+    def _ring_frame(self) -> fr.Frame | None:
+        """The next frame from the doorbell ring (None: nothing, or a bad one, counted)."""
+        assert self.bell is not None
+        raw = self.bell.recv()
+        if raw is None:
+            return None
+        try:
+            return fr.decode(raw, None)
+        except fr.FrameError as exc:
+            self.bad_frames += 1
+            log.info("%s: dropped a bad doorbell frame: %s", self.name, exc)
+            return None
 
     def _wait(self, wait_ms: int) -> int:
         """What came within ``wait_ms``: a frame on the socket, one in the doorbell

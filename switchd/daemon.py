@@ -234,24 +234,17 @@ class SwitchDaemon:
     def _drain_bells(self) -> None:
         """Hand the frames posted in every doorbell ring to the core, as if each had
         come in on that worker's port (its link's faults and shaping included)."""
-        ingress, core = self._ingress, self.core
         for port, bell in list(self._bells.items()):
             for _ in range(BATCH):
                 raw = bell.recv()
                 if raw is None:
                     break
                 self.bell_frames_in += 1
-                now = time.monotonic()
-                pipe = ingress.get(port)
-                if pipe is not None:
-                    pipe.push((raw, None), now)
-                    self._deliver(port, pipe, now)
-                else:
-                    self._emit(core.handle(port, raw, None, now), now)
+                self._arrived(port, raw, None)
 
     def _drain_router(self) -> None:
         """Handle a batch of frames from the ROUTER: one wake-up, many frames."""
-        sock, ingress, core = self.sock, self._ingress, self.core
+        sock = self.sock
         for _ in range(BATCH):
             try:
                 parts = sock.recv_multipart(zmq.NOBLOCK, copy=False)
@@ -260,16 +253,19 @@ class SwitchDaemon:
             if len(parts) not in (2, 3):
                 log.warning("dropped a message of %d parts", len(parts))
                 continue
-            port = parts[0].bytes
-            header = parts[1].buffer
-            payload = parts[2].buffer if len(parts) == 3 else None
-            now = time.monotonic()
-            pipe = ingress.get(port)
-            if pipe is not None:
-                pipe.push((header, payload), now)
-                self._deliver(port, pipe, now)
-            else:
-                self._emit(core.handle(port, header, payload, now), now)
+            self._arrived(parts[0].bytes, parts[1].buffer,
+                          parts[2].buffer if len(parts) == 3 else None)
+
+    def _arrived(self, port: bytes, header: Any, payload: Any) -> None:
+        """A frame from a node's port (socket or doorbell): through its link's
+        ingress pipeline when it has one, else straight to the core."""
+        now = time.monotonic()
+        pipe = self._ingress.get(port)
+        if pipe is not None:
+            pipe.push((header, payload), now)
+            self._deliver(port, pipe, now)
+        else:
+            self._emit(self.core.handle(port, header, payload, now), now)
 
     def _drain_dealer(self, peer: bytes, up: zmq.Socket) -> None:
         for _ in range(BATCH):
