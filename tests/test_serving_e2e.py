@@ -246,3 +246,32 @@ def test_bad_requests_get_openai_errors(fab: Fabric, assets_dir: Path) -> None:
         results = ch.stop()
     assert results["host"]["counters"]["completed"] == 1
     assert api.ApiError(400, "x").body()["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("transport", ["direct", "host-staged"])
+def test_lost_token_frames_are_asked_for_and_resent(tmp_path: Path, assets_dir: Path,
+                                                    tokenizer: Any, transport: str) -> None:
+    # 5% loss on every link: token frames, their NACKs, ADDs, CONFIG and STOP alike
+    lossy = launch_for([transport], 1, run_dir=tmp_path, timeout_s=20, faults="loss=0.05",
+                       seed=5)
+    texts: dict[int, str] = {}
+    with lossy:
+        with chain(lossy, assets_dir, transport=transport) as ch:
+            client = openai.OpenAI(base_url=ch.url + "/v1", api_key="none", max_retries=0,
+                                   timeout=60)
+            for i in range(6):
+                parts, rid = [], None
+                for chunk in client.completions.create(model="semfab-toy", prompt=f"p{i}",
+                                                       max_tokens=48, stream=True):
+                    rid = rid_of(chunk.id)
+                    parts.append(chunk.choices[0].text if chunk.choices else "")
+                assert rid is not None
+                texts[rid] = "".join(parts)
+            results = ch.stop()
+    gen = generated(results)
+    for rid, text in texts.items():
+        assert text == tokenizer.decode(gen[rid]), rid  # every token, in order
+    c = results["host"]["counters"]
+    assert c["completed"] == 6 and c["gap_tokens"] == 0 and c["unrecovered_frames"] == 0, c
+    assert c["lost_frames"] > 0 and c["recovered_frames"] > 0, c
+    assert sum(w["resent_frames"] for w in results["workers"]) >= c["recovered_frames"]

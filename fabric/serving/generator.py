@@ -24,7 +24,7 @@ import logging
 import os
 import signal
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from typing import Any
 
 import numpy as np
@@ -32,7 +32,7 @@ import zmq
 
 from fabric import control
 from fabric import frame as fr
-from fabric.frame import FrameError, Op
+from fabric.frame import FrameError, NackCode, Op
 from fabric.semantic import SemanticCounts
 from fabric.serving import records as rec
 from fabric.serving.config import ServeConfig
@@ -44,6 +44,17 @@ now_ns = time.perf_counter_ns  # CLOCK_MONOTONIC: comparable across processes of
 PREFILL_KERNEL_TOKENS = 256
 #: Step statistics kept (oldest dropped) so a long `semfab serve` stays bounded.
 MAX_STEP_LOG = 200_000
+#: Token frames kept to resend when the host NACKs one as missing (one frame
+#: per step: at 10 ms steps, 40 s of history).
+KEPT_FRAMES = 4096
+#: Request ids remembered so a resent ADD (its first copy was late, not lost)
+#: does not start a sequence twice.
+SEEN_RIDS = 65536
+#: An idle generator sends the host its next frame number this often, for this
+#: long after its last frame: a lost last frame is found by that probe (the
+#: host NACKs it) rather than by the client's timeout.
+PROBE_INTERVAL_MS = 100
+PROBE_FOR_S = 2.0
 
 
 class _Stop(Exception):
@@ -140,6 +151,12 @@ class Generator:
         self.stop = False
         self.configured = False
         self._parent = os.getppid()
+        self._kept: OrderedDict[int, tuple[bytes, bytes]] = OrderedDict()  # psn -> frame
+        self._seen: deque[int] = deque()
+        self._seen_set: set[int] = set()
+        self._last_send = 0.0
+        self.resent = 0  # token frames sent again on a NACK
+        self.unrecoverable = 0  # NACKed frames no longer kept
 
     # ------------------------------------------------------------------ control
     def warm_up(self) -> None:
@@ -165,6 +182,9 @@ class Generator:
                 return
             try:
                 f = fr.decode(parts[0].buffer, parts[1].buffer if len(parts) > 1 else None)
+                if f.op is Op.NACK:
+                    self.on_nack(f)
+                    continue
                 if f.op is not Op.CTRL:
                     continue  # nothing else is addressed to a generator
                 msg = control.parse(f.payload)
@@ -175,9 +195,43 @@ class Generator:
                 continue  # a leftover of an earlier chain on this fabric
             self.on_control(msg)
 
+    def on_nack(self, f: fr.Frame) -> None:
+        """The host found a token frame missing: send the kept copy again."""
+        if f.flow not in (rec.TOKEN_FLOW, rec.STAGED_FLOW) or f.nack_code is not NackCode.MISSING:
+            log.warning("%s: NACK %s from node %d", self.ep.name, f.nack_code.name, f.src)
+            return
+        kept = self._kept.get(f.psn)
+        if kept is None:
+            self.unrecoverable += 1
+            log.warning("%s: the host asked again for token frame %d, no longer kept",
+                        self.ep.name, f.psn)
+            return
+        header, payload = kept
+        self.ep.send_frame(header, payload)
+        self.resent += 1
+
+    def _keep(self, psn: int, header: bytes, payload: bytes) -> None:
+        self._kept[psn & 0xFFFF_FFFF] = (header, payload)
+        if len(self._kept) > KEPT_FRAMES:
+            self._kept.popitem(last=False)
+        self._last_send = time.monotonic()
+
+    def _probe(self) -> None:
+        """Idle after sending: tell the host the next frame number (tail-loss probe)."""
+        if self.psn and time.monotonic() - self._last_send < PROBE_FOR_S:
+            self._ctrl(rec.SENT, psn=self.psn & 0xFFFF_FFFF,
+                       staged=self.cfg.transport == "host-staged")
+
     def on_control(self, msg: dict[str, Any]) -> None:
         t = msg["t"]
         if t == rec.ADD:
+            rid = int(msg["rid"])
+            if rid in self._seen_set:
+                return  # a resent ADD whose first copy came after all
+            self._seen.append(rid)
+            self._seen_set.add(rid)
+            if len(self._seen) > SEEN_RIDS:
+                self._seen_set.discard(self._seen.popleft())
             self.pending.append(msg)
         elif t == rec.ABORT:
             rid = int(msg["rid"])
@@ -200,6 +254,7 @@ class Generator:
             self.hops = len(self.ep.topo.route(self.ep.name, self.ep.topo.by_id(dst).name))
             self._ctrl(rec.READY, worker=self.ep.name)
         elif t == rec.STOP:
+            self._ctrl(rec.STOPPED)
             self.stop = True
 
     # ------------------------------------------------------------------ loop
@@ -209,7 +264,9 @@ class Generator:
         next_start = 0  # steps keep a fixed cadence while the batch is busy
         while not self.stop:
             if self.batch.n == 0 and not self.pending:
-                self.poll_control(100)
+                self.poll_control(PROBE_INTERVAL_MS)
+                if self.batch.n == 0 and not self.pending:
+                    self._probe()
                 if os.getppid() != self._parent:
                     log.warning("%s: launcher went away", self.ep.name)
                     return
@@ -332,10 +389,12 @@ class Generator:
                 Op.WRITE, src=self.ep.node_id, dst=self.host_id, job=self.job,
                 flow=rec.TOKEN_FLOW, psn=self.psn & 0xFFFF_FFFF, key=self.ring_key,
                 offset=self.ring_base + s * rec.RECORD_SIZE, payload=payload)
+            body = bytes(payload)  # the buffer is reused next step; kept for a resend
+            self._keep(self.psn, header, body)
             self.psn += 1
             sock = self.ep.sock
             sock.send(header, zmq.SNDMORE)
-            sock.send(payload, copy=True)  # the buffer is reused next step
+            sock.send(body)
         self.sent_records += n
         self.sem.crossings += n  # worker -> switch
         self.sem.hops += n * self.hops
@@ -354,6 +413,7 @@ class Generator:
         header = fr.encode_header(Op.WRITE, src=self.ep.node_id, dst=self.relay_id,
                                   job=self.job, flow=rec.STAGED_FLOW,
                                   psn=self.psn & 0xFFFF_FFFF, payload=body)
+        self._keep(self.psn, header, body)
         self.psn += 1
         self.ep.send_frame(header, body)
         self.sem.crossings += n
@@ -366,6 +426,7 @@ class Generator:
             "node": self.ep.name, "tokens": self.tokens, "aborted": self.aborted,
             "generated": self.generated, "sem": self.sem.__dict__.copy(),
             "steps": steps, "backend": self.backend.name,
+            "resent_frames": self.resent, "unrecoverable_frames": self.unrecoverable,
         }
 
 
@@ -467,6 +528,9 @@ def relay(ep: Any, cfg: ServeConfig) -> dict[str, Any]:
                                               payload=control.pack(rec.PONG,
                                                                    session=cfg.session)))
                         elif m["t"] == rec.STOP:
+                            ep.send_frame(fr.encode(Op.CTRL, src=ep.node_id, dst=f.src,
+                                              payload=control.pack(rec.STOPPED,
+                                                                   session=cfg.session)))
                             stop = True
                 except FrameError as exc:
                     log.warning("relay: refused a frame: %s", exc)

@@ -56,6 +56,18 @@ now_ns = time.perf_counter_ns  # CLOCK_MONOTONIC: comparable across processes of
 LAYERS = ("transport", "interpretation", "presentation")
 #: Receive buffer of header parts and one-part frames (control messages).
 HDR_BUF = 64 * 1024
+#: Missing token frames: asked for again every REASK_S, MISSING_ASKS times at
+#: most (a NACK or its answer may be lost too); at most MAX_ASKED from one gap.
+REASK_S = 0.05
+MISSING_ASKS = 8
+MAX_ASKED = 1024
+#: A request with no token after this long is sent to its generator again (the
+#: ADD may have been lost; the generator ignores a request id it already has).
+ADD_RESEND_S = 0.5
+#: How long shutdown sends STOP again to a generator or relay that did not answer.
+STOP_WAIT_S = 2.0
+#: CONFIG is sent again this often to a generator that has not answered READY.
+CONFIG_RESEND_S = 0.5
 #: Detokenizer call timings kept (most recent).
 MAX_DETOK_SAMPLES = 200_000
 #: Timelines kept at most (oldest dropped) so a long `semfab serve --record` stays bounded.
@@ -107,6 +119,11 @@ class Stream:
     delivered: bool = False  # the whole response reached the client's socket
     tl: np.ndarray | None = None  # timeline rows, TIMELINE_DTYPE (cfg.record)
     ids: list[int] = field(default_factory=list)
+    # tokens that came before an earlier one of this stream (its frame was lost
+    # and is being resent): index -> the token's fields, handed on in order
+    early: dict[int, tuple[int, int, int, int, int, int, int]] = field(default_factory=dict)
+    add: dict[str, Any] = field(default_factory=dict)  # the ADD, to send again if lost
+    add_sent: int = 0  # ns: when the ADD went (last)
 
     sink: Callable[[Event], bool] | None = None  # writes an event at once (fast path)
     last_activity: int = 0  # ns: the last event handed to the client
@@ -137,9 +154,13 @@ class HostCounters:
     frames: int = 0
     stray_tokens: int = 0  # for a sequence the host no longer has (aborted)
     duplicate_tokens: int = 0
-    gap_tokens: int = 0  # a token index skipped: tokens lost
+    gap_tokens: int = 0  # a token index skipped: tokens lost for good
+    early_tokens: int = 0  # came before an earlier token of their stream: held
     reordered_frames: int = 0
-    lost_frames: int = 0
+    lost_frames: int = 0  # found missing (a later frame, or an idle probe, showed it)
+    recovered_frames: int = 0  # missing ones that came after a NACK
+    unrecovered_frames: int = 0  # asked for MISSING_ASKS times in vain
+    resent_adds: int = 0  # requests sent again: no token came for them
     refused_frames: int = 0
     nacks: int = 0
     detok_ns: int = 0  # time spent inside the detokenizer
@@ -246,6 +267,10 @@ class TokenHost:
         self._hdr = bytearray(HDR_BUF)
         self._held: list[tuple[Stream, Event]] | None = None  # events of the frame in hand
         self._psn: dict[int, int] = {}  # next frame (or message) number per sender
+        # frames found missing, (sender, psn) -> (ns asked, times asked)
+        self._missing: dict[tuple[int, int], tuple[int, int]] = {}
+        self._reask: asyncio.TimerHandle | None = None
+        self._stopped: set[int] = set()  # generators (and the relay) that took STOP
         self._job = cfg.session & 0xFFFF
         self.ring: np.ndarray | None = None
         self.ring_key = 0
@@ -273,8 +298,16 @@ class TokenHost:
             self._send_ctrl(w, rec.CONFIG, ring_key=self.ring_key, ring_base=base,
                             ring_slots=cfg.ring_slots, relay_id=self.relay_id)
         deadline = time.monotonic() + timeout_s
+        configured = time.monotonic()
         while len(self._ready_workers) < len(self.workers) or (
                 self.relay_id and not self._relay_ready):
+            if time.monotonic() - configured > CONFIG_RESEND_S:  # a lost CONFIG or READY
+                configured = time.monotonic()
+                for i, w in enumerate(self.workers):
+                    if w not in self._ready_workers:
+                        base = i * cfg.ring_slots * rec.RECORD_SIZE
+                        self._send_ctrl(w, rec.CONFIG, ring_key=self.ring_key, ring_base=base,
+                                        ring_slots=cfg.ring_slots, relay_id=self.relay_id)
             if time.monotonic() > deadline:
                 missing = [self.worker_names[w] for w in self.workers
                            if w not in self._ready_workers]
@@ -372,14 +405,67 @@ class TokenHost:
             self._release_held()
 
     def _check_psn(self, src: int, psn: int) -> None:
+        """Frame ``psn`` of sender ``src`` (``| 0x10000``: its host-staged messages)
+        arrived: a jump ahead means the frames between were lost, so ask for them;
+        one behind is a resent (or late) copy."""
         want = self._psn.get(src, 0)
         if psn != want & 0xFFFF_FFFF:
             if (psn - want) & 0xFFFF_FFFF < 0x8000_0000:
-                self.counters.lost_frames += (psn - want) & 0xFFFF_FFFF
+                self._ask(src, want, psn)
             else:
-                self.counters.reordered_frames += 1
+                if self._missing.pop((src, psn), None) is not None:
+                    self.counters.recovered_frames += 1
+                else:
+                    self.counters.reordered_frames += 1
                 return
         self._psn[src] = psn + 1
+
+    def _ask(self, src: int, lo: int, hi: int) -> None:
+        """Frames ``lo..hi-1`` of ``src`` are missing: NACK each to its generator."""
+        now = now_ns()
+        for psn in range(lo, min(hi, lo + MAX_ASKED)):
+            key = (src, psn & 0xFFFF_FFFF)
+            if key not in self._missing:
+                self.counters.lost_frames += 1
+                self._missing[key] = (now, 1)
+                self._nack(*key)
+        self._psn[src] = hi
+        self._arm_reask()
+
+    def _nack(self, src: int, psn: int) -> None:
+        flow = rec.STAGED_FLOW if src & 0x10000 else rec.TOKEN_FLOW
+        self.ep.send_frame(fr.encode_nack(src=self.ep.node_id, dst=src & 0xFFFF, flow=flow,
+                                          psn=psn, code=fr.NackCode.MISSING))
+
+    def _arm_reask(self) -> None:
+        if self._reask is None and (self._missing or self._unstarted()):
+            self._reask = self.loop.call_later(REASK_S, self._on_reask)
+
+    def _unstarted(self) -> list[Stream]:
+        return [st for st in self.streams.values()
+                if not st.received and not st.done and not st.early and st.add]
+
+    def _on_reask(self) -> None:
+        """Ask again for frames still missing; send again requests that never began."""
+        self._reask = None
+        now = now_ns()
+        for key, (t, tries) in list(self._missing.items()):
+            if now - t < REASK_S * 1e9:
+                continue
+            if tries >= MISSING_ASKS:
+                del self._missing[key]
+                self.counters.unrecovered_frames += 1
+                log.warning("host0: token frame %d of node %d lost for good", key[1],
+                            key[0] & 0xFFFF)
+                continue
+            self._missing[key] = (now, tries + 1)
+            self._nack(*key)
+        for st in self._unstarted():
+            if now - st.add_sent >= ADD_RESEND_S * 1e9 and st.worker not in self.dead:
+                st.add_sent = now
+                self.counters.resent_adds += 1
+                self._send_ctrl(st.worker, rec.ADD, **st.add)
+        self._arm_reask()
 
     def _on_staged(self, f: fr.Frame, t_arrive: int) -> None:
         try:
@@ -419,8 +505,16 @@ class TokenHost:
             self._ready_workers.add(f.src)
         elif t == rec.PONG:
             self._relay_ready = True
+        elif t == rec.STOPPED:
+            self._stopped.add(f.src)
         elif t == rec.FAIL:
             self._worker_failed(f.src, str(msg.get("error", "unknown error")))
+        elif t == rec.SENT:  # an idle generator's next frame number: is anything missing?
+            src = f.src | (0x10000 if msg.get("staged") else 0)
+            psn = int(msg.get("psn", 0)) & 0xFFFF_FFFF
+            want = self._psn.get(src, 0)
+            if psn != want and (psn - want) & 0xFFFF_FFFF < 0x8000_0000:
+                self._ask(src, want, psn)
 
     def _worker_failed(self, worker: int, error: str) -> None:
         name = self.worker_names.get(worker, str(worker))
@@ -439,11 +533,21 @@ class TokenHost:
             self.counters.stray_tokens += 1
             return
         if idx != st.received:
-            if idx < st.received:
-                self.counters.duplicate_tokens += 1
+            if idx < st.received or idx in st.early:
+                self.counters.duplicate_tokens += 1  # a resent frame overtaken by its copy
                 return
-            self.counters.gap_tokens += idx - st.received  # lost on the way: not hidden
-            st.received = idx
+            # an earlier token's frame is missing and being asked for: hold this one
+            self.counters.early_tokens += 1
+            st.early[idx] = (tok, flags, t_gen, t_sent, t_ri, t_ro, t_arrive)
+            return
+        self._take_token(st, idx, tok, flags, t_gen, t_sent, t_ri, t_ro, t_arrive)
+        while st.received in st.early and not st.done:
+            i = st.received
+            self._take_token(st, i, *st.early.pop(i))
+
+    def _take_token(self, st: Stream, idx: int, tok: int, flags: int, t_gen: int, t_sent: int,
+                    t_ri: int, t_ro: int, t_arrive: int) -> None:
+        """Interpret token ``idx`` of ``st``, the next one in order."""
         self.counters.tokens += 1
         st.ids.append(tok)
         m = self.metrics
@@ -585,9 +689,11 @@ class TokenHost:
         toy = [int(t) % self.cfg.toy_vocab for t in prompt_ids[-256:]] or [0]
         temperature = self.cfg.temperature if req.temperature is None else req.temperature
         seed = req.seed if temperature > 0 else None  # greedy: a seed changes nothing
-        self._send_ctrl(worker, rec.ADD, rid=rid, prompt=toy, max_tokens=req.max_tokens,
-                        temperature=temperature, seed=seed,
-                        start=self.walk.start_for(prompt_ids, seed))
+        st.add = dict(rid=rid, prompt=toy, max_tokens=req.max_tokens, temperature=temperature,
+                      seed=seed, start=self.walk.start_for(prompt_ids, seed))
+        st.add_sent = now_ns()
+        self._send_ctrl(worker, rec.ADD, **st.add)
+        self._arm_reask()
         return st
 
     def close_stream(self, st: Stream, completed: bool) -> None:
@@ -670,11 +776,19 @@ class TokenHost:
         for st in list(self.streams.values()):
             self._fail(st, api.ApiError(503, "The server is shutting down",
                                         type_="server_error", code="shutting_down"))
-        for w in self.workers:
-            self._send_ctrl(w, rec.STOP)
+        # control frames may be lost on a faulty link: STOP until each one says STOPPED
+        peers = [w for w in self.workers if w not in self.dead]
         if self.relay_id:
-            self._send_ctrl(self.relay_id, rec.STOP)
-        await asyncio.sleep(0)
+            peers.append(self.relay_id)
+        deadline = time.monotonic() + STOP_WAIT_S
+        while True:
+            waiting = [p for p in peers if p not in self._stopped]
+            if not waiting or time.monotonic() > deadline:
+                break
+            for p in waiting:
+                self._send_ctrl(p, rec.STOP)
+            await asyncio.sleep(0.1)
+            self._drain()
 
     def stats(self) -> dict[str, Any]:
         """Counters for ``GET /semfab/stats`` and the task result."""

@@ -51,9 +51,11 @@ READY = "sv_ready"  # worker -> host
 ADD = "sv_add"  # host -> worker: start a sequence
 ABORT = "sv_abort"  # host -> worker: drop a sequence (client went away)
 STOP = "sv_stop"  # host -> worker/relay: end the task
+STOPPED = "sv_stopped"  # worker/relay -> host: STOP received (the host resends until then)
 PING = "sv_ping"  # host -> relay
 PONG = "sv_pong"  # relay -> host
 FAIL = "sv_fail"  # worker -> host: the generator failed
+SENT = "sv_sent"  # worker -> host, while idle: the next token-frame PSN (tail-loss probe)
 
 
 def iter_records(buf: memoryview | bytes) -> Iterator[tuple[int, int, int, int, int, int, int]]:
