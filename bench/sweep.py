@@ -355,6 +355,11 @@ def busy(args: argparse.Namespace, plan: Plan) -> tuple[int, str]:
 # --------------------------------------------------------------------------
 
 
+#: Environment variables that change how the fabric moves data (recorded with a run).
+TUNING_ENV = ("SEMFAB_DOORBELLS", "SEMFAB_BELL_SPIN_US", "SEMFAB_SPIN_US", "OMP_WAIT_POLICY",
+              "NUMBA_NUM_THREADS")
+
+
 def settings(args: argparse.Namespace, plan: Plan, name: str, n_cores: int,
              extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """Every parameter of the run (the JSON's ``"settings"``), and the command that repeats it.
@@ -378,6 +383,8 @@ def settings(args: argparse.Namespace, plan: Plan, name: str, n_cores: int,
         "faults": getattr(args, "faults", None), "timeout_s": args.timeout,
         "sim": bool(getattr(args, "sim", False)), "cores": n_cores,
         "inplace": str(getattr(args, "inplace", "both")),
+        # the transport knobs set in the environment (doorbells, spin budgets)
+        "env": {k: v for k, v in sorted(os.environ.items()) if k in TUNING_ENV},
     }
     s.update(extra or {})
     s["command"] = command_line(s, name)
@@ -412,7 +419,8 @@ def command_line(s: dict[str, Any], name: str = "allreduce") -> str:
         words += ["--timeout", f"{s['timeout_s']:g}"]
     if s.get("sim"):
         words.append("--sim")
-    return shlex.join(words)
+    env = [f"{k}={v}" for k, v in (s.get("env") or {}).items()]
+    return " ".join([*map(shlex.quote, env), shlex.join(words)])
 
 
 def header_lines(args: argparse.Namespace, plan: Plan, name: str, n_cores: int,
@@ -451,6 +459,8 @@ def header_lines(args: argparse.Namespace, plan: Plan, name: str, n_cores: int,
         f"# topology: {topo_text}",
         f"# links: {links_text(topo0, args)}",
         f"# faults: {getattr(args, 'faults', None) or 'none'}",
+        "# environment: " + (" ".join(f"{k}={v}" for k, v in sorted(os.environ.items())
+                                      if k in TUNING_ENV) or "defaults"),
         f"# machine: {socket.gethostname()}, {n_cores} cores{loadavg}",
         "# time: as nccl-tests: -n iterations back to back (no barrier between them), "
         "total / iters, the slowest rank's; p50/p99: over -n other iterations, each after "

@@ -10,6 +10,7 @@ with a stand-in fabric (no processes); one launches a real fabric of 2 workers.
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -181,7 +182,14 @@ def test_header_first_then_rows_as_each_size_finishes(
                        ("link_latency_us", 0.0), ("faults", None), ("topology", None),
                        ("repeat", 1)):
         assert s[key] == value, key
-    assert s["command"].startswith("semfab bench allreduce -b 4096 -e 65536")
+    assert s["command"].endswith("semfab bench allreduce -b 4096 -e 65536 -f 4 --workers 2 "
+                                 "--paths ina,host-ring -d float32 -o sum -w 0 -n 2 -c 1 --seed 7")
+    # the transport knobs in the environment are part of the run: recorded, repeated
+    from bench.sweep import TUNING_ENV, command_line
+
+    assert s["env"] == {k: v for k, v in os.environ.items() if k in TUNING_ENV}
+    again = command_line({**s, "env": {"SEMFAB_DOORBELLS": "0"}})
+    assert again.startswith("SEMFAB_DOORBELLS=0 semfab bench allreduce -b 4096")
 
 
 def test_a_wrong_row_fails_the_run(fake: dict[str, Any], capsys: pytest.CaptureFixture[str],
