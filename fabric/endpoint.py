@@ -284,9 +284,9 @@ class Endpoint:
                 leaf = prog.leaf() if isinstance(prog, Chain) else prog
                 if more and isinstance(leaf, InaAllreduce) and leaf.data and leaf.region is None:
                     try:
-                        rop, _fl, rsrc, rjob, psn, _k, _o, length = fr.peek(hdr[:nh])
+                        rop, _fl, rsrc, rjob, psn, _k, done, length = fr.peek(hdr[:nh])
                     except fr.FrameError:
-                        rop, rsrc, rjob, psn, length = Op.NACK, -1, -1, 0, 0
+                        rop, rsrc, rjob, psn, done, length = Op.NACK, -1, -1, 0, 0, 0
                     if rop is Op.RESULT and rjob == leaf.js.job and rsrc == self.switch_id:
                         spot = leaf.landing(psn, length)
                         if spot is None:  # a late copy (we resent), or a bad length
@@ -314,7 +314,7 @@ class Endpoint:
                         if into is not target:
                             target[:] = into
                         now = time.monotonic()
-                        sends = leaf.landed(i, now)
+                        sends = leaf.landed(i, now, done=done)
                         if isinstance(prog, Chain):
                             sends.extend(prog.poke(now))
                         self._send_all(sends)

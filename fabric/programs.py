@@ -565,7 +565,10 @@ class InaAllreduce(Program):
         self.timers = ChunkTimers(st.rtt, st.timeout_s,
                                   packet_threshold=max(3, self.S - 1))
         self.got = bytearray(self.nch)
-        self.first_sent = [0] * self.nch  # send order of each chunk's first copy
+        # send order (one count over every transmission) of each chunk's first copy
+        # and of its latest one
+        self.first_sent = [0] * self.nch
+        self.last_sent = [0] * self.nch
         self._sends = 0
         self.left = self.nch
         self.flags = Flag.CRC if st.crc else Flag.NONE
@@ -590,9 +593,10 @@ class InaAllreduce(Program):
 
     def _frame(self, i: int, retx: bool) -> Send:
         st, E = self.st, self.E
+        self._sends += 1
         if not self.first_sent[i]:
-            self._sends += 1
             self.first_sent[i] = self._sends
+        self.last_sent[i] = self._sends
         flags = self.flags | (Flag.RETX if retx else 0)
         psn = (self.base + i) & PSN_MASK
         if self.region is not None:
@@ -656,14 +660,15 @@ class InaAllreduce(Program):
         if self.data and self.region is None and dest is not None:
             assert self.t.out is not None
             self.t.out[dest: dest + count] = np.frombuffer(f.payload, dtype=self.t.out.dtype)
-        return self.landed(i, now)
+        return self.landed(i, now, done=f.offset)
 
     def _lost_before(self, i: int, proof_psn: int) -> bool:
-        """Chunk ``i`` was first sent before the chunk whose arrival proves it lost
-        (one link delivers in order, so ``i`` should have arrived first)."""
+        """Chunk ``i``'s latest copy was sent before the chunk whose arrival proves it
+        lost (one link delivers in order, so ``i`` should have arrived first). A copy
+        sent after the proof is still on its way: the ask is stale, not a loss."""
         p = (proof_psn - self.base) & PSN_MASK
-        return (i < self.nch and p < self.nch and 0 < self.first_sent[i]
-                and 0 < self.first_sent[p] and self.first_sent[i] < self.first_sent[p])
+        return (i < self.nch and p < self.nch and 0 < self.last_sent[i]
+                and 0 < self.first_sent[p] and self.last_sent[i] < self.first_sent[p])
 
     def landing(self, psn: int, length: int) -> tuple[int, int] | None:
         """Where chunk ``psn``'s result belongs in ``out``: ``(chunk, byte offset)``, or
@@ -678,11 +683,22 @@ class InaAllreduce(Program):
             return None
         return i, dest * self.item
 
-    def landed(self, i: int, now: float) -> list[Send]:
-        """Chunk ``i``'s result is in ``out``: resend what it overtook, slide the window."""
+    def landed(self, i: int, now: float, done: int | None = None) -> list[Send]:
+        """Chunk ``i``'s result is in ``out``: resend what it overtook, slide the window.
+
+        ``done``: the switch's mark on that RESULT (every chunk below it complete).
+        An overtaken chunk below the mark lost its result: resend it; one above
+        waits for another member, whom the switch asks alone (resending ours
+        would be spurious), so only its timer may resend it.
+        """
         self.got[i] = 1
         self.left -= 1
-        out = [self._frame(lost, True) for lost in self.timers.acked(i, now)[1]]
+        below = None
+        if done is not None:
+            below = (done - self.base) & PSN_MASK
+            if below > self.nch:  # not of this call: assume nothing
+                below = 0
+        out = [self._frame(lost, True) for lost in self.timers.acked(i, now, below)[1]]
         if i + self.S < self.nch:
             out.append(self._frame(i + self.S, False))
             self.timers.sent(i + self.S, now)

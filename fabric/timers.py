@@ -45,13 +45,17 @@ class ChunkTimers:
         self._order += 1
         self._timers[chunk] = _Timer(now, now, now + self.rtt.rto, self._order)
 
-    def acked(self, chunk: int, now: float) -> tuple[bool, list[int]]:
+    def acked(self, chunk: int, now: float,
+              complete_below: int | None = None) -> tuple[bool, list[int]]:
         """Its result arrived: ``(was_outstanding, to_resend_now)``.
 
         Results come back in completion order, so a chunk overtaken by
         ``packet_threshold`` results of chunks sent after it was lost on the
         way (its contribution or its result): resend it now rather than wait
         for its timer (RFC 9002 §6.1.1 packet threshold, as for frames).
+        ``complete_below``: the switch says every chunk below it is complete,
+        so only those can have lost their result; a chunk at or above it waits
+        for another member's contribution and keeps its timer.
         """
         t = self._timers.pop(chunk, None)
         if t is None:
@@ -62,7 +66,8 @@ class ChunkTimers:
         for other, u in self._timers.items():
             if u.order < t.order:
                 u.overtaken += 1
-                if u.overtaken >= self.packet_threshold:
+                if u.overtaken >= self.packet_threshold and (
+                        complete_below is None or other < complete_below):
                     self._resent(u, now)
                     resend.append(other)
         self.fast_retransmits += len(resend)

@@ -254,6 +254,11 @@ class SwitchCore:
         self._phase: dict[int, JobPhase] = {}
         self._job_members: dict[int, frozenset[int]] = {}  # every member, whole tree
         self._job_last: dict[int, int] = {}
+        # per job: every chunk below ``_done_below`` has had its results sent, and
+        # the chunks above it that have too; RESULT frames carry the mark (offset)
+        # so a member whose result is missing can tell "lost" from "not complete yet"
+        self._done_below: dict[int, int] = {}
+        self._done_above: dict[int, set[int]] = {}
         self._refs: dict[tuple[int, int], dict[int, tuple[int, int]]] = {}
         self._job_parent: dict[int, int] = {}
         self._awaiting: set[tuple[int, int]] = set()
@@ -580,6 +585,7 @@ class SwitchCore:
                         self._await_owner[(f.job, ev.chunk)] = f.key
                     self._send_up(spec, ev.chunk, ev.result, f, retx=False)
                 else:
+                    self._mark_done(f.job, ev.chunk)
                     self._send_results(spec, ev.chunk, ev.recipients, ev.result, f)
             elif isinstance(ev, ResendResult):
                 if (f.job, ev.chunk) in self._awaiting:
@@ -608,11 +614,15 @@ class SwitchCore:
         key = (f.job, f.src)
         high = self._high.get(key)
         self._high[key] = chunk if high is None else max(high, chunk)
-        if high is not None and chunk > high + 1:
-            # this member skipped chunks: any of them still waiting for it was lost
-            # (or not sent yet: its slot's result came late; the member then ignores
-            # the ask, see fabric.programs.InaAllreduce)
-            for c in range(high + 1, min(chunk, high + 1 + MISSING_SCAN)):
+        if high is not None and chunk > high:
+            # every chunk below this one still waiting for this member (from the
+            # oldest incomplete one): lost on its link, or not sent yet (its slot's
+            # result came late; the member then ignores the ask, see
+            # fabric.programs.InaAllreduce). A chunk asked before is asked again
+            # with this newer proof (the ask or the resend may be lost too), a few
+            # times at most.
+            lo = max(self._done_below.get(f.job, 0), chunk - MISSING_SCAN)
+            for c in range(lo, chunk):
                 if self.engine.pending(f.job, c, f.src):
                     self._ask(f.job, c, f.src, f.msg, chunk)
         # this chunk now waits only for members that already sent later chunks:
@@ -656,10 +666,25 @@ class SwitchCore:
         self.counters.mem_stores += len(refs)
         self.counters.payload_copies += len(refs)
 
+    def _mark_done(self, job: int, chunk: int) -> None:
+        """Chunk ``chunk`` of ``job`` is complete here: its results go out now."""
+        low = self._done_below.get(job, 0)
+        if chunk < low:
+            return
+        above = self._done_above.setdefault(job, set())
+        above.add(chunk)
+        while low in above:
+            above.discard(low)
+            low += 1
+        self._done_below[job] = low
+
     def _send_results(self, spec: JobSpec, chunk: int, recipients: tuple[int, ...],
                       result: np.ndarray | None, f: fr.Frame) -> None:
         crc = bool(f.flags & Flag.CRC)  # answer in kind: a sender that checks gets checked
         owner = f.key if spec.job in self._owned else None
+        # every chunk below this mark is complete: a member missing one of those
+        # results lost it (and asks again), one above may still wait for a member
+        done = self._done_below.get(spec.job, 0) & PSN_MASK
         for member in recipients:
             port = self._ident[member]
             if owner is not None and member != owner and owner not in \
@@ -667,19 +692,20 @@ class SwitchCore:
                 # not the owner's side: a header-only completion (self-clocks its window)
                 self._send(port, fr.encode_header(
                     Op.RESULT, src=self.id, dst=member, job=spec.job, psn=chunk & PSN_MASK,
-                    dtype=f.dtype, msg=f.msg, key=owner, crc=crc))
+                    dtype=f.dtype, msg=f.msg, key=owner, offset=done, crc=crc))
                 self.counters.results_sent += 1
                 continue
             if result is None:
                 header = fr.encode_header(Op.RESULT, src=self.id, dst=member, job=spec.job,
                                           psn=chunk & PSN_MASK, dtype=f.dtype, msg=f.msg,
-                                          flags=Flag.REF, length=f.length, crc=crc)
+                                          flags=Flag.REF, length=f.length, offset=done,
+                                          crc=crc)
                 self._send(port, header)
             else:
                 body = byte_view(result)
                 header = fr.encode_header(Op.RESULT, src=self.id, dst=member, job=spec.job,
                                           psn=chunk & PSN_MASK, dtype=f.dtype, msg=f.msg,
-                                          payload=body, key=owner or 0, crc=crc)
+                                          payload=body, key=owner or 0, offset=done, crc=crc)
                 self._send(port, header, body)
             self.counters.results_sent += 1
 
@@ -706,6 +732,7 @@ class SwitchCore:
             return
         self._awaiting.discard((f.job, chunk))
         self._await_owner.pop((f.job, chunk), None)
+        self._mark_done(f.job, chunk)
         self._send_results(spec, chunk, spec.members, data, f)
 
     def _resend_partial(self, f: fr.Frame) -> None:
@@ -1094,6 +1121,8 @@ class SwitchCore:
         self._await_owner = {k: v for k, v in self._await_owner.items() if k[0] != job}
         self._owned.discard(job)
         self._high = {k: v for k, v in self._high.items() if k[0] != job}
+        self._done_below.pop(job, None)
+        self._done_above.pop(job, None)
         self._up_pending.pop(job, None)
         parent = self._job_parent.pop(job, None)
         if parent is not None:  # the rest of the tree frees its part too

@@ -311,3 +311,19 @@ def test_a_leaf_sums_one_tokens_partials_and_sends_one_vector_home() -> None:
     (again,) = net.take("w2")
     assert again.offset == 1
     np.testing.assert_array_equal(np.frombuffer(again.payload, np.float32)[1:], np.full(5, 3.75))
+
+
+def test_results_carry_the_mark_below_which_every_chunk_is_complete() -> None:
+    # members can tell "my result was lost" (chunk below the mark) from "another
+    # member's contribution is missing" (at or above it) without resending
+    net = Net(star(2))
+    _job(net, job=4)
+    x = np.arange(4, dtype=np.int32)
+    _reduce(net, "w0", 4, 0, x)
+    _reduce(net, "w0", 4, 1, x)
+    _reduce(net, "w1", 4, 1, x)  # chunk 1 completes, chunk 0 waits for w1
+    (r1,) = [f for f in net.take("w0") if f.op is Op.RESULT]
+    assert r1.psn == 1 and r1.offset == 0  # nothing complete below 0
+    _reduce(net, "w1", 4, 0, x)
+    (r0,) = [f for f in net.take("w0") if f.op is Op.RESULT]
+    assert r0.psn == 0 and r0.offset == 2  # 0 and 1 complete

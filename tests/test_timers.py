@@ -66,3 +66,17 @@ def test_a_chunk_overtaken_by_three_later_results_is_resent_at_once() -> None:
     assert t.fast_retransmits == 1
     assert t.acked(4, now=0.04) == (True, [])  # 0 was just resent: its count restarts
     assert t.next_deadline() == pytest.approx(0.03 + 2 * rto)  # backed off once
+
+
+def test_only_chunks_the_switch_says_are_complete_are_resent_when_overtaken() -> None:
+    # chunk 0 is overtaken by 1, 2, 3; the switch's mark says chunks below 0 are
+    # complete (0 still waits for another member): no resend, its timer stays
+    t = ChunkTimers(RttEstimator(rto_initial=0.5), give_up_s=10.0)
+    for c in range(5):
+        t.sent(c, 0.0)
+    for c in (1, 2, 3):
+        assert t.acked(c, 0.01, complete_below=0)[1] == []
+    assert t.outstanding(0) and t.retransmits == 0
+    # once the mark passes it, the next result says its result was lost: resend
+    assert t.acked(4, 0.02, complete_below=4)[1] == [0]
+    assert t.retransmits == 1
