@@ -29,8 +29,14 @@ last iteration's result exactly, as nccl-tests checks after its timed loop.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+import os
+import shutil
+import tempfile
 import time
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -121,15 +127,18 @@ def _time_half(ep: Any, path: str, x: Any, o: Any, dtype: str, op: str, warmup: 
     count = x.size
     out = x if o is None else o
     times: list[float] = []
+    spans: list[tuple[float, float]] = []  # the timed iterations (--trace), monotonic s
     last = warmup + iters - 1
     for it in range(warmup + iters):
         np.copyto(x, make_input(ep.rank, it, count, dtype, seed))
         ep.barrier()
         t0 = time.perf_counter_ns()
+        m0 = time.monotonic()
         ep.allreduce(x, op=op, path=path, out=out)
         t1 = time.perf_counter_ns()
         if it >= warmup:
             times.append((t1 - t0) / 1e3)
+            spans.append((m0, time.monotonic()))
     # nccl-tests style: the result of the last iteration, every element
     wrong = count_wrong(out, expected_allreduce(ep.world, last, count, dtype, op, seed)) \
         if check else 0
@@ -139,10 +148,12 @@ def _time_half(ep: Any, path: str, x: Any, o: Any, dtype: str, op: str, warmup: 
     # check can only be made on the barrier-separated iterations above.
     ep.barrier()
     t0 = time.perf_counter_ns()
+    m0 = time.monotonic()
     for _ in range(iters):
         ep.allreduce(x, op=op, path=path, out=out)
     avg_us = (time.perf_counter_ns() - t0) / 1e3 / iters
-    return {"times_us": times, "wrong": int(wrong), "avg_us": avg_us}
+    return {"times_us": times, "wrong": int(wrong), "avg_us": avg_us, "spans": spans,
+            "b2b": (m0, time.monotonic())}
 
 
 def combine(path: str, workers: int, dtype: str, op: str, per_rank: list[list[dict[str, Any]]],
@@ -178,6 +189,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "not supported)",
         sim_help="simulate in virtual time (same table, marked simulated) instead of "
         "launching processes; any worker count; paths ina, host-ring, host-ps")
+    p.add_argument("--trace", metavar="PATH",
+                   help="write a Chrome Trace Event file (open in ui.perfetto.dev): per node "
+                   "a slice per timed iteration, per in-network chunk from REDUCE to RESULT, "
+                   "per switch and job the chunks it aggregated, resends and NACKs marked")
 
 
 _refuse_nccl_only = sweep.refuse_nccl_only
@@ -227,6 +242,10 @@ def _measure(fab: Any, path: str, workers: int, size: int, dtype: str, op: str,
              args: argparse.Namespace) -> report.AllreduceRow:
     per_rank = fab.run(measure_on_worker, path, [size], dtype, op, args.warmup, args.iters,
                        bool(args.check), args.seed, places=sweep.places(args))
+    tracer = getattr(args, "_tracer", None)
+    if tracer is not None:
+        tracer.add(workers, [w.name for w in fab.topo.workers], path, size,
+                   [r[0] for r in per_rank])
     return combine(path, workers, dtype, op, per_rank, bool(args.check))[0]
 
 
@@ -234,14 +253,51 @@ def run(args: argparse.Namespace) -> int:
     """Entry point of `semfab bench allreduce`."""
     _refuse_nccl_only(args)
     if args.sim:
+        if getattr(args, "trace", None):
+            raise UsageError("--trace records the frames of launched processes; drop --sim "
+                             "(`semfab sim` has no frame log)")
         return _run_sim(args)
     plan = _parse(args)
-    return sweep.run_sweep(
-        args, plan, name="allreduce", header=header_lines(args, plan),
-        setts=settings(args, plan), measure=_measure,
-        # looked up at call time, so a stand-in (tests) replaces it
-        run_peer=lambda *a: _run_peer(*a),
-        notes=sweep.row_notes(args, _above_link))
+    trace = getattr(args, "trace", None)
+    if trace:
+        from fabric.launch_cli import check_output_file
+
+        check_output_file("--trace", trace)
+    with _frame_logs(trace) as tracer:
+        args._tracer = tracer
+        return sweep.run_sweep(
+            args, plan, name="allreduce", header=header_lines(args, plan),
+            setts=settings(args, plan), measure=_measure,
+            # looked up at call time, so a stand-in (tests) replaces it
+            run_peer=lambda *a: _run_peer(*a),
+            notes=sweep.row_notes(args, _above_link))
+
+
+@contextlib.contextmanager
+def _frame_logs(trace: str | None) -> Iterator[Any]:
+    """With ``--trace``: the processes launched inside log their frames into a
+    temporary folder, and the trace is written from them at the end."""
+    if not trace:
+        yield None
+        return
+    from bench.frametrace import FrameTracer
+    from fabric.frametrace import ENV
+
+    folder = Path(tempfile.mkdtemp(prefix="semfab-frames-"))
+    before = os.environ.get(ENV)
+    os.environ[ENV] = str(folder)
+    tracer = FrameTracer("allreduce", folder)
+    try:
+        yield tracer
+    finally:
+        if before is None:
+            os.environ.pop(ENV, None)
+        else:
+            os.environ[ENV] = before
+        tracer.write(trace)
+        shutil.rmtree(folder, ignore_errors=True)
+        print(f"# wrote {trace} ({len(tracer.slices)} call slices, {tracer.chunk_slices} "
+              "chunk slices; open it in ui.perfetto.dev)", flush=True)
 
 
 def _run_peer(peer: str, workers: int, sizes: list[int], args: argparse.Namespace,

@@ -33,6 +33,7 @@ from fabric import doorbell as db
 from fabric import frame as fr
 from fabric.errors import FabricTimeout, PeerFailed, UsageError
 from fabric.frame import NackCode, Op
+from fabric.frametrace import FrameLog
 from fabric.semantic import SemanticCounts
 from fabric.shm import SharedRegion
 from fabric.topology import Topology
@@ -142,6 +143,8 @@ class Endpoint:
         self._spin_s = db.SPIN_S  # this call's spin budget on the doorbell
         # the topology's placement: the switch maps our memory only on our host
         self.shares_host = topo.host_address(name) == topo.host_address(self.switch_name)
+        # frames recorded for a trace (SEMFAB_FRAME_TRACE only)
+        self.frame_log = FrameLog.from_env(name, self.node.kind, self.world)
         self._hello()
 
     # the counters live in the protocol state, which programs update
@@ -180,6 +183,8 @@ class Endpoint:
     def send_frame(self, header: bytes, payload: Any = None) -> None:
         """Send one frame to the switch (payload zero-copy when large; a memory-plane
         descriptor through the doorbell when there is one)."""
+        if self.frame_log is not None:
+            self.frame_log.add("tx", header, self.switch_name)
         if payload is None:
             bell = self.bell
             if bell is None or not db.carries(header) or not bell.send(header):
@@ -281,6 +286,8 @@ class Endpoint:
                     if more:
                         sock.recv(copy=False)
                     continue
+                if self.frame_log is not None:
+                    self.frame_log.add("rx", hdr[:nh], self.switch_name)
                 leaf = prog.leaf() if isinstance(prog, Chain) else prog
                 if more and isinstance(leaf, InaAllreduce) and leaf.data and leaf.region is None:
                     try:
@@ -343,6 +350,8 @@ class Endpoint:
         raw = self.bell.recv()
         if raw is None:
             return None
+        if self.frame_log is not None:
+            self.frame_log.add("rx", raw, self.switch_name)
         try:
             return fr.decode(raw, None)
         except fr.FrameError as exc:
@@ -703,6 +712,8 @@ class Endpoint:
         for _, _, _, region in self.regions:
             region.close()
         self.regions.clear()
+        if self.frame_log is not None:
+            self.frame_log.dump()
         if self.bell is not None:
             self.bell.close()
             self.bell = None

@@ -30,6 +30,7 @@ import zmq
 from fabric import control, transport
 from fabric import doorbell as db
 from fabric.faults import FaultSpec, FaultStats, parse_faults
+from fabric.frametrace import FrameLog
 from fabric.link import LinkPipeline
 from fabric.topology import Topology
 from switchd.core import SwitchCore, SwitchStats, unwrap_psn
@@ -72,6 +73,7 @@ class SwitchDaemon:
         # a placed run's coordinator pings; silence this long ends the daemon
         self.ctl_silence_s = ctl_silence_s
         self.exit_code = 0  # 1: ended by an abort or a lost coordinator
+        self.frame_log = FrameLog.from_env(name, "switch", len(topo.workers))  # SEMFAB_FRAME_TRACE
         self.name = name
         self.node = topo.node(name)
         self.address = topo.endpoint_address(name, sock_dir)
@@ -259,6 +261,8 @@ class SwitchDaemon:
     def _arrived(self, port: bytes, header: Any, payload: Any) -> None:
         """A frame from a node's port (socket or doorbell): through its link's
         ingress pipeline when it has one, else straight to the core."""
+        if self.frame_log is not None:
+            self.frame_log.add("rx", header, port.decode(errors="replace"))
         now = time.monotonic()
         pipe = self._ingress.get(port)
         if pipe is not None:
@@ -273,6 +277,8 @@ class SwitchDaemon:
                 parts = up.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
+            if self.frame_log is not None:
+                self.frame_log.add("rx", parts[0].buffer, peer.decode(errors="replace"))
             now = time.monotonic()
             self._emit(self.core.handle(peer, parts[0].buffer,
                                         parts[1].buffer if len(parts) > 1 else None, now), now)
@@ -305,6 +311,8 @@ class SwitchDaemon:
         return max(min(due) - time.monotonic(), 0.0) if due else 1.0
 
     def _send_now(self, port: bytes, header: Any, payload: Any = None) -> None:
+        if self.frame_log is not None:
+            self.frame_log.add("tx", header, port.decode(errors="replace"))
         nb = memoryview(payload).nbytes if payload is not None else 0
         if payload is None and self._bells:
             bell = self._bells.get(port)
@@ -336,7 +344,9 @@ class SwitchDaemon:
         self._running = False
 
     def close(self) -> None:
-        """Release sockets and mapped regions."""
+        """Release sockets and mapped regions (and write the frame log, if kept)."""
+        if self.frame_log is not None:
+            self.frame_log.dump()
         self.memory.close()
         for bell in [*self._bells.values(), *self._retired]:
             bell.close()

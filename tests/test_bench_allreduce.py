@@ -352,3 +352,28 @@ def test_real_tiny_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> No
     assert "# time: as nccl-tests: -n iterations back to back" in text
     md = out_md.read_text()
     assert "# minBytes 4096" in md and "| size(B) | ina busbw(GB/s) |" in md
+
+
+def test_real_run_traces_calls_chunks_switch_and_resends(tmp_path: Path,
+                                                         capsys: pytest.CaptureFixture[str]
+                                                         ) -> None:
+    # a lossy link: chunks, the switch's aggregation, resends and NACKs all show
+    trace = tmp_path / "t.json"
+    argv = ["bench", "allreduce", "--workers", "2", "-b", "256K", "-e", "256K", "--paths",
+            "ina,ina-mem", "-w", "0", "-n", "3", "--faults", "loss=0.05", "--seed", "4",
+            "--trace", str(trace), "--run-dir", str(tmp_path / "runs")]
+    assert main(argv) == 0
+    assert f"# wrote {trace}" in capsys.readouterr().out
+    events = json.loads(trace.read_text())["traceEvents"]
+    tracks = {e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
+    assert {"w0", "w1", "w0 chunks", "w1 chunks", "sw0 job 1"} <= tracks
+    cats = {e.get("cat") for e in events if e["ph"] == "X"}
+    assert {"timed", "back-to-back", "chunk", "aggregation"} <= cats
+    # one chunk per call at these chunk sizes: 2 workers x 2 halves x (3 timed + 3 back
+    # to back) per path at least; every chunk slice ends at its RESULT, after it starts
+    chunks = [e for e in events if e.get("cat") == "chunk"]
+    assert len(chunks) >= 2 * 2 * (3 + 3) and all(e["dur"] > 0 for e in chunks)
+    assert any(e["ph"] == "i" for e in events)  # 5% loss: something was resent or asked
+    from fabric.frametrace import ENV
+
+    assert ENV not in os.environ  # the processes' logging is off again

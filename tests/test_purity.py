@@ -26,7 +26,8 @@ IO_LIBS = {"zmq", "socket", "asyncio", "selectors", "subprocess", "threading", "
            "os", "signal", "multiprocessing", "aiohttp", "shutil"}
 #: Driver modules: the core never imports them (they import the core).
 DRIVERS = {"fabric.endpoint", "fabric.transport", "fabric.launcher", "fabric.launch_cli",
-           "fabric.node", "fabric.shm", "fabric.doorbell", "fabric.p2p", "fabric.collectives",
+           "fabric.node", "fabric.shm", "fabric.doorbell", "fabric.frametrace", "fabric.p2p",
+           "fabric.collectives",
            "fabric.cli", "fabric.rendezvous", "fabric.run_cli",
            "fabric.serving", "fabric.sim", "fabric.communicator", "switchd.daemon",
            "switchd.memplane", "switchd.cli", "fabric.emulation", "bench"}
