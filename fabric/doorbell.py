@@ -60,6 +60,7 @@ _HEAD = struct.Struct("<QQ")
 # index at +64 (each side writes only its own cache line)
 _CTRL = 128
 _RING_BYTES = _CTRL + SLOTS * SLOT
+_U64 = (1 << 64) - 1
 FILE_BYTES = 64 + 2 * _RING_BYTES
 #: How long a waiter looks at its rings before it blocks on the pipes. A look
 #: that finds nothing yields the core (sched_yield), so the budget costs little
@@ -143,11 +144,15 @@ class Ring:
         self.full = 0  # posts refused because the ring was full
 
     def post(self, frame: bytes | memoryview) -> bool:
-        """Append one frame; False when it is too large or the ring is full."""
+        """Append one frame; False when it is too large or the ring is full.
+
+        Indices are free-running 64-bit counters; the other side can write
+        anything into the shared file, so every use wraps them (a hostile
+        peer can fill or empty its own ring, never make this side raise)."""
         n = len(frame)
         idx = self._idx
         tail = idx[8]
-        if n >= SLOT or tail - idx[0] >= SLOTS:
+        if n >= SLOT or (tail - idx[0]) & _U64 >= SLOTS:
             if n < SLOT:
                 self.full += 1
             return False
@@ -155,7 +160,7 @@ class Ring:
         buf = self._buf
         buf[off + 1: off + 1 + n] = frame
         buf[off] = n
-        idx[8] = tail + 1  # publish: the slot's stores are already visible (TSO)
+        idx[8] = (tail + 1) & _U64  # publish: the slot's stores are already visible (TSO)
         self.posted += 1
         return True
 
@@ -185,7 +190,7 @@ class Ring:
         buf = self._buf
         n = buf[off]
         frame = bytes(buf[off + 1: off + 1 + n]) if n < SLOT else b""
-        idx[0] = head + 1  # the slot may be reused only after it was copied out
+        idx[0] = (head + 1) & _U64  # the slot may be reused only after it was copied out
         self.taken += 1
         return frame
 

@@ -58,6 +58,9 @@ JOIN_RETRY_S = 0.5
 PING_S = 1.0
 #: Clock exchanges per process; the one with the shortest round trip is kept.
 CLOCK_ROUNDS = 8
+#: Identity prefix of a process's join socket (node names cannot hold a colon,
+#: so it never meets a node's own control socket).
+JOIN = "join:"
 #: Switch counters the report keeps (the same names `semfab stats` shows).
 REPORT_COUNTERS = ("frames_in", "bytes_in", "reduce_frames", "results_sent", "forwarded",
                    "mcast_frames", "nacks_sent", "malformed", "unauthorised")
@@ -158,8 +161,8 @@ class Coordinator(threading.Thread):
         except Exception:
             log.warning("coordinator: dropped a bad message from %s", who)
             return None
-        proc = self._by_name.get(who) or (self._procs.get(int(who[4:]))
-                                          if who.startswith("rank") and who[4:].isdigit()
+        proc = self._by_name.get(who) or (self._procs.get(int(who[len(JOIN):]))
+                                          if who.startswith(JOIN) and who[len(JOIN):].isdigit()
                                           else None)
         if proc is not None:
             proc.heard = time.monotonic()
@@ -196,7 +199,7 @@ class Coordinator(threading.Thread):
             proc = self._procs[rank]
             proc.name, proc.kind = name, self.topo.node(name).kind
             self._by_name[name] = proc
-            self._send(f"rank{rank}", "assign", name=name, run_id=self.run_id)
+            self._send(f"{JOIN}{rank}", "assign", name=name, run_id=self.run_id)
         self._wait_ready()
         log.info("coordinator: all %d nodes ready", self.world)
         t_run = time.monotonic()
@@ -310,7 +313,7 @@ class Coordinator(threading.Thread):
         for p in self._procs.values():
             if p.name:
                 self._send(p.name, "shutdown", **fields)
-            self._send(f"rank{p.rank}", "shutdown", **fields)  # not started a node yet
+            self._send(f"{JOIN}{p.rank}", "shutdown", **fields)  # not started a node yet
         time.sleep(0.2)  # let the messages leave before the socket closes
         self.sock.close(0)
         self.ctx.term()
@@ -391,7 +394,7 @@ class PlacedRun:
 
     def _play(self, addr: str) -> tuple[int, str | None]:
         ctx = zmq.Context()
-        sock = transport.dealer(ctx, addr, f"rank{self.rank}")
+        sock = transport.dealer(ctx, addr, f"{JOIN}{self.rank}")
         try:
             assigned = self._join(sock)
             if assigned.get("t") == "shutdown":
@@ -404,8 +407,19 @@ class PlacedRun:
         node = self.topo.node(name)
         sock_dir = self.sock_dir or f"/tmp/semfab-run-{self.rendezvous[1]}"
         Path(sock_dir).mkdir(parents=True, exist_ok=True)
-        log.info("rank %d plays %s %s", self.rank, node.kind, name)
-        if node.kind == "switch":
+        try:
+            return self._role(addr, node.kind, name, run_id, sock_dir)
+        finally:
+            if not self.sock_dir:
+                try:
+                    Path(sock_dir).rmdir()  # the last process out of this host removes it
+                except OSError:
+                    pass
+
+    def _role(self, addr: str, kind: str, name: str, run_id: str,
+              sock_dir: str) -> tuple[int, str | None]:
+        log.info("rank %d plays %s %s", self.rank, kind, name)
+        if kind == "switch":
             from switchd.daemon import SwitchDaemon
 
             daemon = SwitchDaemon(self.topo, name, Path(sock_dir), ctl_addr=addr,

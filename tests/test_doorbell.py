@@ -255,3 +255,19 @@ def test_doorbell_descriptors_recover_from_loss(tmp_path: Path) -> None:
         res = fab.run(_mem_allreduce, 1001, 8)
     assert [r["wrong"] for r in res] == [0, 0]
     assert res[0]["bell_in"] > 0
+
+
+def test_a_peer_that_scribbles_on_the_indices_cannot_make_this_side_raise(bell) -> None:
+    # the other side can write anything into the shared file: every index is wrapped
+    peer = db.Doorbell.attach(bell.path)
+    try:
+        ctrl = bell.outbox._idx
+        ctrl[8] = (1 << 64) - 1  # our own tail, overwritten by the peer, about to wrap
+        ctrl[0] = (1 << 64) - 2
+        assert bell.send(_descriptor(1))  # posted, the tail wrapped to 0 (no OverflowError)
+        assert ctrl[8] == 0 and fr.decode(peer.recv()).psn == 1
+        peer.inbox._idx[0] = (1 << 64) - 1
+        for _ in range(3):
+            peer.recv()  # garbage or nothing, never an exception
+    finally:
+        peer.close()
