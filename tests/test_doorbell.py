@@ -265,7 +265,8 @@ def test_a_peer_that_scribbles_on_the_indices_cannot_make_this_side_raise(bell) 
         ctrl[8] = (1 << 64) - 1  # our own tail, overwritten by the peer, about to wrap
         ctrl[0] = (1 << 64) - 2
         assert bell.send(_descriptor(1))  # posted, the tail wrapped to 0 (no OverflowError)
-        assert ctrl[8] == 0 and fr.decode(peer.recv()).psn == 1
+        assert ctrl[8] == 0
+        assert isinstance(peer.recv(), bytes)  # slot 254, never written: garbage, not a raise
         peer.inbox._idx[0] = (1 << 64) - 1
         for _ in range(3):
             peer.recv()  # garbage or nothing, never an exception
