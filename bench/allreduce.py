@@ -35,7 +35,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -238,10 +238,100 @@ def _above_link(row: report.AllreduceRow, rate: float) -> str:
             f"once down (algbw {(row.algbw_gbps or 0.0) * 8:.3g} Gbit/s)")
 
 
+def sim_half_workload(ctx: Any, path: str, size: int, dtype: str, op: str, warmup: int,
+                      iters: int, check: bool, seed: int, place: str
+                      ) -> Generator[Any, Any, dict[str, Any]]:
+    """:func:`_time_half` as a workload, for ``--sim``: ``warmup`` + ``iters``
+    barrier-separated calls (the last checked, every element), then ``iters`` back
+    to back. ``place``: ``"out"`` (into a buffer of its own) or ``"in"`` (out is x)."""
+    from kernels.checking import expected_allreduce, make_input
+    from kernels.dtypes import np_dtype
+    from kernels.reference import count_wrong
+
+    count = size // np_dtype(dtype).itemsize
+    times: list[float] = []
+    spans: list[tuple[float, float]] = []
+    last = warmup + iters - 1
+    x = out = got = None
+    for it in range(warmup + iters):
+        x = np.array(make_input(ctx.rank, it, count, dtype, seed))
+        out = x if place == "in" else np.empty_like(x)
+        yield ctx.barrier()
+        t0 = yield ctx.clock()
+        got = yield ctx.allreduce(x, op=op, path=path, out=out)
+        t1 = yield ctx.clock()
+        if it >= warmup:
+            times.append((t1 - t0) * 1e6)
+            spans.append((float(t0), float(t1)))
+    wrong = count_wrong(got, expected_allreduce(ctx.world, last, count, dtype, op, seed)) \
+        if check and got is not None else 0
+    yield ctx.barrier()
+    t0 = yield ctx.clock()
+    for _ in range(iters):
+        yield ctx.allreduce(x, op=op, path=path, out=out)
+    t1 = yield ctx.clock()
+    return {"times_us": times, "wrong": int(wrong), "avg_us": (t1 - t0) * 1e6 / max(iters, 1),
+            "spans": spans, "b2b": (float(t0), float(t1))}
+
+
+#: Rows simulated in virtual time say so.
+SIM_NOTE = "simulated (virtual time)"
+
+
+class SimFabric:
+    """Stands for a launched fabric under ``--sim``: each size and half is a
+    simulation of :func:`sim_half_workload` on ``topo`` in virtual time."""
+
+    def __init__(self, topo: Any, args: argparse.Namespace) -> None:
+        self.topo, self.args = topo, args
+
+    def __enter__(self) -> SimFabric:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def per_rank(self, path: str, size: int, dtype: str, op: str) -> list[list[dict[str, Any]]]:
+        """What :func:`measure_on_worker` returns, per rank, for one size."""
+        from fabric.sim.engine import Simulation
+
+        args = self.args
+        halves = []
+        sem = None
+        retransmits = 0
+        for place in sweep.places(args):
+            # a simulation per half: each starts from an idle fabric, as after a barrier
+            sim = Simulation(self.topo, seed=args.seed, faults=args.faults,
+                             timeout_s=args.timeout,
+                             crc=bool(args.faults and "corrupt" in args.faults))
+            res = sim.run(sim_half_workload, path, size, dtype, op, args.warmup, args.iters,
+                          bool(args.check), args.seed, place)
+            retransmits += res.retransmits
+            halves.append((place, res.results))
+            if sem is None:
+                sem = next(iter(res.nodes.values())).sem(path)
+        assert sem is not None
+        calls = max(args.warmup + 2 * args.iters, 1)  # of the first half's simulation
+        counters = {k: getattr(sem, k) / max(sem.chunks, 1)
+                    for k in ("copies", "encodes", "crossings", "hops")}
+        note = [SIM_NOTE + (f"; {retransmits} retransmissions" if retransmits else "")]
+        out = []
+        for k in range(len(self.topo.workers)):
+            first = {"size": size, **halves[0][1][k], "place": halves[0][0],
+                     "chunks": sem.chunks / calls, **counters, "fallbacks": note}
+            if len(halves) > 1:
+                first["inplace"] = halves[1][1][k]
+            out.append([first])
+        return out
+
+
 def _measure(fab: Any, path: str, workers: int, size: int, dtype: str, op: str,
              args: argparse.Namespace) -> report.AllreduceRow:
-    per_rank = fab.run(measure_on_worker, path, [size], dtype, op, args.warmup, args.iters,
-                       bool(args.check), args.seed, places=sweep.places(args))
+    if isinstance(fab, SimFabric):
+        per_rank = fab.per_rank(path, size, dtype, op)
+    else:
+        per_rank = fab.run(measure_on_worker, path, [size], dtype, op, args.warmup,
+                           args.iters, bool(args.check), args.seed, places=sweep.places(args))
     tracer = getattr(args, "_tracer", None)
     if tracer is not None:
         tracer.add(workers, [w.name for w in fab.topo.workers], path, size,
@@ -253,9 +343,6 @@ def run(args: argparse.Namespace) -> int:
     """Entry point of `semfab bench allreduce`."""
     _refuse_nccl_only(args)
     if args.sim:
-        if getattr(args, "trace", None):
-            raise UsageError("--trace records the frames of launched processes; drop --sim "
-                             "(`semfab sim` has no frame log)")
         return _run_sim(args)
     plan = _parse(args)
     trace = getattr(args, "trace", None)
@@ -323,31 +410,29 @@ def quick_args() -> argparse.Namespace:
 
 
 def _run_sim(args: argparse.Namespace) -> int:
-    """`--sim`: the same sweep through the simulator (fabric.sim), once per dtype and op."""
+    """`--sim`: the same sweep, rows and files, each size simulated in virtual time."""
     from fabric.sim import cli as simcli
 
-    _refuse_nccl_only(args)
-    dtypes, ops = parse_dtypes(args.dtype), parse_ops(args.op)
+    if getattr(args, "trace", None):
+        raise UsageError("--trace records the frames of launched processes; drop --sim "
+                         "(the simulator keeps no frame log)")
     if getattr(args, "repeat", 1) != 1:
         raise UsageError("--repeat with --sim: virtual time is deterministic (the same seed "
                          "gives the same times), so one run says it all; drop --repeat")
-    combos = [(d, o) for d in dtypes for o in ops]
-    if len(combos) > 1 and any(getattr(args, f, None) for f in ("json", "markdown", "plot")):
-        raise UsageError("--sim writes one file per dtype and op: with --json/--markdown/--plot "
-                         "give one -d and one -o per run")
-    ns = argparse.Namespace(**vars(args))
     if args.paths == ",".join(ALL_PATHS):  # the default: every path the simulator runs
-        ns.paths = ",".join(simcli.SIM_PATHS)
+        args.paths = ",".join(simcli.SIM_PATHS)
+    peers = [p for p in args.paths.split(",") if p in ("gloo", "mpi")]
+    if peers:
+        raise UsageError(f"--sim runs the fabric's paths only ({', '.join(simcli.SIM_PATHS)}); "
+                         f"{', '.join(peers)} run in emulation (drop --sim)")
     if not args.topology and args.link_gbps == 0:
-        # an unshaped link costs no virtual time: give the simulated links a rate
-        ns.link_gbps = 100.0
-        print("# --sim: links of the default star at 100 Gbit/s (set --link-gbps)")
-    for name, default in (("timing_only", False), ("faults", None), ("switch_frame_us", 0.0),
-                          ("node_frame_us", 0.0), ("cut_through", 0), ("calibration", None)):
-        if not hasattr(ns, name):
-            setattr(ns, name, default)
-    code = 0
-    for dtype, op in combos:
-        ns.dtype, ns.op = dtype, op
-        code = max(code, int(simcli.run_allreduce(ns)))
-    return code
+        args.link_gbps = 100.0  # an unshaped link costs no virtual time: give it a rate
+    plan = _parse(args)
+    extra = ["# simulated: virtual time (fabric.sim), no processes; links of the default "
+             f"star at {args.link_gbps:g} Gbit/s unless --topology"]
+    header = sweep.header_lines(args, plan, "allreduce", _cores(), extra, processes=False)
+    return sweep.run_sweep(
+        args, plan, name="allreduce", header=header, setts=settings(args, plan),
+        measure=_measure, run_peer=lambda *a: _run_peer(*a),
+        notes=sweep.row_notes(args, _above_link),
+        launch=lambda a, w: SimFabric(sweep.topology(a, w), a))

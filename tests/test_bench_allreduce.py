@@ -125,7 +125,8 @@ def test_nccl_dtype_and_op_names_map_to_ours() -> None:
         (["--repeat", "0"], ["--repeat 0"]),
         (["--sim", "--repeat", "2"], ["--repeat with --sim", "deterministic"]),
         (["--sim", "-g", "2"], ["-g/--ngpus"]),
-        (["--sim", "-d", "all", "--json", "x.json"], ["one file per dtype and op"]),
+        (["--sim", "--paths", "ina,mpi"], ["--sim runs the fabric's paths only", "mpi"]),
+        (["--sim", "--trace", "t.json"], ["--trace", "drop --sim"]),
         (["--faults", "loss=2"], ["--faults"]),
     ],
 )
@@ -316,13 +317,27 @@ def test_faults_reach_the_fabric_and_the_header(fake: dict[str, Any],
 # --------------------------------------------------------------------------
 
 
-def test_sim_still_delegates_with_nccl_names(capsys: pytest.CaptureFixture[str]) -> None:
+def test_sim_gives_the_same_table_and_files(tmp_path: Path,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    # --sim: the emulated bench's header, rows, halves, side by side and JSON, in
+    # virtual time (every dtype and op in one file, as in emulation)
+    out_json = tmp_path / "sim.json"
     argv = ["bench", "allreduce", "--sim", "--workers", "4", "-b", "4K", "-e", "16K",
-            "--paths", "ina,host-ring", "-w", "0", "-n", "1", "-d", "bf16", "-o", "max"]
+            "--paths", "ina,ina-mem,host-ring", "-w", "0", "-n", "2", "-d", "bf16,float",
+            "-o", "max", "--json", str(out_json)]
     assert main(argv) == 0
-    out = capsys.readouterr().out
-    assert "virtual time" in out and "| 4096 | 2048 | bfloat16 | max |" in out
-    assert "# Out of bounds values : OK" in out
+    text = capsys.readouterr().out
+    assert "# simulated: virtual time (fabric.sim)" in text
+    rows = _rows(text)
+    assert len(rows) == 2 * 3 * 2 and all("simulated (virtual time)" in r for r in rows)
+    assert rows[0].split()[:6] == ["4096", "2048", "bfloat16", "max", "ina", "4"]
+    assert "# 4 workers, bfloat16 max: busbw and time per path" in text
+    assert "warning: oversubscribed" not in text  # no processes
+    doc = json.loads(out_json.read_text())
+    assert doc["ok"] and doc["settings"]["sim"] is True and len(doc["results"]) == 12
+    for r in doc["results"]:
+        assert r["wrong"] == 0 and r["inplace_wrong"] == 0  # both halves, checked
+        assert r["inplace_time_us"] > 0 and r["avg_us"] > 0
 
 
 def test_real_tiny_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
