@@ -278,18 +278,9 @@ def sim_half_workload(ctx: Any, path: str, size: int, dtype: str, op: str, warmu
 SIM_NOTE = "simulated (virtual time)"
 
 
-class SimFabric:
+class SimFabric(sweep.SimStandIn):
     """Stands for a launched fabric under ``--sim``: each size and half is a
     simulation of :func:`sim_half_workload` on ``topo`` in virtual time."""
-
-    def __init__(self, topo: Any, args: argparse.Namespace) -> None:
-        self.topo, self.args = topo, args
-
-    def __enter__(self) -> SimFabric:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        return None
 
     def per_rank(self, path: str, size: int, dtype: str, op: str) -> list[list[dict[str, Any]]]:
         """What :func:`measure_on_worker` returns, per rank, for one size."""

@@ -439,18 +439,9 @@ def _fix_row(kind: str, root: int) -> Any:
     return fix
 
 
-class SimFabric:
+class SimFabric(sweep.SimStandIn):
     """Stands for a launched fabric under ``--sim``: each size is a simulation of the
     same workload on ``topo`` in virtual time."""
-
-    def __init__(self, topo: Any, args: argparse.Namespace) -> None:
-        self.topo, self.args = topo, args
-
-    def __enter__(self) -> SimFabric:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        return None
 
     def measure(self, kind: str, path: str, size: int, dtype: str, op: str, root: int,
                 args: argparse.Namespace, tracer: Tracer | None = None

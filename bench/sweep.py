@@ -593,6 +593,20 @@ def _run_fabric(args: argparse.Namespace, plan: Plan, w: int, printer: Printer,
                             bar.advance()
 
 
+class SimStandIn:
+    """Stands for a launched fabric under ``--sim`` (``run_sweep``'s ``launch``): no
+    processes; each bench's subclass simulates a measurement on ``topo``."""
+
+    def __init__(self, topo: Any, args: argparse.Namespace) -> None:
+        self.topo, self.args = topo, args
+
+    def __enter__(self) -> SimStandIn:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
 def run_sweep(args: argparse.Namespace, plan: Plan, *, name: str, header: list[str],
               setts: dict[str, Any], measure: Measure, run_peer: RunPeer,
               notes: Callable[[Row], str], collective: str = "allreduce",
