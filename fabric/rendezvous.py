@@ -58,6 +58,10 @@ JOIN_RETRY_S = 0.5
 PING_S = 1.0
 #: Clock exchanges per process; the one with the shortest round trip is kept.
 CLOCK_ROUNDS = 8
+#: What a process reports of its clocks: wall-clock offset from rank 0 (ours minus
+#: rank 0's), its error bound and round trip; the same offset and bound for the
+#: monotonic clock (per-layer latencies across hosts are differences of it).
+CLOCK_FIELDS = ("offset_s", "error_s", "rtt_s", "mono_offset_s", "mono_error_s")
 #: Identity prefix of a process's join socket (node names cannot hold a colon,
 #: so it never meets a node's own control socket).
 JOIN = "join:"
@@ -106,7 +110,11 @@ def local_addresses(topo: Topology) -> frozenset[str]:
 
 
 def _now() -> float:
-    return time.time()  # wall clock: the one hosts keep in step (NTP), offsets are of it
+    return time.time()  # wall clock: the one hosts keep in step (NTP)
+
+
+def _mono() -> float:
+    return time.monotonic()  # the clock the fabric's processes stamp frames and tokens with
 
 
 # --------------------------------------------------------------------------- coordinator
@@ -167,11 +175,12 @@ class Coordinator(threading.Thread):
         if proc is not None:
             proc.heard = time.monotonic()
         if msg.get("t") == "clock":  # answered at once, whatever phase we are in
-            t1 = _now()
-            self._send(who, "clock_reply", t0=msg.get("t0"), t1=t1, t2=_now())
+            t1, m1 = _now(), _mono()
+            self._send(who, "clock_reply", t0=msg.get("t0"), t1=t1, t2=_now(), m1=m1,
+                       m2=_mono())
             return None
         if msg.get("t") == "clock_result" and proc is not None:
-            proc.clock = {k: float(msg.get(k, 0.0)) for k in ("offset_s", "error_s", "rtt_s")}
+            proc.clock = {k: float(msg.get(k, 0.0)) for k in CLOCK_FIELDS}
             return None
         return who, msg
 
@@ -455,22 +464,28 @@ class PlacedRun:
                             "reachable from this host?)")
 
     def _sync_clock(self, sock: zmq.Socket) -> None:
-        samples: list[ClockSample] = []
+        """NTP's exchange with rank 0, for the wall clock and the monotonic one (the
+        clock frames and tokens are stamped with); the shortest round trip of each."""
+        wall: list[ClockSample] = []
+        mono: list[ClockSample] = []
         for _ in range(CLOCK_ROUNDS):
-            t0 = _now()
+            t0, m0 = _now(), _mono()
             sock.send(control.pack("clock", t0=t0))
             if not sock.poll(int(self.timeout_s * 1000)):
                 break
             msg = control.parse(sock.recv())
-            t3 = _now()
+            t3, m3 = _now(), _mono()
             if msg.get("t") != "clock_reply" or msg.get("t0") != t0:
                 continue
-            # the coordinator's clock is the reference: its offset from ours, negated
-            s = clock_sample(t0, float(msg["t1"]), float(msg["t2"]), t3)
-            samples.append(ClockSample(-s.offset_s, s.error_s, s.rtt_s))
-        if samples:
-            best = best_offset(samples)
-            sock.send(control.pack("clock_result", **asdict(best)))
+            # rank 0's clock is the reference: report ours minus its (the sample's negation)
+            for out, a, b, c, d in ((wall, t0, msg["t1"], msg["t2"], t3),
+                                    (mono, m0, msg["m1"], msg["m2"], m3)):
+                s = clock_sample(a, float(b), float(c), d)
+                out.append(ClockSample(-s.offset_s, s.error_s, s.rtt_s))
+        if wall:
+            w, m = best_offset(wall), best_offset(mono)
+            sock.send(control.pack("clock_result", **asdict(w), mono_offset_s=m.offset_s,
+                                   mono_error_s=m.error_s))
 
 
 def format_report(report: Mapping[str, Any]) -> str:
@@ -479,13 +494,16 @@ def format_report(report: Mapping[str, Any]) -> str:
              f"{report['workload']['func']} in {report['wall_s'] * 1e3:.1f} ms "
              f"(start {report['start_s']:.2f} s)",
              "#  rank  node        kind    host              address          "
-             "clock offset (us)  +/- (us)"]
+             "wall offset (us)  +/- (us)  monotonic offset (us)  +/- (us)"]
     for p in report["processes"]:
-        off, err = p.get("offset_s"), p.get("error_s")
+        cells = []
+        for off_key, err_key, width in (("offset_s", "error_s", 16), ("mono_offset_s",
+                                                                      "mono_error_s", 21)):
+            off, err = p.get(off_key), p.get(err_key)
+            cells.append(f"{off * 1e6:>{width}.1f}  {err * 1e6:>8.1f}" if off is not None
+                         else f"{'-':>{width}}  {'-':>8}")
         lines.append(f"  {p['rank']:>5}  {p['node']:<10}  {p['kind']:<6}  {p['host'][:16]:<16}  "
-                     f"{p['address']:<15}  "
-                     + (f"{off * 1e6:>17.1f}  {err * 1e6:>8.1f}" if off is not None else
-                        f"{'-':>17}  {'-':>8}"))
+                     f"{p['address']:<15}  " + "  ".join(cells))
     lines.append("# results")
     for name, value in report["results"].items():
         text = json.dumps(value)

@@ -252,7 +252,10 @@ def test_exact_across_three_namespaces_and_same_counts_as_one_host(netns: Namesp
         # the memory plane cannot span hosts: a note, and the frame plane did it
         assert any("another host" in note for note in res["fallbacks"]), res
     for p in report["processes"]:
-        assert p["error_s"] >= 0 and abs(p["offset_s"]) < 1.0  # one kernel clock here
+        # one kernel's clocks here: the true offsets are 0, so each estimate is within
+        # its own bound (half the round trip; 1 ms slack for scheduling between stamps)
+        assert p["error_s"] >= 0 and abs(p["offset_s"]) <= p["error_s"] + 1e-3
+        assert abs(p["mono_offset_s"]) <= p["mono_error_s"] + 1e-3
     # the same workload and topology shape on one host through the local launcher:
     # the frame plane's counters (taken before the memory-plane part) are the same
     from fabric.launcher import launch
