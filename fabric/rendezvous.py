@@ -263,6 +263,10 @@ class Coordinator(threading.Thread):
             who, msg = got
             if msg.get("t") == "ready" and who in self._by_name:
                 self._by_name[who].ready = True
+            elif msg.get("t") == "failed":  # a process could not start its node
+                proc = self._procs.get(int(msg.get("rank", -1)))
+                raise PeerFailed(f"{self._who(proc) if proc else who} could not start: "
+                                 f"{msg.get('error')}")
 
     def _run_workload(self) -> dict[str, Any]:
         module, func, file = self.workload
@@ -418,6 +422,18 @@ class PlacedRun:
         Path(sock_dir).mkdir(parents=True, exist_ok=True)
         try:
             return self._role(addr, node.kind, name, run_id, sock_dir)
+        except (OSError, zmq.ZMQError, UsageError) as exc:
+            # say so at once (the others would wait for this node's "ready" in vain)
+            error = f"{node.kind} {name}: {type(exc).__name__}: {exc}"
+            ctx = zmq.Context()
+            # an identity of its own: the closed join socket's may still be known to
+            # the coordinator's ROUTER, which then drops a newcomer with the same name
+            sock = transport.dealer(ctx, addr, f"fail:{self.rank}")
+            sock.send(control.pack("failed", rank=self.rank, error=error))
+            time.sleep(0.2)  # let it leave before the socket closes
+            sock.close(0)
+            ctx.term()
+            return 1, error
         finally:
             if not self.sock_dir:
                 try:

@@ -296,3 +296,35 @@ def test_a_cut_link_ends_the_run_on_every_host(netns: Namespaces, tmp_path: Path
     # rank 0 names what went missing
     assert "w1" in outs[0] or "198.18.0.3" in outs[0], outs[0]
     assert "error" in outs[3]  # and the cut-off host knows why it stopped
+
+
+@pytest.mark.timeout(90)
+def test_a_node_that_cannot_start_ends_the_run_at_once(tmp_path: Path) -> None:
+    # the switch's port is taken: its process says so, and every process ends
+    # quickly with rank 0 naming it (not after the join timeout)
+    import socket
+
+    base = free_tcp_port()
+    topo = star(2, transport="tcp", base_port=base + 1)
+    (tmp_path / "t.toml").write_text(topo.to_toml())
+    blocker = socket.socket()
+    blocker.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    blocker.bind(("127.0.0.1", base + 1 + topo.node("sw0").id))
+    blocker.listen()
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "fabric", "run", "--topology", str(tmp_path / "t.toml"),
+           "--workload", f"{TASKS}:placed_collectives", "--rendezvous", f"127.0.0.1:{base}",
+           "--timeout", "10", "--join-timeout", "60"]
+    procs = [subprocess.Popen(cmd, env={**env, "OMPI_COMM_WORLD_RANK": str(r),
+                                        "OMPI_COMM_WORLD_SIZE": "4"},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=tmp_path,
+                              start_new_session=True) for r in range(4)]
+    try:
+        t0 = time.monotonic()
+        outs = [p.communicate(timeout=60)[0].decode(errors="replace") for p in procs]
+        assert time.monotonic() - t0 < 40  # well before the 60 s join timeout
+    finally:
+        _kill(procs)
+        blocker.close()
+    assert all(p.returncode != 0 for p in procs), [p.returncode for p in procs]
+    assert "sw0" in outs[0] and "could not start" in outs[0] and "in use" in outs[0], outs[0]
