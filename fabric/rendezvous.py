@@ -43,7 +43,6 @@ from fabric.placement import (
     assign,
     best_offset,
     clock_sample,
-    start_order,
 )
 from fabric.topology import Topology
 
@@ -528,8 +527,3 @@ def format_report(report: Mapping[str, Any]) -> str:
     for name, c in report["switches"].items():
         lines.append(f"  {name:<10}  " + "  ".join(f"{k}={c.get(k)}" for k in REPORT_COUNTERS))
     return "\n".join(lines)
-
-
-def node_order(topo: Topology) -> list[str]:
-    """Node names in the order ranks are handed out (docs, --help)."""
-    return [n.name for n in start_order(topo)]
