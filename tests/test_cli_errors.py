@@ -21,6 +21,7 @@ import pytest
 
 from fabric.cli import main
 from fabric.errors import UsageError, check_seconds
+from tests.processes import kill_groups
 
 ROOT = Path(__file__).resolve().parent.parent
 STAR4 = str(ROOT / "examples" / "topologies" / "star4.toml")
@@ -227,13 +228,7 @@ def spawned() -> Iterator[list[subprocess.Popen[str]]]:
     """Processes a test starts; their process groups are killed at teardown."""
     procs: list[subprocess.Popen[str]] = []
     yield procs
-    for p in procs:
-        if p.poll() is None:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            p.wait(10)
+    kill_groups(procs)
 
 
 def _start_script(spawned: list[subprocess.Popen[str]], tmp_path: Path, body: str,

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -24,6 +23,7 @@ from fabric.placement import (
 )
 from fabric.topology import loads, star
 from fabric.transport import free_tcp_port
+from tests.processes import kill_groups
 
 ROOT = Path(__file__).resolve().parent.parent
 TASKS = ROOT / "tests" / "fabric_tasks.py"
@@ -111,14 +111,7 @@ def _mpirun() -> str | None:
     return str(beside) if beside.exists() else shutil.which("mpirun")
 
 
-def _kill(procs: list[subprocess.Popen[bytes]]) -> None:
-    for p in procs:
-        if p.poll() is None:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            p.wait(10)
+_kill = kill_groups
 
 
 @pytest.mark.timeout(120)
