@@ -206,6 +206,7 @@ class NodeState:
         self.duplicates = 0
         self.bad_frames = 0  # frames a program refused (damaged or forged)
         self._route_cost: dict[int, tuple[int, int]] = {}
+        self._wire_rates: dict[int, tuple[float, float, float]] = {}
         # ring collectives finished here, by (left neighbour, msg): late retransmissions
         # of their frames are acknowledged again (answer_stale)
         self.ring_done: OrderedDict[tuple[int, int], None] = OrderedDict()
@@ -297,6 +298,24 @@ class NodeState:
             switches = len(self.topo.route(self.name, self.topo.by_id(dst).name))
             cost = self._route_cost[dst] = (switches, switches + 1)
         return cost
+
+    def wire_s(self, dst: int, nbytes: int, ahead: int = 0, fan_in: int = 1) -> float:
+        """Known wire time of a frame of ``nbytes`` to node ``dst`` and an answer as
+        large back, behind ``ahead`` frames as large queued on our own link, with
+        ``fan_in`` such frames (every member's) sharing the link into ``dst``: the
+        part of a round trip that the link rates fix (0 on unshaped links). A
+        retransmit timer waits this long beside its RTO (ChunkTimers.sent)."""
+        rates = self._wire_rates.get(dst)
+        if rates is None:
+            links = self.topo.path_links(self.name, self.topo.by_id(dst).name)
+            # microseconds per byte, one way: every link but the last, the last
+            # (into dst; a switch as dst has none of its own), and our uplink
+            per = [lk.params.serialization_us(1) for lk in links]
+            last = per.pop() if per and not self.topo.by_id(dst).is_switch else 0.0
+            rates = self._wire_rates[dst] = (sum(per), last, per[0] if per else last)
+        path, last, own = rates
+        # the link into dst carries every member's frames, those queued ahead too
+        return nbytes * (2 * path + ahead * own + 2 * (ahead + 1) * fan_in * last) * 1e-6
 
 
 def _nack_code(f: fr.Frame) -> NackCode | None:
@@ -623,7 +642,7 @@ class InaAllreduce(Program):
         out = []
         for i in range(min(self.S, self.nch)):
             out.append(self._frame(i, False))
-            self.timers.sent(i, now)
+            self.timers.sent(i, now, self._allowance())
         if self.nch == 0:
             self.done = True
         return out
@@ -701,7 +720,7 @@ class InaAllreduce(Program):
         out = [self._frame(lost, True) for lost in self.timers.acked(i, now, below)[1]]
         if i + self.S < self.nch:
             out.append(self._frame(i + self.S, False))
-            self.timers.sent(i + self.S, now)
+            self.timers.sent(i + self.S, now, self._allowance())
         if self.left == 0:
             self.done = True
             self.st.retransmits += self.timers.retransmits
@@ -712,6 +731,12 @@ class InaAllreduce(Program):
                 sem.copies += self.nch  # receive into the output
                 sem.crossings += 2 * self.nch
         return out
+
+    def _allowance(self) -> float:
+        """Wire time of a chunk sent now to the tree's top and back, behind the
+        chunks still in flight (shaped links only; see ChunkTimers.sent)."""
+        return self.st.wire_s(self.st.root_switch_id, fr.HEADER_SIZE + self.E * self.item,
+                              self.timers.in_flight())
 
     def get_timer(self) -> float | None:
         return None if self.done else self.timers.next_deadline()
@@ -999,8 +1024,14 @@ class HostPsAllreduce(Program):
             self.done = True
         first = range(min(self.S, self.nch))
         for i in first:
-            self.timers.sent(i, now)
+            self.timers.sent(i, now, self._allowance())
         return [self._frame(i) for i in first]
+
+    def _allowance(self) -> float:
+        """Wire time of a chunk sent now to the host and back (see ChunkTimers.sent)."""
+        assert self.st.host_id is not None
+        return self.st.wire_s(self.st.host_id, fr.HEADER_SIZE + self.E * self.t.itemsize,
+                              self.timers.in_flight(), fan_in=len(self.group.ids))
 
     def get_timer(self) -> float | None:
         return None if self.done else self.timers.next_deadline()
@@ -1058,7 +1089,7 @@ class HostPsAllreduce(Program):
             return []
         if i + self.S < self.nch:
             out.append(self._frame(i + self.S))
-            self.timers.sent(i + self.S, now)
+            self.timers.sent(i + self.S, now, self._allowance())
         return out
 
 

@@ -526,9 +526,15 @@ class RttEstimator:
         # §2.4/2.5 clamps; a new sample also ends any backoff
         self.rto = min(max(rto, self.rto_min), self.rto_max)
 
-    def backoff(self) -> None:
-        """§5.5: the timer expired: RTO = RTO * 2, bounded by ``rto_max``."""
-        self.rto = min(self.rto * 2, self.rto_max)
+    def backoff(self, expired: float | None = None) -> None:
+        """§5.5: the timer expired: RTO = RTO * 2, bounded by ``rto_max``.
+
+        ``expired``: the timeout that ran out, when timers run per chunk and may
+        have started under an older RTO: the RTO becomes twice that, never lower
+        than it is (so one loss spread over many chunks' timers backs off once).
+        The longer RTO stays until a new sample (Karn's algorithm, §3)."""
+        base = self.rto if expired is None else expired
+        self.rto = min(max(self.rto, 2 * base), self.rto_max)
 
 
 @dataclass(slots=True)

@@ -23,6 +23,8 @@ class _Timer:
     sent: float
     deadline: float
     order: int  # send order of the latest transmission
+    rto: float  # the timeout the deadline was set with
+    allowance: float = 0.0  # known wire time of the round trip, beside the RTO
     tries: int = 0
     overtaken: int = 0  # results of chunks sent after it that came back first
 
@@ -40,10 +42,23 @@ class ChunkTimers:
         self.retransmits = 0
         self.fast_retransmits = 0
 
-    def sent(self, chunk: int, now: float) -> None:
-        """Chunk ``chunk`` was sent for the first time at ``now``."""
+    def sent(self, chunk: int, now: float, allowance: float = 0.0) -> None:
+        """Chunk ``chunk`` was sent for the first time at ``now``.
+
+        ``allowance``: the time its bytes and what is queued ahead of them take on
+        shaped links, known from the link rates. It is added to the timeout and
+        taken off the RTT sample, so the estimator learns only the rest: one
+        estimator then serves chunks of every size (a 256 KiB chunk on a 10 Mbit/s
+        link is 210 ms on the wire, a barrier frame microseconds).
+        """
         self._order += 1
-        self._timers[chunk] = _Timer(now, now, now + self.rtt.rto, self._order)
+        rto = self.rtt.rto
+        self._timers[chunk] = _Timer(now, now, now + allowance + rto, self._order, rto,
+                                     allowance)
+
+    def in_flight(self) -> int:
+        """Chunks sent whose results have not come."""
+        return len(self._timers)
 
     def acked(self, chunk: int, now: float,
               complete_below: int | None = None) -> tuple[bool, list[int]]:
@@ -61,7 +76,7 @@ class ChunkTimers:
         if t is None:
             return False, []
         if t.tries == 0:
-            self.rtt.sample(now - t.sent)
+            self.rtt.sample(now - t.sent - t.allowance)
         resend = []
         for other, u in self._timers.items():
             if u.order < t.order:
@@ -74,13 +89,18 @@ class ChunkTimers:
         self.retransmits += len(resend)
         return True, resend
 
-    def _resent(self, t: _Timer, now: float) -> None:
+    def _resent(self, t: _Timer, now: float, timeout: float | None = None) -> None:
+        """Chunk sent again at ``now``; its timer restarts with ``timeout``
+        (default: the RTO doubled for each of its copies)."""
         self._order += 1
         t.tries += 1
         t.sent = now
         t.order = self._order
         t.overtaken = 0
-        t.deadline = now + min(self.rtt.rto * (2 ** t.tries), self.rtt.rto_max)
+        if timeout is None:
+            timeout = min(self.rtt.rto * (2 ** t.tries), self.rtt.rto_max)
+        t.rto = timeout
+        t.deadline = now + t.allowance + timeout
 
     def outstanding(self, chunk: int) -> bool:
         """True when ``chunk`` was sent and its result has not come."""
@@ -101,7 +121,12 @@ class ChunkTimers:
     def expired(self, now: float) -> tuple[list[int], list[int]]:
         """``(to_resend, given_up)``: chunks whose timer ran out at ``now``.
 
-        Each resend doubles that chunk's timeout (RFC 6298 §5.5 backoff).
+        An expiry backs the estimator off (RFC 6298 §5.5: twice the timeout
+        that ran out) and the chunk waits that long again. The longer RTO stays
+        for later chunks until one comes back without a resend (Karn's
+        algorithm, RFC 6298 §3). Without that, a timeout shorter than the true
+        RTT would fire on every chunk for ever: each resend denies the sample
+        that would fix it.
         """
         resend, dead = [], []
         for chunk, t in self._timers.items():
@@ -110,7 +135,8 @@ class ChunkTimers:
             if now - t.first_sent >= self.give_up_s:
                 dead.append(chunk)
                 continue
-            self._resent(t, now)
+            self.rtt.backoff(t.rto)
+            self._resent(t, now, self.rtt.rto)
             resend.append(chunk)
         self.retransmits += len(resend)
         return resend, dead

@@ -140,15 +140,24 @@ def test_host_staged_paths_recover_from_loss_exactly(faults: str) -> None:
 
 def test_the_switch_asks_only_the_member_that_lost_a_contribution() -> None:
     """A lost REDUCE is asked for by the switch (MISSING NACK) from its sender alone;
-    retransmissions stay well below one per member per lost frame."""
+    retransmissions stay well below one per member per lost frame.
+
+    The median over seeds: a lost RESULT of a call's last chunk can only be found by
+    its member's timer, which keeps that member one RTO behind; the others' timers
+    for the next call may then run out just before its contributions come and
+    resend their window (a known cost, a few seeds in ten)."""
     topo = leaf_spine(2, 2, leaf_bandwidth_gbps=10.0)
-    sim = Simulation(topo, seed=3, faults="loss=0.01")
-    res = sim.run(tasks.seeded_sum_workload, ("ina",), 1 << 20, "int32", 2)
-    lost = sum(p.statistics().lost_by_op.get(op, 0) for p in sim.pipes.values()
-               for op in ("REDUCE", "RESULT"))
-    assert lost > 0
-    assert sum(s.missing_asked for s in res.switch_stats.values()) > 0
-    assert res.retransmits / lost < 3.0  # four members: every one resending would be ~4
+    ratios = []
+    for seed in range(3, 8):
+        sim = Simulation(topo, seed=seed, faults="loss=0.01")
+        res = sim.run(tasks.seeded_sum_workload, ("ina",), 1 << 20, "int32", 2)
+        lost = sum(p.statistics().lost_by_op.get(op, 0) for p in sim.pipes.values()
+                   for op in ("REDUCE", "RESULT"))
+        assert lost > 0
+        assert sum(s.missing_asked for s in res.switch_stats.values()) > 0
+        ratios.append(res.retransmits / lost)
+    # four members: every one resending would be ~4
+    assert sorted(ratios)[len(ratios) // 2] < 1.5, ratios
 
 
 @pytest.mark.parametrize("seed", [7, 9, 11])
@@ -163,3 +172,15 @@ def test_tree_job_registration_and_aggregation_survive_loss(seed: int) -> None:
     want = expected_allreduce(2, 2, 20_000, "int32", "sum", seed=5)
     for out in res.results:
         np.testing.assert_array_equal(out["ina"], want)
+
+
+@pytest.mark.parametrize("path", ["ina", "host-ps"])
+def test_chunks_on_slow_links_are_not_resent_while_still_on_the_wire(path: str) -> None:
+    """256 KiB chunks on 10 Mbit/s links spend ~0.2 s each on the wire, twice the
+    initial RTO: the timers wait for that known wire time, so no copy is sent
+    (each spurious copy would also take the link for another 0.2 s)."""
+    topo = star(4, bandwidth_gbps=0.01)
+    res = Simulation(topo).run(tasks.timed_allreduce_workload, path, 128 * 1024)
+    assert res.retransmits == 0
+    if path == "ina":  # chunk 0 up; chunk 1 up while result 0 comes down; result 1
+        assert max(res.results) == pytest.approx(3 * 262_176 * 8 / 1e7, rel=0.02)

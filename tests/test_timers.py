@@ -80,3 +80,48 @@ def test_only_chunks_the_switch_says_are_complete_are_resent_when_overtaken() ->
     # once the mark passes it, the next result says its result was lost: resend
     assert t.acked(4, 0.02, complete_below=4)[1] == [0]
     assert t.retransmits == 1
+
+
+def test_the_known_wire_time_waits_beside_the_rto_and_stays_out_of_the_sample() -> None:
+    est = RttEstimator(rto_initial=0.1, rto_min=0.001, rto_max=10.0)
+    t = ChunkTimers(est, give_up_s=5.0)
+    t.sent(0, now=0.0, allowance=0.5)  # e.g. 256 KiB each way at 10 Mbit/s
+    assert t.in_flight() == 1
+    assert t.next_deadline() == pytest.approx(0.6)
+    assert t.expired(0.55) == ([], [])
+    assert t.acked(0, now=0.52) == (True, [])
+    assert est.srtt == pytest.approx(0.02)  # the wire time is not RTT to learn
+    t.sent(1, now=1.0, allowance=0.5)
+    assert t.expired(1.0 + 0.5 + est.rto) == ([1], [])
+    # the resend waits for its wire time again, beside the backed-off RTO
+    assert t.next_deadline() == pytest.approx(1.0 + 0.5 + 0.06 + 0.5 + 0.12)
+
+
+def test_a_backed_off_rto_is_kept_until_a_sample_and_one_loss_backs_off_once() -> None:
+    """RFC 6298 §5.5 and Karn: timers that fire because the RTO is below the true RTT
+    must not keep firing on every later chunk (each resend denies the sample)."""
+    est = RttEstimator(rto_initial=0.1, rto_min=0.001, rto_max=10.0)
+    t = ChunkTimers(est, give_up_s=50.0)
+    true_rtt = 0.35
+    now = 0.0
+    spurious = []
+    for chunk in range(6):  # one chunk at a time, each answered after true_rtt
+        t.sent(chunk, now)
+        resends = 0
+        while t.next_deadline() < now + true_rtt:
+            resends += len(t.expired(t.next_deadline())[0])
+        spurious.append(resends)
+        t.acked(chunk, now + true_rtt)
+        now += 1.0
+    # 0.1 -> 0.2 -> 0.4 in the first chunk; the second waits 0.4 and samples
+    assert spurious == [2, 0, 0, 0, 0, 0]
+    assert est.srtt == pytest.approx(true_rtt)
+    # 8 chunks sent a little apart under one RTO, all lost: one doubling, not eight
+    est2 = RttEstimator(rto_initial=0.1, rto_min=0.001, rto_max=10.0)
+    t2 = ChunkTimers(est2, give_up_s=50.0)
+    for c in range(8):
+        t2.sent(c, now=c * 0.001)
+    for c in range(8):
+        assert t2.expired(0.1 + c * 0.001) == ([c], [])
+    assert est2.rto == pytest.approx(0.2)
+
