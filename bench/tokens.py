@@ -905,8 +905,9 @@ def run_external(opts: Options) -> int:
     return 1 if any(r["failed"] for r in rows) else 0
 
 
-def run(args: argparse.Namespace) -> int:
-    """`semfab bench tokens`."""
+def run(args: argparse.Namespace, fab: Any = None) -> int:
+    """`semfab bench tokens`; on ``fab`` when given (a placed fabric: `semfab run
+    --bench-tokens`), else on a fabric launched here."""
     from fabric.serving.assets import ensure_assets, load_tokenizer
     from fabric.serving.config import DEFAULT_MODEL
     from fabric.serving.detok import byte_table
@@ -923,8 +924,11 @@ def run(args: argparse.Namespace) -> int:
     model = opts.model or DEFAULT_MODEL
     print(_header(opts, model), flush=True)
     started = time.monotonic()
-    fab = launch_for(opts.transports, args.workers, run_dir=args.run_dir, timeout_s=30.0)
+    own = fab is None
+    if fab is None:
+        fab = launch_for(opts.transports, args.workers, run_dir=args.run_dir, timeout_s=30.0)
     code = 1
+    kept = True
     try:
         total = len(runs) * len(opts.levels) * args.repeat
         with report.progress(total, "tokens") as bar:
@@ -937,11 +941,13 @@ def run(args: argparse.Namespace) -> int:
         bad = sum(r["lost_tokens"] + r["text_mismatches"] + r["failed"] for r in rows)
         code = 1 if bad else 0
     finally:
-        fab.close()
-        kept = _clean_run_dir(fab.run_dir, code == 0, args)
-    print(f"({len(rows)} rows in {time.monotonic() - started:.0f} s; "
-          + (f"fabric logs in {fab.run_dir})" if kept else
-             "fabric logs removed after a clean run; --keep-runs keeps them)"))
+        if own:
+            fab.close()
+            kept = _clean_run_dir(fab.run_dir, code == 0, args)
+    where = ("the logs of each host's processes are on that host" if not own else
+             f"fabric logs in {fab.run_dir}" if kept else
+             "fabric logs removed after a clean run; --keep-runs keeps them")
+    print(f"({len(rows)} rows in {time.monotonic() - started:.0f} s; {where})")
     _finish(rows, text, opts, model, runs)
     return code
 

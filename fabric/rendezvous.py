@@ -27,7 +27,7 @@ import pickle
 import socket
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,8 +46,8 @@ from fabric.placement import (
 )
 from fabric.topology import Topology
 
-__all__ = ["CLOCK_ROUNDS", "Coordinator", "PlacedRun", "local_addresses", "parse_rendezvous",
-           "rendezvous_of"]
+__all__ = ["CLOCK_ROUNDS", "Coordinator", "PlacedFabric", "PlacedRun", "local_addresses",
+           "parse_rendezvous", "rendezvous_of"]
 
 log = logging.getLogger("semfab.run")
 
@@ -138,10 +138,17 @@ class Coordinator(threading.Thread):
 
     def __init__(self, topo: Topology, port: int, world: int, *, workload: tuple[str, str,
                  str | None], args: list[Any], kwargs: dict[str, Any], timeout_s: float,
-                 join_timeout_s: float, bind_host: str = "*") -> None:
+                 join_timeout_s: float, bind_host: str = "*",
+                 driver: Callable[[PlacedFabric], Any] | None = None,
+                 serve_port: int = 0) -> None:
         super().__init__(name="semfab-coordinator", daemon=True)
         self.topo, self.world = topo, world
         self.workload, self.args, self.kwargs = workload, args, kwargs
+        self.driver = driver
+        self.serve_port = serve_port
+        self._done: dict[tuple[int, str], dict[str, Any]] = {}
+        self._task_seq = 1  # task 1 is the workload's
+        self._next_ping = 0.0
         self.timeout_s, self.join_timeout_s = timeout_s, join_timeout_s
         self.run_id = f"p{os.getpid():x}{int(time.time() * 1000) & 0xFFFFFF:x}"
         self.ctx = zmq.Context()
@@ -211,7 +218,7 @@ class Coordinator(threading.Thread):
         self._wait_ready()
         log.info("coordinator: all %d nodes ready", self.world)
         t_run = time.monotonic()
-        results = self._run_workload()
+        results = self._run_workload() if self.driver is None else self._run_driver()
         wall = time.monotonic() - t_run
         switches = self._switch_counters()
         return {
@@ -269,44 +276,84 @@ class Coordinator(threading.Thread):
 
     def _run_workload(self) -> dict[str, Any]:
         module, func, file = self.workload
-        task = {"task": 1, "module": module, "func": func, "file": file,
-                "args": pickle.dumps((tuple(self.args), self.kwargs))}
-        workers = [self._by_name[w.name] for w in self.topo.workers]
-        for p in workers:
-            p.busy = True
-            self._send(p.name, "run", **task)
-        done: dict[str, dict[str, Any]] = {}
-        next_ping = 0.0
+        workers = [w.name for w in self.topo.workers]
+        task = self.submit(workers, module, func, file, self.args, self.kwargs)
+        done = self.collect(task, workers)
+        return {name: _plain(pickle.loads(done[name]["result"])) for name in workers}
+
+    def _run_driver(self) -> dict[str, Any]:
+        assert self.driver is not None
+        fab = PlacedFabric(self)
+        try:
+            out = self.driver(fab)
+        finally:
+            fab.close()
+            busy = [p.name for p in self._procs.values() if p.busy]
+            if busy:  # a driver that failed half-way: its tasks end with the run
+                log.warning("coordinator: tasks still running on %s", ", ".join(busy))
+        return {"driver": _plain(out)}
+
+    def submit(self, names: list[str], module: str, func: str, file: str | None,
+               args: Any, kwargs: dict[str, Any]) -> int:
+        """Start ``func(ep, *args, **kwargs)`` on the nodes ``names``; its task id."""
+        task = self._task_seq
+        self._task_seq += 1
+        msg = {"task": task, "module": module, "func": func, "file": file,
+               "args": pickle.dumps((tuple(args), kwargs))}
+        for name in names:
+            self._by_name[name].busy = True
+            self._send(name, "run", **msg)
+        return task
+
+    def collect(self, task: int, names: list[str],
+                timeout_s: float | None = None) -> dict[str, dict[str, Any]]:
+        """Every node's "done" of ``task``; PeerFailed when one failed (after the
+        others' word, or ``--timeout`` of silence), FabricTimeout after ``timeout_s``."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         failed_at: float | None = None
-        while len(done) < len(workers):
+        while True:
+            done = {n: self._done[(task, n)] for n in names if (task, n) in self._done}
+            if len(done) == len(names):
+                break
             now = time.monotonic()
-            if now >= next_ping:
-                next_ping = now + PING_S
-                for p in self._procs.values():
-                    if not p.busy:
-                        self._send(p.name, "ping")
-            for p in self._procs.values():
-                if not p.busy and now - p.heard > self.timeout_s:
-                    raise PeerFailed(f"{self._who(p)} stopped answering for {self.timeout_s:g}s "
-                                     "(its host or the link to it is gone)")
+            if failed_at is None and any(not m.get("ok") for m in done.values()):
+                failed_at = now
             if failed_at is not None and now - failed_at > self.timeout_s:
-                silent = [self._who(p) for p in workers if p.name not in done]
+                silent = [self._who(self._by_name[n]) for n in names if n not in done]
                 raise PeerFailed(f"the workload failed ({_first_error(done)}); no word since "
                                  f"from {', '.join(silent[:8])}")
-            got = self._recv(0.1)
-            if got is None:
-                continue
-            who, msg = got
-            if msg.get("t") == "done" and who in self._by_name:
-                done[who] = msg
-                self._by_name[who].busy = False
-                if not msg.get("ok") and failed_at is None:
-                    failed_at = time.monotonic()
+            if deadline is not None and now >= deadline:
+                pending = [n for n in names if n not in done]
+                raise FabricTimeout(f"task {task} not finished on {', '.join(pending)}")
+            self._pump(0.1 if deadline is None else min(0.1, max(deadline - now, 0.0)))
+        for n in names:
+            del self._done[(task, n)]
         errors = {n: m for n, m in done.items() if not m.get("ok")}
         if errors:
             raise PeerFailed(f"the workload failed on {', '.join(sorted(errors))}: "
                              f"{_first_error(done)}")
-        return {p.name: _plain(pickle.loads(done[p.name]["result"])) for p in workers}
+        return done
+
+    def _pump(self, timeout_s: float) -> None:
+        """One turn of the supervision loop: ping idle processes, end the run on one
+        silent too long, take one message (a task's "done")."""
+        now = time.monotonic()
+        if now >= self._next_ping:
+            self._next_ping = now + PING_S
+            for p in self._procs.values():
+                if not p.busy:
+                    self._send(p.name, "ping")
+        for p in self._procs.values():
+            if not p.busy and now - p.heard > self.timeout_s:
+                raise PeerFailed(f"{self._who(p)} stopped answering for {self.timeout_s:g}s "
+                                 "(its host or the link to it is gone)")
+        got = self._recv(timeout_s)
+        if got is None:
+            return
+        who, msg = got
+        if msg.get("t") == "done" and who in self._by_name:
+            self._done[(int(msg.get("task", 0)), who)] = msg
+            self._by_name[who].busy = False
 
     def _switch_counters(self) -> dict[str, dict[str, Any]]:
         names = [s.name for s in self.topo.switches]
@@ -329,6 +376,61 @@ class Coordinator(threading.Thread):
         time.sleep(0.2)  # let the messages leave before the socket closes
         self.sock.close(0)
         self.ctx.term()
+
+
+class PlacedFabric:
+    """What a driver run by the coordinator (`semfab run --bench-tokens`) sees: the
+    placed fabric as :class:`fabric.launcher.Fabric` offers it (``submit``,
+    ``wait``, ``topo``, ``run_dir``), its tasks sent to the nodes on other hosts.
+
+    No file is shared between hosts, so ``shared_files`` is False: the serving
+    chain then learns that its HTTP server is up by asking it, at
+    ``serve_address`` (host0's address in the placement, ``serve_port``).
+    """
+
+    shared_files = False
+
+    def __init__(self, coordinator: Coordinator, serve_port: int = 0) -> None:
+        import tempfile
+
+        self._c = coordinator
+        self.topo = coordinator.topo
+        self.timeout_s = coordinator.timeout_s
+        self.run_dir = Path(tempfile.mkdtemp(prefix=f"semfab-{coordinator.run_id}-"))
+        self.serve_port = serve_port or coordinator.serve_port
+
+    @property
+    def serve_address(self) -> tuple[str, int]:
+        """Where host0's HTTP server listens: its host's address, a fixed port."""
+        return self.topo.host_address("host0"), self.serve_port
+
+    def submit(self, fn: Callable[..., Any], *args: Any, nodes: list[str] | None = None,
+               **kwargs: Any) -> Any:
+        """Start ``fn(ep, *args, **kwargs)`` on ``nodes`` (default: every worker)."""
+        from fabric.launcher import Task, _function_ref, _portable
+
+        module, file = _function_ref(fn)
+        names = list(nodes) if nodes is not None else [w.name for w in self.topo.workers]
+        unknown = [n for n in names if n not in self._c._by_name
+                   or self.topo.node(n).kind == "switch"]
+        if unknown:
+            raise UsageError(f"cannot run tasks on {', '.join(unknown)}: not a worker or host")
+        tid = self._c.submit(names, module, fn.__qualname__, file,
+                             [_portable(a) for a in args],
+                             {k: _portable(v) for k, v in kwargs.items()})
+        return Task(tid, fn.__qualname__, names)
+
+    def wait(self, task: Any, timeout_s: float | None = None) -> list[Any]:
+        """Results of ``task`` in the order of its nodes (FabricTimeout after
+        ``timeout_s``; PeerFailed when a node's task raised)."""
+        done = self._c.collect(task.id, task.nodes, timeout_s)
+        return [pickle.loads(done[n]["result"]) for n in task.nodes]
+
+    def close(self) -> None:
+        """The run's end closes the processes; this removes the local folder."""
+        import shutil
+
+        shutil.rmtree(self.run_dir, ignore_errors=True)
 
 
 @dataclass
@@ -381,6 +483,9 @@ class PlacedRun:
     timeout_s: float = 30.0
     join_timeout_s: float = 60.0
     sock_dir: str = ""
+    #: rank 0 runs this instead of the workload (`semfab run --bench-tokens`)
+    driver: Callable[[PlacedFabric], Any] | None = None
+    serve_port: int = 0
 
     def execute(self) -> tuple[int, dict[str, Any] | None, str | None]:
         """Run this process's part; ``(exit code, report (rank 0), error)``."""
@@ -391,7 +496,8 @@ class PlacedRun:
                 coordinator = Coordinator(
                     self.topo, port, self.world, workload=self.workload, args=self.args,
                     kwargs=self.kwargs, timeout_s=self.timeout_s,
-                    join_timeout_s=self.join_timeout_s)
+                    join_timeout_s=self.join_timeout_s, driver=self.driver,
+                    serve_port=self.serve_port)
             except zmq.ZMQError as exc:
                 raise UsageError(f"--rendezvous {host}:{port}: cannot listen there "
                                  f"({exc}); pick a free port") from None
@@ -501,6 +607,12 @@ class PlacedRun:
             w, m = best_offset(wall), best_offset(mono)
             sock.send(control.pack("clock_result", **asdict(w), mono_offset_s=m.offset_s,
                                    mono_error_s=m.error_s))
+            # token stamps taken in this process go on rank 0's timeline
+            from fabric.serving import clock
+
+            offset = round(m.offset_s * 1e9)
+            os.environ[clock.ENV] = str(offset)
+            clock.set_offset_ns(offset)
 
 
 def format_report(report: Mapping[str, Any]) -> str:

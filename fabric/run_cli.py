@@ -33,9 +33,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--topology", required=True,
                    help="the topology file; transport = \"tcp\" and [fabric.host_addresses] "
                    "place its nodes on hosts (docs/TOPOLOGY.md)")
-    p.add_argument("--workload", required=True, metavar="FILE.py:FUNC|MODULE:FUNC",
-                   help="FUNC(ep, *args) runs on every worker (the same function "
-                   "`semfab launch --run` takes)")
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("--workload", metavar="FILE.py:FUNC|MODULE:FUNC",
+                      help="FUNC(ep, *args) runs on every worker (the same function "
+                      "`semfab launch --run` takes)")
+    what.add_argument("--bench-tokens", metavar="FLAGS", default=None,
+                      help="run `semfab bench tokens FLAGS` on the placed fabric instead: "
+                      "the generator on the workers, the token host and its HTTP server "
+                      "on host0, the client on rank 0; every token stamp on rank 0's "
+                      "clock (e.g. --bench-tokens \"--concurrency 1,8 --num-prompts 32\")")
+    p.add_argument("--serve-port", type=int, default=8000,
+                   help="port of host0's HTTP server for --bench-tokens (on host0's address)")
     p.add_argument("--args", default="[]",
                    help="JSON list (positional) or object (keywords) of FUNC's arguments")
     p.add_argument("--rendezvous", metavar="HOST:PORT",
@@ -82,7 +90,14 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--args is not JSON: {exc}") from None
     if not isinstance(extra, (list, dict)):
         raise UsageError("--args must be a JSON list or object, e.g. '[1024]'")
-    module, func, file = _split_ref(args.workload)
+    driver = None
+    if args.bench_tokens is not None:
+        driver = _bench_tokens_driver(args.bench_tokens, topo)
+        if not 1 <= args.serve_port <= 65535:
+            raise UsageError(f"--serve-port {args.serve_port} is not 1..65535")
+        module, func, file = "bench.tokens", "bench-tokens", None
+    else:
+        module, func, file = _split_ref(args.workload)
     if args.rank is not None or args.world is not None:
         if args.rank is None or args.world is None or not 0 <= args.rank < args.world:
             raise UsageError("give --rank R and --world N together, with 0 <= R < N")
@@ -100,7 +115,8 @@ def run(args: argparse.Namespace) -> int:
                        extra if isinstance(extra, list) else [],
                        extra if isinstance(extra, dict) else {}, name=args.name or "",
                        timeout_s=args.timeout, join_timeout_s=args.join_timeout,
-                       sock_dir=args.sock_dir or "")
+                       sock_dir=args.sock_dir or "", driver=driver,
+                       serve_port=args.serve_port)
     code, report, error = placed.execute()
     if error:
         print(f"semfab: error: rank {rank}: {error}", file=sys.stderr)
@@ -109,4 +125,46 @@ def run(args: argparse.Namespace) -> int:
         if args.json:
             Path(args.json).write_text(json.dumps(report, indent=2))
             print(f"# wrote {args.json}", file=sys.stderr)
+    if report is not None and driver is not None and report["results"].get("driver"):
+        code = code or 1  # the benchmark's own failure (a failed row)
     return 1 if error and not code else code
+
+
+def _bench_tokens_driver(flags: str, topo: Any) -> Any:
+    """The token benchmark as rank 0's driver; its flags checked here, on every rank."""
+    import shlex
+
+    from bench import tokens
+
+    parser = argparse.ArgumentParser(prog="semfab run --bench-tokens", add_help=False,
+                                     exit_on_error=False)
+    tokens.add_arguments(parser)
+    try:
+        words = shlex.split(flags)
+        ns, extra = parser.parse_known_args(words)
+    except (argparse.ArgumentError, ValueError) as exc:
+        raise UsageError(f"--bench-tokens: {exc}") from None
+    if extra:
+        raise UsageError(f"--bench-tokens: unknown flag(s) {' '.join(extra)} "
+                         "(see `semfab bench tokens --help`)")
+    if ns.base_url:
+        raise UsageError("--bench-tokens: --base-url runs a pure client; run it with "
+                         "`semfab bench tokens` instead")
+    hosts = {n.name for n in topo.hosts}
+    if "--transport" not in words and "host1" not in hosts:
+        ns.transport = "direct"  # the default pair needs a relay host
+    if "host0" not in hosts:
+        raise UsageError("--bench-tokens needs a host node named host0 in the topology")
+    if "host-staged" in ns.transport.split(",") and "host1" not in hosts:
+        raise UsageError("--bench-tokens: --transport host-staged needs a second host node "
+                         "host1 (the relay) in the topology")
+    if "--workers" in words and ns.workers != len(topo.workers):
+        raise UsageError(f"--bench-tokens: --workers {ns.workers}, but the topology has "
+                         f"{len(topo.workers)} workers (the topology decides; drop --workers)")
+    ns.workers = len(topo.workers)
+    tokens.options(ns)  # every other check of `semfab bench tokens`
+
+    def drive(fab: Any) -> int:
+        return int(tokens.run(ns, fab=fab))
+
+    return drive

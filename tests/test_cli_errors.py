@@ -21,6 +21,7 @@ import pytest
 
 from fabric.cli import main
 from fabric.errors import UsageError, check_seconds
+from fabric.topology import star
 from tests.processes import kill_groups
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -125,6 +126,17 @@ CASES = [
     (["topo", "check", "{absurd_bw_high}"], "between 1e-06 and 1e+06 Gbit/s"),
     (["topo", "check", "{absurd_latency}"], "at most 10 s"),
     (["topo", "check", "{absurd_name}"], "at most 64"),
+    # a placed token benchmark: its flags are checked on every rank before joining
+    (["run", "--topology", "{hosted}", "--bench-tokens", "--bogus 1", "--rank", "0",
+      "--world", "1"], "--bench-tokens: unknown flag(s) --bogus 1"),
+    (["run", "--topology", "{good}", "--bench-tokens", "", "--rank", "0", "--world", "1"],
+     "needs a host node named host0"),
+    (["run", "--topology", "{hosted}", "--bench-tokens", "--transport host-staged",
+      "--rank", "0", "--world", "1"], "needs a second host node host1"),
+    (["run", "--topology", "{hosted}", "--bench-tokens", "--workers 2", "--rank", "0",
+      "--world", "1"], "the topology has 1 workers"),
+    (["run", "--topology", "{hosted}", "--bench-tokens", "", "--serve-port", "0",
+      "--rank", "0", "--world", "1"], "--serve-port 0"),
 ]
 
 
@@ -136,6 +148,8 @@ def files(tmp_path: Path) -> dict[str, str]:
         "absurd_bw_high": GOOD_TOPO + "bandwidth_gbps = 1e300\n",
         "absurd_latency": GOOD_TOPO + "latency_us = 1e308\n",
         "absurd_name": GOOD_TOPO.replace('"w0"', '"' + "w" * 300 + '"'),
+        "good": GOOD_TOPO,
+        "hosted": star(1, hosts=1, transport="tcp").to_toml(),
     }.items():
         path = tmp_path / f"{key}.toml"
         path.write_text(text)

@@ -291,6 +291,49 @@ def test_a_cut_link_ends_the_run_on_every_host(netns: Namespaces, tmp_path: Path
     assert "error" in outs[3]  # and the cut-off host knows why it stopped
 
 
+@pytest.mark.timeout(240)
+def test_a_token_stream_across_three_namespaces(netns: Namespaces, tmp_path: Path) -> None:
+    """The token chain placed on three hosts: the client and the switch on the
+    first, the generator on the second, the token host and its HTTP server on
+    the third. Every token arrives and reads the same as the generated text,
+    and each layer's time, from stamps taken on three hosts' clocks corrected
+    to rank 0's, is a sane positive figure."""
+    import json
+
+    from fabric.topology import star as make_star
+
+    text = make_star(1, hosts=1, transport="tcp", base_port=26300).to_toml()
+    placed = {"sw0": netns.addrs[0], "w0": netns.addrs[1], "host0": netns.addrs[2]}
+    path = tmp_path / "tokens.toml"
+    path.write_text(text + "\n[fabric.host_addresses]\n" + "".join(
+        f'{n} = "{a}"\n' for n, a in placed.items()))
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out_json = tmp_path / "tokens.json"
+    cmd = [sys.executable, "-m", "fabric", "run", "--topology", str(path), "--bench-tokens",
+           f"--concurrency 1,4 --num-prompts 8 --tokens 16 --json {out_json}",
+           "--serve-port", "26380", "--rendezvous", f"{netns.addrs[0]}:26299",
+           "--timeout", "20", "--join-timeout", "40", "--json", str(tmp_path / "report.json")]
+    procs = [netns.start(host, cmd, {**env, "OMPI_COMM_WORLD_RANK": str(rank),
+                                     "OMPI_COMM_WORLD_SIZE": "3"}, tmp_path)
+             for rank, host in enumerate((0, 1, 2))]
+    outs = [p.communicate(timeout=200)[0].decode(errors="replace") for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0], "\n".join(outs)
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert [(p["node"], p["address"]) for p in report["processes"]] == [
+        ("sw0", "198.18.0.1"), ("w0", "198.18.0.2"), ("host0", "198.18.0.3")]
+    for p in report["processes"]:
+        assert abs(p["mono_offset_s"]) <= p["mono_error_s"] + 1e-3  # one kernel: 0
+    rows = json.loads(out_json.read_text())["results"]
+    assert len(rows) == 4  # direct+immediate and direct+batched at c=1 and c=4
+    for row in rows:
+        assert row["lost_tokens"] == 0 and row["text_mismatches"] == 0, row
+        assert row["tokens_generated"] > 0
+        for layer in ("generation", "transport", "interpretation", "presentation"):
+            p50 = row["layers_ms"][layer]["p50"]
+            assert 0 < p50 < 1000, (layer, p50)
+    assert "semfab run: star1" in outs[0] and "Client metrics" in outs[0]
+
+
 @pytest.mark.timeout(90)
 def test_a_node_that_cannot_start_ends_the_run_at_once(tmp_path: Path) -> None:
     # the switch's port is taken: its process says so, and every process ends

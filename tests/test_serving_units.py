@@ -440,3 +440,22 @@ def test_prometheus_histogram_counter_and_gauge_render_the_text_format() -> None
         c.inc(-1, "a")
     with pytest.raises(ValueError):
         r.add(prom.Gauge("g", "twice"))
+
+
+def test_the_token_clock_takes_the_measured_offset_off() -> None:
+    """A placed process stamps on rank 0's timeline: its clock minus its offset."""
+    import time
+
+    from fabric.serving import clock
+
+    before = clock.offset_ns()
+    try:
+        clock.set_offset_ns(7_000_000_000)  # this host's clock runs 7 s ahead of rank 0's
+        a = time.perf_counter_ns()
+        t = clock.now_ns()
+        b = time.perf_counter_ns()
+        assert a - 7_000_000_000 <= t <= b - 7_000_000_000
+        assert clock.offset_ns() == 7_000_000_000
+    finally:
+        clock.set_offset_ns(before)
+    assert clock.offset_ns() == before

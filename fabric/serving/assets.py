@@ -156,6 +156,16 @@ def ensure_assets(cache_dir: str | Path | None = None) -> Path:
     return final
 
 
+def local_assets(assets_dir: str | Path) -> Path:
+    """``assets_dir`` when it holds the tokenizer on this machine, else this
+    machine's own copy (trained here if needed): a task placed on another host
+    than the process that chose the folder. The same shipped text and settings
+    give the same tokenizer everywhere (its folder is named by the text's hash)."""
+    if assets_dir and (Path(assets_dir) / "info.json").is_file():
+        return Path(assets_dir)
+    return ensure_assets()
+
+
 def load_tokenizer(assets_dir: str | Path) -> Any:
     """The cached ``tokenizers.Tokenizer``."""
     from tokenizers import Tokenizer

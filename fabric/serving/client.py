@@ -4,7 +4,7 @@ Used by ``semfab bench tokens`` and the tests. It is a plain aiohttp client
 (no OpenAI SDK, which hides the event timing): it sends one request, reads
 the response as it arrives, splits it into events with
 :class:`~fabric.serving.api.SSEDecoder`, and records when each ``data`` event
-was received (``time.perf_counter_ns``, the clock the fabric's processes use).
+was received (:func:`fabric.serving.clock.now_ns`, the clock the fabric's processes use).
 With ``detokenizer`` set it also plays the "detokenize near the client"
 role: it turns the ``token_ids`` of each event into text itself.
 """
@@ -12,17 +12,16 @@ role: it turns the ``token_ids`` of each event into text itself.
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Callable
 from typing import Any
 
 from fabric.serving.api import SSEDecoder
+from fabric.serving.clock import now_ns
 from fabric.serving.detok import Detokenizer
 from fabric.serving.metrics import ClientResult
 
 __all__ = ["ClientResult", "now_ns", "stream_request"]
 
-now_ns = time.perf_counter_ns
 
 
 async def stream_request(session: Any, url: str, body: dict[str, Any], *,

@@ -35,11 +35,11 @@ from fabric import frame as fr
 from fabric.frame import FrameError, NackCode, Op
 from fabric.semantic import SemanticCounts
 from fabric.serving import records as rec
+from fabric.serving.clock import now_ns
 from fabric.serving.config import ServeConfig
 
 log = logging.getLogger("semfab.serving.generator")
 
-now_ns = time.perf_counter_ns  # CLOCK_MONOTONIC: comparable across processes of one host
 #: The prefill kernel runs over at most this many trailing prompt tokens.
 PREFILL_KERNEL_TOKENS = 256
 #: Step statistics kept (oldest dropped) so a long `semfab serve` stays bounded.
@@ -114,7 +114,7 @@ class Generator:
     """One worker's generation loop (driven by :func:`generate`)."""
 
     def __init__(self, ep: Any, cfg: ServeConfig) -> None:
-        from fabric.serving.assets import CorpusWalk
+        from fabric.serving.assets import CorpusWalk, local_assets
         from kernels import ToyDecoder, get_backend
 
         self.ep = ep
@@ -127,7 +127,7 @@ class Generator:
             limit = int(getattr(numba.config, "NUMBA_NUM_THREADS", 1))
             numba.set_num_threads(max(1, min(cfg.kernel_threads, limit)))
         self.weights = ToyDecoder(cfg.toy_vocab, cfg.toy_dim, cfg.seed)
-        self.walk = CorpusWalk.load(cfg.assets_dir)
+        self.walk = CorpusWalk.load(local_assets(cfg.assets_dir))
         self.batch = _Batch(cfg.max_batch, cfg.toy_dim)
         self.pending: deque[dict[str, Any]] = deque()
         self.host_id: int = ep.topo.node("host0").id

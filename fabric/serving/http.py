@@ -23,7 +23,6 @@ import hmac
 import json
 import logging
 import socket
-import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -31,6 +30,7 @@ from aiohttp import web
 
 from fabric.errors import UsageError
 from fabric.serving import api, prom
+from fabric.serving.clock import now_ns
 
 if TYPE_CHECKING:
     from fabric.serving.host import Event, Stream, TokenHost
@@ -229,7 +229,7 @@ def _fast_sink(request: web.Request, host: TokenHost, st: Stream,
             return False  # the handler takes over (and notices a closed client)
         data, chunk, end = _event_bytes(host, st, fmt, ev)
         transport.write(b"%x\r\n%b\r\n" % (len(data), data))
-        host.stamp_written(st, ev, chunk, time.perf_counter_ns())
+        host.stamp_written(st, ev, chunk, now_ns())
         if end:
             st.delivered = True
             st.wake()
@@ -269,7 +269,7 @@ async def _stream(request: web.Request, host: TokenHost, st: Stream) -> web.Stre
                 if end:
                     break
             await resp.write(parts[0] if len(parts) == 1 else b"".join(parts))
-            t = time.perf_counter_ns()
+            t = now_ns()
             for ev, chunk in stamps:
                 host.stamp_written(st, ev, chunk, t)
             if end:

@@ -12,8 +12,9 @@
   receive and send times.
 * **Control messages** (CTRL frames, :mod:`fabric.control` maps) named ``sv_*``.
 
-Times are ``time.perf_counter_ns()`` values: CLOCK_MONOTONIC, shared by every
-process of one host, so they compare across processes.
+Times are :func:`fabric.serving.clock.now_ns` values: CLOCK_MONOTONIC, shared by
+every process of one host, and on rank 0's timeline on a placed fabric, so they
+compare across processes and hosts.
 """
 
 from __future__ import annotations

@@ -84,24 +84,36 @@ class ServingChain:
             cfg.session = secrets.randbelow(1 << 31) + 1
             cfg.secret = secrets.token_hex(16)
             ready = Path(fab.run_dir) / f"serve-{cfg.session:x}.json"
-            cfg.ready_file = str(ready.resolve())
+            shared = getattr(fab, "shared_files", True)
+            if shared:
+                cfg.ready_file = str(ready.resolve())
+            else:  # host0 on another host: it listens on its address, and is asked
+                placed: Any = fab  # a fabric.rendezvous.PlacedFabric
+                cfg.host, cfg.port = placed.serve_address
+                cfg.ready_file = ""
             from fabric.serving import generator, host
 
             if cfg.transport == "host-staged":
                 self.tasks["relay"] = fab.submit(generator.relay, cfg, nodes=[cfg.relay])
             self.tasks["workers"] = fab.submit(generator.generate, cfg)
             self.tasks["host"] = fab.submit(host.serve, cfg, nodes=["host0"])
-            self.url = self._wait_ready(ready)
+            self.url = self._wait_ready(ready if shared else None)
         except BaseException:
             self.close()
             raise
         return self
 
-    def _wait_ready(self, ready: Path) -> str:
+    def _wait_ready(self, ready: Path | None) -> str:
+        """The server's URL once it answers: from the file host0 writes, or (``ready``
+        None: host0 on another host) by asking it at its address."""
         assert self.fab is not None
         deadline = time.monotonic() + self.ready_timeout_s
+        asked = f"http://{self.cfg.host}:{self.cfg.port}"
         while True:
-            if ready.is_file():
+            if ready is None:
+                if _answers(asked + "/v1/models"):
+                    return asked
+            elif ready.is_file():
                 info = json.loads(ready.read_text())
                 if info.get("error"):  # e.g. the port is taken: the host said so
                     raise UsageError(str(info["error"]))
@@ -116,7 +128,10 @@ class ServingChain:
                     continue
                 del self.tasks[name]  # its result is in hand: stop() must not wait for it
                 self.results[name] = got if name == "workers" else got[0]
-                if ready.is_file() and json.loads(ready.read_text()).get("error"):
+                if ready is None and name == "host" and got[0].get("error"):
+                    raise UsageError(str(got[0]["error"]))
+                if ready is not None and ready.is_file() and \
+                        json.loads(ready.read_text()).get("error"):
                     break  # the host failed with a reason, and stopped the others
                 raise PeerFailed(f"the {name} task of the serving chain ended before it "
                                  f"was ready (logs in {self.fab.run_dir})")
@@ -187,3 +202,12 @@ class ServingChain:
                 self.close()
         else:
             self.close()
+
+
+def _answers(url: str) -> bool:
+    """True when ``url`` answers 200 within a second."""
+    try:
+        with urllib.request.urlopen(url, timeout=1.0) as resp:
+            return bool(resp.status == 200)
+    except (urllib.error.URLError, OSError):
+        return False
