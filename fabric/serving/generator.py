@@ -355,6 +355,9 @@ class Generator:
         b = self.batch
         n = b.n
         ids = self.walk.step(b.toy[:n], b.cursor[:n])
+        # a token is generated once its id is chosen: sampling is the step's last
+        # part (the step's own start and cadence keep the time it was due)
+        t_gen = now_ns()
         out = self.out
         out["rid"][:n] = b.rid[:n]
         out["index"][:n] = b.index[:n]
