@@ -41,6 +41,7 @@ import itertools
 import json
 import logging
 import math
+import os
 import shutil
 import socket
 import time
@@ -360,6 +361,7 @@ class StrategyRun:
     sem: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
     detok_samples: list[np.ndarray] = field(default_factory=list)
     counters: list[dict[str, Any]] = field(default_factory=list)
+    bells: bool = False  # direct's WRITEs went through doorbells (ServeConfig.bells)
 
     @property
     def label(self) -> str:
@@ -444,6 +446,7 @@ def _run_strategy(fab: Any, run: StrategyRun, opts: Options, assets_dir: str,
     factory = (lambda: make_detokenizer(a.detokenizer, tokenizer, table)) if at == "client" \
         else None
     chain = ServingChain(cfg, fabric=fab, timeout_s=30.0).start()
+    run.bells = chain.cfg.bells
     client_sem: dict[str, dict[str, float]] = {}
     try:
         # the warm-up's tokens count in the semantic-distance totals like every other's
@@ -517,6 +520,7 @@ def _rows(runs: list[StrategyRun], opts: Options, tokenizer: Any,
                                    "workers": opts.args.workers, "tokens": opts.tokens,
                                    "step_ms": opts.args.step_ms,
                                    "detokenizer": opts.args.detokenizer,
+                                   "doorbells": run.bells,
                                    "semantic_per_token": sem,
                                    "detok_us_per_token": stats(per_token_us)
                                    if per_token_us else None,
@@ -819,6 +823,9 @@ def _params(opts: Options, model: str) -> dict[str, Any]:
     """Every setting of the run (a --base-url run leaves out our chain's)."""
     skip = set(CHAIN_FLAGS) | {"trace_requests"} if opts.base_url else set()
     params = {k: v for k, v in vars(opts.args).items() if not callable(v) and k not in skip}
+    from bench.sweep import TUNING_ENV
+
+    params["env"] = {k: v for k, v in sorted(os.environ.items()) if k in TUNING_ENV}
     params.update({"model": model, "base_url": opts.base_url,
                    "levels": [lv.fields() for lv in opts.levels],
                    "percentiles": opts.percentiles, "percentile_metrics": opts.metrics,

@@ -150,6 +150,7 @@ class Fabric:
         self.timeout_s = check_seconds("timeout_s", timeout_s)
         self.start_timeout_s = check_seconds("start_timeout_s", start_timeout_s)
         self.switch_args = list(switch_args)
+        self.faults = faults or ""  # the switches inject them (--faults)
         if faults:
             self.switch_args += ["--faults", faults, "--seed", str(seed)]
         # CRC on data frames by default wherever frames may be corrupted

@@ -122,9 +122,44 @@ def test_openai_client_streams_exactly_the_generated_text(fab: Fabric, assets_di
         parts_sem["relay"] = {"transport": results["relay"]["sem"]}
     sem = metrics.semantic_per_token(parts_sem, sum(len(v) for v in gen.values()))["transport"]
     if transport == "direct":
-        assert sem == {"copies": 2, "encodes": 0, "crossings": 2, "hops": 1}
+        # on one host with no faults the records go straight into host0's ring and
+        # the header through a doorbell: one process boundary, not two
+        assert results["workers"][0]["bell_frames"] > 0
+        assert counters["bell_frames"] == results["workers"][0]["bell_frames"]
+        assert sem == {"copies": 2, "encodes": 0, "crossings": 1, "hops": 1}
     else:
         assert sem == {"copies": 5, "encodes": 4, "crossings": 4, "hops": 2}
+
+
+@pytest.mark.parametrize("bells", ["1", "0"])
+def test_direct_tokens_alike_through_doorbells_or_sockets(fab: Fabric, assets_dir: Path,
+                                                          tokenizer: Any, bells: str,
+                                                          monkeypatch: pytest.MonkeyPatch
+                                                          ) -> None:
+    """SEMFAB_DOORBELLS=0 keeps direct's WRITEs on the sockets (through the switch);
+    either way every stream is exact and nothing is lost or refused."""
+    monkeypatch.setenv("SEMFAB_DOORBELLS", bells)
+    with chain(fab, assets_dir, transport="direct") as ch:
+        assert ch.cfg.bells is (bells == "1")
+
+        async def run() -> list[Any]:
+            async with aiohttp.ClientSession() as session:
+                body = {"model": "semfab-toy", "max_tokens": 37, "stream": True}
+                return list(await asyncio.gather(*[
+                    stream_request(session, ch.url + "/v1/completions",
+                                   {**body, "prompt": f"prompt {i}"}) for i in range(6)]))
+
+        clients = asyncio.run(run())
+        results = ch.stop()
+    gen = generated(results)
+    for cr in clients:
+        assert cr.ok, cr.error
+        assert cr.text == tokenizer.decode(gen[rid_of(cr.response_id)])
+    counters = results["host"]["counters"]
+    clean(counters)
+    used = results["workers"][0]["bell_frames"]
+    assert (used > 0) is (bells == "1") and counters["bell_frames"] == used
+    assert counters["tokens"] == 6 * 37
 
 
 def _raw_sse(url: str, path: str, body: dict[str, Any]) -> tuple[int, str, list[str]]:

@@ -25,18 +25,21 @@ import os
 import signal
 import time
 from collections import OrderedDict, deque
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import zmq
 
 from fabric import control
+from fabric import doorbell as db
 from fabric import frame as fr
-from fabric.frame import FrameError, NackCode, Op
+from fabric.frame import Flag, FrameError, NackCode, Op
 from fabric.semantic import SemanticCounts
 from fabric.serving import records as rec
 from fabric.serving.clock import now_ns
 from fabric.serving.config import ServeConfig
+from fabric.shm import SHM_DIR, SharedRegion
 
 log = logging.getLogger("semfab.serving.generator")
 
@@ -148,6 +151,10 @@ class Generator:
         # (t_gen, target ns, actual ns, rows, prefill) per step
         self.steps: deque[tuple[int, int, int, int, bool]] = deque(maxlen=MAX_STEP_LOG)
         self.tokens = 0
+        # cfg.bells: host0's ring mapped here, and the doorbell to host0
+        self.shared_ring: SharedRegion | None = None
+        self.bell: db.Doorbell | None = None
+        self.bell_frames = 0
         self.stop = False
         self.configured = False
         self._parent = os.getppid()
@@ -252,7 +259,8 @@ class Generator:
             self.relay_id = int(msg.get("relay_id", 0))
             dst = self.relay_id if self.cfg.transport == "host-staged" else self.host_id
             self.hops = len(self.ep.topo.route(self.ep.name, self.ep.topo.by_id(dst).name))
-            self._ctrl(rec.READY, worker=self.ep.name)
+            bell = self._open_bell(str(msg.get("ring_path") or ""))
+            self._ctrl(rec.READY, worker=self.ep.name, bell=bell)
         elif t == rec.STOP:
             self._ctrl(rec.STOPPED)
             self.stop = True
@@ -378,8 +386,39 @@ class Generator:
         for j in sorted(np.flatnonzero(last).tolist(), reverse=True):
             b.remove(j)
 
+    def _open_bell(self, ring_path: str) -> str:
+        """With ``cfg.bells`` and host0's ring in shared memory on this host: map the
+        ring and open a doorbell to host0; the doorbell's path ("" when not)."""
+        if self.bell is not None:
+            return str(self.bell.path)  # a repeated CONFIG
+        if not (self.cfg.bells and ring_path and db.enabled()):
+            return ""
+        if Path(ring_path).parent != SHM_DIR or not Path(ring_path).name.startswith("semfab-"):
+            log.warning("%s: refused token ring path %s", self.ep.name, ring_path)
+            return ""
+        try:
+            self.shared_ring = SharedRegion.attach(ring_path, os.stat(ring_path).st_size)
+            self.bell = db.Doorbell.create(
+                f"semfab-{self.ep.run_id}-{self.ep.name}-tokens-{self.session:x}")
+        except (OSError, ValueError) as exc:  # another host after all: the socket
+            log.info("%s: token ring not mapped (%s); tokens go over the socket",
+                     self.ep.name, exc)
+            self._close_bell()
+            return ""
+        return str(self.bell.path)
+
+    def _close_bell(self) -> None:
+        if self.bell is not None:
+            self.bell.close()
+            self.bell = None
+        if self.shared_ring is not None:
+            self.shared_ring.close()
+            self.shared_ring = None
+
     def _send_direct(self, n: int) -> None:
-        """WRITE the step's records into the host's token ring (no serialisation)."""
+        """WRITE the step's records into the host's token ring (no serialisation):
+        over the socket, or (doorbells) straight into the shared ring, then the
+        header alone through the doorbell."""
         slot = self.sent_records % self.ring_slots
         first = min(n, self.ring_slots - slot)
         self.out["t_sent"][:n] = now_ns()
@@ -388,19 +427,40 @@ class Generator:
             if hi <= lo:
                 continue
             payload = self.out_bytes[lo * rec.RECORD_SIZE: hi * rec.RECORD_SIZE]
+            offset = self.ring_base + s * rec.RECORD_SIZE
             header = fr.encode_header(
                 Op.WRITE, src=self.ep.node_id, dst=self.host_id, job=self.job,
                 flow=rec.TOKEN_FLOW, psn=self.psn & 0xFFFF_FFFF, key=self.ring_key,
-                offset=self.ring_base + s * rec.RECORD_SIZE, payload=payload)
+                offset=offset, payload=payload)
             body = bytes(payload)  # the buffer is reused next step; kept for a resend
             self._keep(self.psn, header, body)
             self.psn += 1
+            if self.bell is not None and self._ring_write(offset, body):
+                self.sem.copies += hi - lo  # send buffer -> host0's ring
+                continue
             sock = self.ep.sock
             sock.send(header, zmq.SNDMORE)
             sock.send(body)
         self.sent_records += n
-        self.sem.crossings += n  # worker -> switch
+        self.sem.crossings += n  # worker -> switch (or -> host0, through the doorbell)
         self.sem.hops += n * self.hops
+
+    def _ring_write(self, offset: int, body: bytes) -> bool:
+        """Store ``body`` in host0's ring at ``offset`` and post the WRITE's header
+        (Flag.REF: the records are in place) through the doorbell; False when the
+        doorbell is full (then the frame goes over the socket)."""
+        assert self.bell is not None and self.shared_ring is not None
+        n = len(body)
+        buf = self.shared_ring.buffer()
+        buf[offset: offset + n] = body  # the records, before the descriptor (TSO)
+        header = fr.encode_header(
+            Op.WRITE, src=self.ep.node_id, dst=self.host_id, job=self.job,
+            flow=rec.TOKEN_FLOW, psn=(self.psn - 1) & 0xFFFF_FFFF, key=self.ring_key,
+            offset=offset, length=n, flags=Flag.REF)
+        if not self.bell.send(header):
+            return False
+        self.bell_frames += 1
+        return True
 
     def _send_staged(self, n: int) -> None:
         """Staging copy, msgpack, and off to the relay process."""
@@ -430,6 +490,7 @@ class Generator:
             "generated": self.generated, "sem": self.sem.__dict__.copy(),
             "steps": steps, "backend": self.backend.name,
             "resent_frames": self.resent, "unrecoverable_frames": self.unrecoverable,
+            "bell_frames": self.bell_frames,
         }
 
 
@@ -462,6 +523,7 @@ def generate(ep: Any, cfg: ServeConfig) -> dict[str, Any]:
         raise
     finally:
         signal.signal(signal.SIGTERM, previous)
+        g._close_bell()
     return g.result()
 
 

@@ -42,6 +42,7 @@ import numpy as np
 import zmq
 
 from fabric import control
+from fabric import doorbell as db
 from fabric import frame as fr
 from fabric.frame import FrameError, Op
 from fabric.memory import AccessError, RegionInfo, RegionTable
@@ -163,6 +164,7 @@ class HostCounters:
     unrecovered_frames: int = 0  # asked for MISSING_ASKS times in vain
     resent_adds: int = 0  # requests sent again: no token came for them
     refused_frames: int = 0
+    bell_frames: int = 0  # WRITEs whose header came through a doorbell (cfg.bells)
     nacks: int = 0
     detok_ns: int = 0  # time spent inside the detokenizer
     detok_calls: int = 0
@@ -277,6 +279,8 @@ class TokenHost:
         self.ring_key = 0
         self.regions = RegionTable()
         self._ring_bounds: dict[int, tuple[int, int]] = {}
+        self.ring_path = ""  # cfg.bells: the ring's file, for generators on this host
+        self._bells: dict[int, db.Doorbell] = {}  # worker -> its doorbell to us
 
     # ------------------------------------------------------------------ start
     async def start(self, timeout_s: float = 120.0) -> None:
@@ -289,6 +293,9 @@ class TokenHost:
             # with the switch on another host alloc gives plain memory: the key is
             # then ours alone (every WRITE is checked against self.regions anyway)
             self.ring_key = found[0] if found is not None else secrets.randbits(32) | 1
+            if found is not None and cfg.bells:  # generators on this host may map it
+                self.ring_path = next(str(r.path) for _b, _s, k, r in self.ep.regions
+                                      if k == self.ring_key)
             self.ring = ring.view(np.uint8)
             self.regions.add(RegionInfo(self.ring_key, self.ep.node_id, size, "token-ring",
                                         frozenset(self.workers)))
@@ -298,7 +305,8 @@ class TokenHost:
             base = i * cfg.ring_slots * rec.RECORD_SIZE
             self._ring_bounds[w] = (base, base + cfg.ring_slots * rec.RECORD_SIZE)
             self._send_ctrl(w, rec.CONFIG, ring_key=self.ring_key, ring_base=base,
-                            ring_slots=cfg.ring_slots, relay_id=self.relay_id)
+                            ring_slots=cfg.ring_slots, relay_id=self.relay_id,
+                            ring_path=self.ring_path)
         deadline = time.monotonic() + timeout_s
         configured = time.monotonic()
         while len(self._ready_workers) < len(self.workers) or (
@@ -391,13 +399,17 @@ class TokenHost:
         if got != length or job != self._job:
             self.counters.refused_frames += 1
             return
-        self.counters.frames += 1
-        self._check_psn(src, psn)
         n = length // rec.RECORD_SIZE
         s = self.sem["transport"]
-        s.chunks += n
         s.copies += n
         s.crossings += n  # switch -> host
+        self._take_records(src, psn, view, t_arrive)
+
+    def _take_records(self, src: int, psn: int, view: np.ndarray, t_arrive: int) -> None:
+        """Frame ``psn`` of ``src`` put these records in its part of the ring."""
+        self.counters.frames += 1
+        self._check_psn(src, psn)
+        self.sem["transport"].chunks += len(view) // rec.RECORD_SIZE
         # r = (rid, index, token, flags, pad, t_gen, t_sent), read in place
         self._held = []
         try:
@@ -405,6 +417,61 @@ class TokenHost:
                 self._on_token(r[0], r[1], r[2], r[3], r[5], r[6], 0, 0, t_arrive)
         finally:
             self._release_held()
+
+    # ------------------------------------------------------------------ doorbells
+    def _attach_bell(self, worker: int, path: str) -> None:
+        """A generator on this host writes into the ring itself and posts each WRITE's
+        header to its doorbell: watch the doorbell's pipe."""
+        try:
+            bell = db.Doorbell.attach(path)
+        except (OSError, ValueError) as exc:  # its frames keep to the socket
+            log.warning("host0: doorbell of node %d not attached: %s", worker, exc)
+            return
+        self._bells[worker] = bell
+        bell.sleep()  # we block in the event loop: the writer rings the pipe
+        self.loop.add_reader(bell.fileno(), self._drain_bell, worker)
+        log.info("host0: doorbell of node %d attached (%s)", worker, path)
+
+    def _drain_bell(self, worker: int) -> None:
+        """The doorbell rang: take every descriptor, then block again."""
+        bell = self._bells.get(worker)
+        if bell is None:
+            return
+        bell.wake()
+        while True:
+            header = bell.recv()
+            while header is not None:
+                self._on_bell_write(worker, header, now_ns())
+                header = bell.recv()
+            if not bell.sleep():  # nothing came while we looked: block
+                return
+            bell.wake()
+
+    def _on_bell_write(self, worker: int, header: bytes, t_arrive: int) -> None:
+        """direct through a doorbell: the records are already in the ring."""
+        assert self.ring is not None
+        try:
+            op, flags, src, job, psn, key, offset, length = fr.peek(header)
+            lo, hi = self._ring_bounds.get(worker, (0, 0))
+            if (op is not Op.WRITE or not flags & fr.Flag.REF or src != worker
+                    or key != self.ring_key or job != self._job
+                    or not lo <= offset <= offset + length <= hi
+                    or length % rec.RECORD_SIZE):
+                raise FrameError(fr.NackCode.PERMISSION, f"doorbell of node {worker}: not a "
+                                 "WRITE into its part of the token ring")
+        except FrameError as exc:
+            self.counters.refused_frames += 1
+            log.warning("host0: refused a doorbell descriptor: %s", exc)
+            return
+        self.counters.bell_frames += 1
+        self._take_records(worker, psn, self.ring[offset: offset + length], t_arrive)
+
+    def _close_bells(self) -> None:
+        for bell in self._bells.values():
+            with contextlib.suppress(Exception):
+                self.loop.remove_reader(bell.fileno())
+            bell.close()
+        self._bells.clear()
 
     def _check_psn(self, src: int, psn: int) -> None:
         """Frame ``psn`` of sender ``src`` (``| 0x10000``: its host-staged messages)
@@ -505,6 +572,8 @@ class TokenHost:
         t = msg["t"]
         if t == rec.READY:
             self._ready_workers.add(f.src)
+            if msg.get("bell") and f.src in self._ring_bounds and f.src not in self._bells:
+                self._attach_bell(f.src, str(msg["bell"]))
         elif t == rec.PONG:
             self._relay_ready = True
         elif t == rec.STOPPED:
@@ -863,6 +932,7 @@ async def _serve(ep: Any, cfg: ServeConfig) -> dict[str, Any]:
         await runner.cleanup()
         with contextlib.suppress(Exception):
             loop.remove_reader(ep.sock.getsockopt(zmq.FD))
+        host._close_bells()
         with contextlib.suppress(Exception):
             loop.remove_signal_handler(signal.SIGTERM)
     out = host.result()
