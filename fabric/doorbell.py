@@ -198,6 +198,10 @@ class Ring:
         """True when a frame is waiting."""
         return bool(self._idx[0] != self._idx[8])
 
+    def backlog(self) -> int:
+        """Frames posted and not yet taken (at most SLOTS, whatever the peer wrote)."""
+        return min((self._idx[8] - self._idx[0]) & _U64, SLOTS)
+
     def release(self) -> None:
         """Drop the views of the shared buffer (before it is unmapped)."""
         self._idx.release()
@@ -290,6 +294,10 @@ class Doorbell:
     def pending(self) -> bool:
         """True when the other side posted a frame not yet taken."""
         return self.inbox.pending()
+
+    def backlog(self) -> int:
+        """Frames this side posted that the other has not taken yet."""
+        return self.outbox.backlog()
 
     def fileno(self) -> int:
         """The pipe that becomes readable when the other side rings."""

@@ -58,6 +58,7 @@ def test_ring_is_a_fifo_of_bounded_size(steps) -> None:
                 if fits:
                     model.append(step)
             assert peer.pending() is bool(model)
+            assert b.backlog() == len(model)  # what the writer sees of the reader
         while model:
             assert peer.recv() == model.popleft()
         assert peer.recv() is None

@@ -447,10 +447,15 @@ class Generator:
 
     def _ring_write(self, offset: int, body: bytes) -> bool:
         """Store ``body`` in host0's ring at ``offset`` and post the WRITE's header
-        (Flag.REF: the records are in place) through the doorbell; False when the
-        doorbell is full (then the frame goes over the socket)."""
+        (Flag.REF: the records are in place) through the doorbell; False when host0
+        is behind or the doorbell is full (then the frame goes over the socket)."""
         assert self.bell is not None and self.shared_ring is not None
         n = len(body)
+        # each unread descriptor holds at most max_batch records of our part of the
+        # ring: never write over records host0 has not read yet (the socket path
+        # cannot, host0 itself receives into the ring, in order)
+        if (self.bell.backlog() + 1) * self.cfg.max_batch > self.ring_slots:
+            return False
         buf = self.shared_ring.buffer()
         buf[offset: offset + n] = body  # the records, before the descriptor (TSO)
         header = fr.encode_header(

@@ -428,9 +428,11 @@ class TokenHost:
             log.warning("host0: doorbell of node %d not attached: %s", worker, exc)
             return
         self._bells[worker] = bell
-        bell.sleep()  # we block in the event loop: the writer rings the pipe
         self.loop.add_reader(bell.fileno(), self._drain_bell, worker)
         log.info("host0: doorbell of node %d attached (%s)", worker, path)
+        # what it posted before we looked, then the sleeping word up: we block in
+        # the event loop, so the writer rings the pipe
+        self._drain_bell(worker)
 
     def _drain_bell(self, worker: int) -> None:
         """The doorbell rang: take every descriptor, then block again."""
