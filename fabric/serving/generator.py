@@ -302,7 +302,7 @@ class Generator:
             t_gen = now_ns()
             next_start = t0 + target_ns
             self.steps.append((t_gen, target_ns, t_gen - t0, self.batch.n, fresh))
-            self._emit(t_gen)
+            self._emit()
 
     def _admit(self) -> bool:
         b = self.batch
@@ -359,7 +359,7 @@ class Generator:
         if running.size:
             self._step_rows(running)
 
-    def _emit(self, t_gen: int) -> None:
+    def _emit(self) -> None:
         b = self.batch
         n = b.n
         ids = self.walk.step(b.toy[:n], b.cursor[:n])
