@@ -736,7 +736,7 @@ class InaAllreduce(Program):
         """Wire time of a chunk sent now to the tree's top and back, behind the
         chunks still in flight (shaped links only; see ChunkTimers.sent)."""
         return self.st.wire_s(self.st.root_switch_id, fr.HEADER_SIZE + self.E * self.item,
-                              self.timers.in_flight())
+                              len(self.timers))
 
     def get_timer(self) -> float | None:
         return None if self.done else self.timers.next_deadline()
@@ -1031,7 +1031,7 @@ class HostPsAllreduce(Program):
         """Wire time of a chunk sent now to the host and back (see ChunkTimers.sent)."""
         assert self.st.host_id is not None
         return self.st.wire_s(self.st.host_id, fr.HEADER_SIZE + self.E * self.t.itemsize,
-                              self.timers.in_flight(), fan_in=len(self.group.ids))
+                              len(self.timers), fan_in=len(self.group.ids))
 
     def get_timer(self) -> float | None:
         return None if self.done else self.timers.next_deadline()

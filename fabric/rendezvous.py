@@ -610,9 +610,7 @@ class PlacedRun:
             # token stamps taken in this process go on rank 0's timeline
             from fabric.serving import clock
 
-            offset = round(m.offset_s * 1e9)
-            os.environ[clock.ENV] = str(offset)
-            clock.set_offset_ns(offset)
+            clock.set_offset_ns(round(m.offset_s * 1e9))
 
 
 def format_report(report: Mapping[str, Any]) -> str:

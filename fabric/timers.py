@@ -56,10 +56,6 @@ class ChunkTimers:
         self._timers[chunk] = _Timer(now, now, now + allowance + rto, self._order, rto,
                                      allowance)
 
-    def in_flight(self) -> int:
-        """Chunks sent whose results have not come."""
-        return len(self._timers)
-
     def acked(self, chunk: int, now: float,
               complete_below: int | None = None) -> tuple[bool, list[int]]:
         """Its result arrived: ``(was_outstanding, to_resend_now)``.

@@ -11,24 +11,13 @@ when the generator, the host and the client run on different machines.
 
 from __future__ import annotations
 
-import os
 import time
 
-__all__ = ["ENV", "now_ns", "offset_ns", "set_offset_ns"]
+__all__ = ["now_ns", "offset_ns", "set_offset_ns"]
 
-#: Set by `semfab run` for the processes it starts: this host's monotonic clock
-#: minus rank 0's, in integer nanoseconds.
-ENV = "SEMFAB_CLOCK_OFFSET_NS"
-
-
-def _from_env() -> int:
-    try:
-        return int(os.environ.get(ENV, "0") or 0)
-    except ValueError:
-        return 0
-
-
-_offset = _from_env()
+#: This process's monotonic clock minus rank 0's, in integer nanoseconds (set by
+#: `semfab run` once the clock exchange is done; 0 on one host).
+_offset = 0
 
 
 def set_offset_ns(offset: int) -> None:
