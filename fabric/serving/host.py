@@ -273,6 +273,7 @@ class TokenHost:
         # frames found missing, (sender, psn) -> (ns asked, times asked)
         self._missing: dict[tuple[int, int], tuple[int, int]] = {}
         self._reask: asyncio.TimerHandle | None = None
+        self._drain_due = False  # a drain is scheduled (after a send)
         self._stopped: set[int] = set()  # generators (and the relay) that took STOP
         self._job = cfg.session & 0xFFFF
         self.ring: np.ndarray | None = None
@@ -304,9 +305,7 @@ class TokenHost:
         for i, w in enumerate(self.workers):
             base = i * cfg.ring_slots * rec.RECORD_SIZE
             self._ring_bounds[w] = (base, base + cfg.ring_slots * rec.RECORD_SIZE)
-            self._send_ctrl(w, rec.CONFIG, ring_key=self.ring_key, ring_base=base,
-                            ring_slots=cfg.ring_slots, relay_id=self.relay_id,
-                            ring_path=self.ring_path)
+            self._send_config(i, w)
         deadline = time.monotonic() + timeout_s
         configured = time.monotonic()
         while len(self._ready_workers) < len(self.workers) or (
@@ -315,9 +314,7 @@ class TokenHost:
                 configured = time.monotonic()
                 for i, w in enumerate(self.workers):
                     if w not in self._ready_workers:
-                        base = i * cfg.ring_slots * rec.RECORD_SIZE
-                        self._send_ctrl(w, rec.CONFIG, ring_key=self.ring_key, ring_base=base,
-                                        ring_slots=cfg.ring_slots, relay_id=self.relay_id)
+                        self._send_config(i, w)
             if time.monotonic() > deadline:
                 missing = [self.worker_names[w] for w in self.workers
                            if w not in self._ready_workers]
@@ -330,14 +327,36 @@ class TokenHost:
             await asyncio.sleep(0.05)
             self._drain()
 
+    def _send(self, frame: bytes) -> None:
+        """Send one frame on the fabric socket, then drain it soon.
+
+        A send makes libzmq take in its pending commands, the signal of a
+        frame that just arrived among them: the socket's file descriptor then
+        stays unreadable although a frame waits, and the event loop would not
+        call ``_drain`` again. So every send, from a timer or a request
+        handler as well as from ``_drain`` itself, is followed by a drain.
+        """
+        self.ep.send_frame(frame)
+        if not self._drain_due:
+            self._drain_due = True
+            self.loop.call_soon(self._drain)
+
     def _send_ctrl(self, dst: int, t: str, **fields: Any) -> None:
-        self.ep.send_frame(fr.encode(Op.CTRL, src=self.ep.node_id, dst=dst,
-                               payload=control.pack(t, session=self.cfg.session, **fields)))
-        self.loop.call_soon(self._drain)  # a send can swallow the socket's read edge
+        self._send(fr.encode(Op.CTRL, src=self.ep.node_id, dst=dst,
+                             payload=control.pack(t, session=self.cfg.session, **fields)))
+
+    def _send_config(self, i: int, worker: int) -> None:
+        """CONFIG for the ``i``-th generator: its part of the token ring."""
+        cfg = self.cfg
+        self._send_ctrl(worker, rec.CONFIG, ring_key=self.ring_key,
+                        ring_base=i * cfg.ring_slots * rec.RECORD_SIZE,
+                        ring_slots=cfg.ring_slots, relay_id=self.relay_id,
+                        ring_path=self.ring_path)
 
     # ------------------------------------------------------------------ fabric receive
     def _drain(self) -> None:
         """Handle every frame waiting on the fabric socket (edge-triggered FD)."""
+        self._drain_due = False
         sock = self.ep.sock
         try:
             while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
@@ -390,8 +409,8 @@ class TokenHost:
         except AccessError as exc:
             sock.recv_into(bytearray(), flags=zmq.NOBLOCK)  # discard the payload
             self.counters.refused_frames += 1
-            self.ep.send_frame(fr.encode_nack(src=self.ep.node_id, dst=src, flow=rec.TOKEN_FLOW,
-                                        psn=psn, code=exc.code))
+            self._send(fr.encode_nack(src=self.ep.node_id, dst=src, flow=rec.TOKEN_FLOW,
+                                      psn=psn, code=exc.code))
             log.warning("host0: refused a token write: %s", exc)
             return
         view = self.ring[offset: offset + length]
@@ -505,8 +524,8 @@ class TokenHost:
 
     def _nack(self, src: int, psn: int) -> None:
         flow = rec.STAGED_FLOW if src & 0x10000 else rec.TOKEN_FLOW
-        self.ep.send_frame(fr.encode_nack(src=self.ep.node_id, dst=src & 0xFFFF, flow=flow,
-                                          psn=psn, code=fr.NackCode.MISSING))
+        self._send(fr.encode_nack(src=self.ep.node_id, dst=src & 0xFFFF, flow=flow,
+                                  psn=psn, code=fr.NackCode.MISSING))
 
     def _arm_reask(self) -> None:
         if self._reask is None and (self._missing or self._unstarted()):
