@@ -345,16 +345,20 @@ class FaultInjector:
         """Send one frame at ``now``; return the arrivals this causes."""
         spec = self.spec
         self._frames += 1
-        # Draw every decision for every frame, in a fixed order (see class doc).
-        u_loss = self._r_loss.random()
-        u_ge_move, u_ge_loss = self._r_ge.random(), self._r_ge.random()
-        u_dup = self._r_dup.random()
-        u_reorder, u_disp = self._r_reorder.random(), self._r_reorder.random()
-        u_corrupt = self._r_corrupt.random()
-        u_jitter = self._r_delay.random()
+        # Every enabled fault kind draws for every frame, in a fixed order (see the
+        # class doc); a kind that is off draws nothing (its stream is its own, so
+        # the others' decisions are the same either way).
+        u_loss = self._r_loss.random() if spec.loss else 1.0
+        ge = spec.gilbert_elliott
+        u_ge_move, u_ge_loss = ((self._r_ge.random(), self._r_ge.random()) if ge is not None
+                                else (1.0, 1.0))
+        u_dup = self._r_dup.random() if spec.duplicate else 1.0
+        u_reorder, u_disp = ((self._r_reorder.random(), self._r_reorder.random())
+                             if spec.reorder else (1.0, 0.0))
+        u_corrupt = self._r_corrupt.random() if spec.corrupt else 1.0
+        u_jitter = self._r_delay.random() if spec.jitter_us else 0.5
 
         lost = u_loss < spec.loss
-        ge = spec.gilbert_elliott
         if ge is not None:
             if self._bad:
                 self._bad = u_ge_move >= ge.p_bad_to_good
@@ -405,7 +409,14 @@ class FaultInjector:
 
     def next_deadline(self) -> float | None:
         """When :meth:`poll` next has something to release, or None."""
-        return min((h.deadline for h in self._held), default=None)
+        if not self._held:  # the common case, asked once or twice per frame
+            return None
+        return min(h.deadline for h in self._held)
+
+    @property
+    def lost(self) -> int:
+        """Frames lost so far (``statistics().lost`` without building the snapshot)."""
+        return self._lost
 
     def flush(self, now: float) -> list[tuple[float, bytes]]:
         """Release every held frame now (end of a run)."""

@@ -213,7 +213,7 @@ class LinkPipeline:
 
     def _inject(self, inj: FaultInjector, item: Item, now: float) -> list[tuple[float, Item]]:
         header, payload = item
-        lost_before = inj.statistics().lost
+        lost_before = inj.lost
         token = b""
         if inj.spec.corrupt:
             blob = bytes(header) + (memoryview(payload).tobytes() if payload is not None else b"")
@@ -222,7 +222,7 @@ class LinkPipeline:
             token = next(self._token_seq).to_bytes(8, "little")
             self._tokens[token] = item
             out = self._resolve(inj.apply(token, now))
-        if inj.statistics().lost != lost_before:
+        if inj.lost != lost_before:
             try:
                 name = fr.peek(header)[0].name
             except FrameError:
