@@ -203,6 +203,7 @@ class NodeState:
         self.semantics: dict[str, SemanticCounts] = {}
         self.fallbacks: list[str] = []
         self.retransmits = 0
+        self.timeouts = 0  # retransmit timers that ran out (a chunk's, a stream's RTO)
         self.duplicates = 0
         self.bad_frames = 0  # frames a program refused (damaged or forged)
         self._route_cost: dict[int, tuple[int, int]] = {}
@@ -724,6 +725,7 @@ class InaAllreduce(Program):
         if self.left == 0:
             self.done = True
             self.st.retransmits += self.timers.retransmits
+            self.st.timeouts += self.timers.expiries
             sem = self.st.sem(self.label)
             sem.chunks += self.nch
             sem.hops += self.nch
@@ -880,6 +882,7 @@ class HostRingAllreduce(Program):
         out = [fr_ for step in sorted(self.unacked) for fr_ in self.unacked[step]]
         self.resent.update(self.unacked)
         self.st.retransmits += len(out)
+        self.st.timeouts += 1
         self.rtt.backoff()
         self.deadline = now + self.rtt.rto
         return out
@@ -1044,6 +1047,7 @@ class HostPsAllreduce(Program):
                 f"{self.st.timeout_s:g}s ({self.timers.retransmits} retransmissions) from "
                 f"{self.waiting_for()}")
         self.st.retransmits += len(resend)
+        self.st.timeouts += len(resend)
         return [self._frame(i) for i in resend]
 
     def wants(self, f: fr.Frame) -> bool:
@@ -1270,7 +1274,8 @@ class StreamSend(Program):
             self.done = True
             stats = {**asdict(self.sender.statistics()), "seconds": now - self.t0}
             self.result = stats
-            self.st.retransmits += self.sender.statistics().retransmitted
+            self.st.retransmits += stats["retransmitted"]
+            self.st.timeouts += stats["timeouts"]
         return out
 
     def start(self, now: float) -> list[Send]:

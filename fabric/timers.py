@@ -41,6 +41,7 @@ class ChunkTimers:
         self._order = 0
         self.retransmits = 0
         self.fast_retransmits = 0
+        self.expiries = 0  # chunks whose timer ran out (each then resent)
 
     def sent(self, chunk: int, now: float, allowance: float = 0.0) -> None:
         """Chunk ``chunk`` was sent for the first time at ``now``.
@@ -135,6 +136,7 @@ class ChunkTimers:
             self._resent(t, now, self.rtt.rto)
             resend.append(chunk)
         self.retransmits += len(resend)
+        self.expiries += len(resend)
         return resend, dead
 
     def __len__(self) -> int:

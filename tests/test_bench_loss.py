@@ -25,7 +25,9 @@ def test_bench_loss_small(tmp_path: Path) -> None:
     assert all(r["retransmitted"] >= 1 for r in lossy if r["lost"])
     for r in rows:
         assert set(r) >= {"path", "policy", "loss", "goodput_gbps", "goodput_ratio", "lost",
-                          "retransmitted", "spurious", "p99_ms", "wrong"}
+                          "retransmitted", "spurious", "rto_expiries", "p99_ms", "wrong"}
+        # an expiry resends at least one frame, so it never outnumbers them
+        assert 0 <= r["rto_expiries"] <= r["retransmitted"]
 
 
 def test_bench_loss_rejects_bad_arguments(capsys: pytest.CaptureFixture[str]) -> None:

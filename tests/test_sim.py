@@ -36,6 +36,12 @@ def test_same_seed_same_run_and_loss_is_recovered_exactly() -> None:
     for out in runs[0].results:
         np.testing.assert_array_equal(out["ina"], want)
     assert runs[0].retransmits > 0
+    # timer expiries are counted apart from the resends they cause (and from
+    # the resends a SACK threshold or a MISSING ask made without waiting)
+    timeouts = sum(st.timeouts for st in runs[0].nodes.values())
+    assert 0 <= timeouts <= runs[0].retransmits
+    clean = Simulation(topo, seed=3).run(tasks.seeded_sum_workload, ("ina",), 200_000, "int32")
+    assert sum(st.timeouts for st in clean.nodes.values()) == 0 == clean.retransmits
     lost = sum(sum(p.statistics().lost_by_op.values()) for p in Simulation(topo).pipes.values())
     assert lost == 0  # a fresh, fault-free simulation loses nothing
 

@@ -45,6 +45,7 @@ def test_backoff_doubles_and_karn_skips_retransmitted_samples() -> None:
     assert t.acked(2, now=0.41)[0]
     assert est.srtt == pytest.approx(0.01)
     assert t.retransmits == 4
+    assert t.expiries == 4  # every resend here was a timer running out
 
 
 def test_gives_up_after_the_limit() -> None:
@@ -63,7 +64,7 @@ def test_a_chunk_overtaken_by_three_later_results_is_resent_at_once() -> None:
     assert t.acked(2, now=0.02) == (True, [])
     assert t.acked(3, now=0.03) == (True, [0])  # three later results: chunk 0 was lost
     rto = t.rtt.rto
-    assert t.fast_retransmits == 1
+    assert t.fast_retransmits == 1 and t.expiries == 0  # resent without waiting out a timer
     assert t.acked(4, now=0.04) == (True, [])  # 0 was just resent: its count restarts
     assert t.next_deadline() == pytest.approx(0.03 + 2 * rto)  # backed off once
 
