@@ -225,6 +225,7 @@ class McastSend(Program):
         if not self.done and all(s.done for s in self.senders.values()):
             self.done = True
             self.st.retransmits += self.retransmits
+            self.st.timeouts += sum(s.statistics().timeouts for s in self.senders.values())
             self.result = {"seconds": now - self.t0, "retransmitted": self.retransmits,
                            "frames": self.nframes}
         return out

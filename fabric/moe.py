@@ -518,6 +518,7 @@ class _AckedFrames(Program):
         if out:
             self.rtt.backoff()
             self.st.retransmits += len(out)
+            self.st.timeouts += len(out)  # each frame's own timer ran out
         return out
 
     def waiting_for(self) -> str:
