@@ -42,7 +42,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from fabric.frame import Flag, Op
-from fabric.shm import SHM_DIR, SharedRegion
+from fabric.shm import SHM_DIR, SharedRegion, is_semfab_file
 
 __all__ = ["SLOT", "SLOTS", "SPIN_S", "Ring", "Doorbell", "available", "carries", "enabled",
            "fence", "sleep_all", "spin_until", "wake_all"]
@@ -265,7 +265,7 @@ class Doorbell:
     def attach(cls, path: str | Path) -> Doorbell:
         """The switch's side of a worker's doorbell (OSError / ValueError if it is not one)."""
         p = Path(path)
-        if p.parent != SHM_DIR or not p.name.startswith("semfab-"):
+        if not is_semfab_file(p):
             raise ValueError(f"doorbell {p} is not a semfab file in {SHM_DIR}")
         region = SharedRegion.attach(p, FILE_BYTES)
         try:

@@ -18,6 +18,13 @@ import numpy as np
 SHM_DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path("/tmp")
 
 
+def is_semfab_file(path: str | Path) -> bool:
+    """True for a path a peer may name for us to map: a semfab file in SHM_DIR
+    (never anything elsewhere on the host)."""
+    p = Path(path)
+    return p.parent == SHM_DIR and p.name.startswith("semfab-")
+
+
 class SharedRegion:
     """A mapped shared-memory file; ``array(dtype)`` views it without copying."""
 

@@ -273,3 +273,12 @@ def test_a_peer_that_scribbles_on_the_indices_cannot_make_this_side_raise(bell) 
             peer.recv()  # garbage or nothing, never an exception
     finally:
         peer.close()
+
+
+def test_only_semfab_files_in_the_shared_memory_folder_may_be_mapped() -> None:
+    from fabric.shm import SHM_DIR, is_semfab_file
+
+    assert is_semfab_file(SHM_DIR / "semfab-1-w0-tokens-2a")
+    assert not is_semfab_file(SHM_DIR / "other-file")
+    assert not is_semfab_file("/etc/semfab-passwd")
+    assert not is_semfab_file(SHM_DIR / "sub" / "semfab-x")

@@ -25,7 +25,6 @@ import os
 import signal
 import time
 from collections import OrderedDict, deque
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -39,7 +38,7 @@ from fabric.semantic import SemanticCounts
 from fabric.serving import records as rec
 from fabric.serving.clock import now_ns
 from fabric.serving.config import ServeConfig
-from fabric.shm import SHM_DIR, SharedRegion
+from fabric.shm import SharedRegion, is_semfab_file
 
 log = logging.getLogger("semfab.serving.generator")
 
@@ -393,7 +392,7 @@ class Generator:
             return str(self.bell.path)  # a repeated CONFIG
         if not (self.cfg.bells and ring_path and db.enabled()):
             return ""
-        if Path(ring_path).parent != SHM_DIR or not Path(ring_path).name.startswith("semfab-"):
+        if not is_semfab_file(ring_path):
             log.warning("%s: refused token ring path %s", self.ep.name, ring_path)
             return ""
         try:
