@@ -72,6 +72,7 @@ SPIN_S = float(os.environ.get("SEMFAB_BELL_SPIN_US", "100")) / 1e6
 #: 12-15% at 16-64 MiB on 2 cores).
 SPIN_MAX_BYTES = 1 << 20
 _DESCRIPTORS = (int(Op.REDUCE), int(Op.RESULT))
+_REF = int(Flag.REF)
 
 
 _LOCK = threading.Lock()
@@ -87,7 +88,7 @@ def fence() -> None:
 def carries(header: bytes | memoryview) -> bool:
     """True for the frames doorbells carry: the memory plane's header-only REDUCE
     and RESULT descriptors (Flag.REF). Everything else keeps to ZeroMQ."""
-    return len(header) < SLOT and header[1] in _DESCRIPTORS and bool(header[2] & Flag.REF)
+    return len(header) < SLOT and header[1] in _DESCRIPTORS and bool(header[2] & _REF)
 
 
 def spin_until(ready: Callable[[], bool], seconds: float) -> bool:

@@ -216,7 +216,10 @@ class NodeState:
 
     def sem(self, path: str) -> SemanticCounts:
         """The semantic-distance counters of ``path``."""
-        return self.semantics.setdefault(path, SemanticCounts())
+        sem = self.semantics.get(path)
+        if sem is None:
+            sem = self.semantics[path] = SemanticCounts()
+        return sem
 
     def answer_stale(self, f: fr.Frame) -> list[Send]:
         """What to answer a frame no running program wants (both drivers ask).
@@ -529,11 +532,16 @@ class Tensor:
         return np_dtype(self.dtype).itemsize
 
 
+def _job_key(path: str, dtype: str, op: str, deliver: str = "all") -> tuple[str, str, str, str]:
+    """What a job is registered for: calls that agree on it share the job."""
+    return path, dtype, op, deliver
+
+
 def _job_program(st: NodeState, path: str, t: Tensor, op: str, referenced: bool,
                  group: Group | None = None,
                  deliver: str = "all") -> Generator[Program, Any, JobState]:
     g = group or st.world_group
-    key = (path, t.dtype, op, deliver)
+    key = _job_key(path, t.dtype, op, deliver)
     js = g.jobs.get(key)
     if js is not None:
         return js
@@ -570,14 +578,14 @@ class InaAllreduce(Program):
         self.region = region
         self.label = "ina" if region is None else "ina-mem"
         self.E, self.S, self.n = js.slot_elems, js.slots, t.count
+        self.item = item = t.itemsize
         if region is not None:
-            self.E = st.mem_chunk_elems(js.slot_elems, t.count, t.itemsize)
+            self.E = st.mem_chunk_elems(js.slot_elems, t.count, item)
         self.nch = self._layout()
         self.base = js.next_chunk
         js.next_chunk += self.nch
         self.msg = (group or st.world_group).next_msg()
         self.code = fr.dtype_from_name(t.dtype)
-        self.item = t.itemsize
         # A lost contribution is asked for by the switch (MISSING) as soon as a later
         # chunk of ours shows the gap; results overtaking a chunk then mean its result
         # was lost, but only once most of the window overtook it (fewer: the MISSING
@@ -592,6 +600,10 @@ class InaAllreduce(Program):
         self._sends = 0
         self.left = self.nch
         self.flags = Flag.CRC if st.crc else Flag.NONE
+        # the header's flag bits as ints, first copy and resend (Flag arithmetic
+        # costs a microsecond a frame)
+        extra = int(self.flags) | (int(Flag.REF) if region is not None else 0)
+        self._bits = (extra, extra | int(Flag.RETX))
         self.result = t.out
 
     def _layout(self) -> int:
@@ -617,7 +629,7 @@ class InaAllreduce(Program):
         if not self.first_sent[i]:
             self.first_sent[i] = self._sends
         self.last_sent[i] = self._sends
-        flags = self.flags | (Flag.RETX if retx else 0)
+        flags = self._bits[retx]
         psn = (self.base + i) & PSN_MASK
         if self.region is not None:
             key, off = self.region
@@ -625,7 +637,7 @@ class InaAllreduce(Program):
             return (fr.encode_header(Op.REDUCE, src=st.node_id, dst=st.switch_id,
                                      job=self.js.job, psn=psn, dtype=self.code, msg=self.msg,
                                      key=key, offset=off + i * E * self.item,
-                                     flags=flags | Flag.REF, length=count * self.item,
+                                     flags=flags, length=count * self.item,
                                      crc=st.crc), None)
         lo, count = self._span(i)
         if self.data:
@@ -1116,6 +1128,12 @@ def allreduce_program(st: NodeState, t: Tensor, op: str = "sum", path: str = "in
 
     g = group or st.world_group
     g.check_open(f"allreduce {path}")
+    if path in ("ina", "ina-mem"):
+        # the job is already granted (every call after the first): no chain to run
+        js = g.jobs.get(_job_key(path, t.dtype, op))
+        if js is not None and js.granted:
+            return InaAllreduce(st, t, op, js, data=data, group=g,
+                                region=region if path == "ina-mem" else None)
 
     def steps() -> Generator[Program, Any, Any]:
         if path in ("ina", "ina-mem"):

@@ -17,7 +17,7 @@ from fabric.reliability import PACKET_THRESHOLD, RttEstimator
 __all__ = ["ChunkTimers", "RttEstimator"]
 
 
-@dataclass
+@dataclass(slots=True)
 class _Timer:
     first_sent: float
     sent: float

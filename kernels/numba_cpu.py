@@ -337,15 +337,16 @@ class NumbaCpuBackend(Backend):
 
     def multicast_reduce(self, srcs: Sequence[Any], dsts: Sequence[Any], op: str) -> None:
         code = op_code(op)
-        srcs = [np.asarray(s) for s in srcs]
+        srcs = [s if s.__class__ is np.ndarray else np.asarray(s) for s in srcs]
         shape, dt = reference.check_multicast(srcs, dsts)
-        if math.prod(shape) == 0 or len(dsts) == 0:
+        size = srcs[0].size
+        if size == 0 or len(dsts) == 0:
             return
-        if math.prod(shape) < PARALLEL_MIN and not _kind16(dt):
+        if size < PARALLEL_MIN and not _kind16(dt):
             reference.multicast_reduce_native(srcs, dsts, code)  # small: no thread pool
             return
         if (
-            math.prod(shape) < PARALLEL_MIN
+            size < PARALLEL_MIN
             or len(srcs) > MAX_FUSED
             or len(dsts) > MAX_FUSED
             or not all(isinstance(d, np.ndarray) and d.flags.c_contiguous for d in dsts)

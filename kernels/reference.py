@@ -206,11 +206,15 @@ def check_multicast(srcs: Sequence[Any], dsts: Sequence[Any]) -> tuple[tuple[int
         raise ValueError("multicast_reduce needs at least one source")
     shape = tuple(srcs[0].shape)
     dt = np.dtype(srcs[0].dtype)
-    for a in list(srcs) + list(dsts):
-        if tuple(a.shape) != shape or np.dtype(a.dtype) != dt:
-            raise ValueError(
-                f"all srcs and dsts must share shape and dtype: {shape}/{dt} vs {a.shape}/{a.dtype}"
-            )
+    # ndarray shapes are tuples and dtypes compare directly: no conversion per
+    # array (this check runs on every call, small ones included)
+    for seq in (srcs, dsts):
+        for a in seq:
+            if a.shape != shape or a.dtype != dt:
+                raise ValueError(
+                    f"all srcs and dsts must share shape and dtype: {shape}/{dt} vs "
+                    f"{a.shape}/{a.dtype}"
+                )
     return shape, dt
 
 
@@ -245,12 +249,29 @@ def multicast_reduce_native(srcs: Sequence[np.ndarray], dsts: Sequence[np.ndarra
     fold with none of the per-call checks, for small tensors where those cost
     more than the arithmetic."""
     ufunc = _UFUNCS[code]
-    with np.errstate(all="ignore"):
+    if code == 0 and srcs[0].dtype.kind == "f":
+        # only a float sum raises floating-point flags (overflow, inf - inf);
+        # max/min and integer arithmetic never do, and errstate costs 2 us
+        with np.errstate(all="ignore"):
+            _fold(ufunc, srcs, dsts)
+    else:
+        _fold(ufunc, srcs, dsts)
+
+
+def _fold(ufunc: Any, srcs: Sequence[np.ndarray], dsts: Sequence[np.ndarray]) -> None:
+    if len(srcs) == 2 and dsts:
+        # straight into the first destination: an element is read from both
+        # sources before it is written, whichever of them that array is
+        acc = ufunc(srcs[0], srcs[1], out=dsts[0])
+        rest = dsts[1:]
+    else:
         acc = ufunc(srcs[0], srcs[1]) if len(srcs) > 1 else np.array(srcs[0], copy=True)
         for s in srcs[2:]:
             ufunc(acc, s, out=acc)
-    for d in dsts:
-        d[...] = acc
+        rest = dsts
+    for d in rest:
+        if d is not acc:
+            d[...] = acc
 
 
 def reduce_into(acc: np.ndarray, x: np.ndarray, op: str) -> None:

@@ -15,6 +15,9 @@ import numpy as np
 
 from fabric.shm import SharedRegion
 
+#: Chunk views kept (each a few hundred bytes); beyond it they are made anew.
+VIEWS_KEPT = 4096
+
 
 class SharedMemoryPlane:
     """Regions by key, mapped from shared-memory files; the kernel loaded on demand."""
@@ -23,6 +26,10 @@ class SharedMemoryPlane:
         self.backend_name = backend
         self._kernel: Any = None
         self._mapped: dict[int, SharedRegion] = {}
+        # array views of the chunks reduced so far, by (key, offset, count, dtype):
+        # a call reduces the same chunks of the same regions again, and making a
+        # view costs more than reducing 4 KiB
+        self._views: dict[tuple[int, int, int, np.dtype[Any]], np.ndarray] = {}
         self.reduce_seconds = 0.0  # time in the fused kernel (driver-side: it reads a clock)
 
     def prepare(self, backend: str) -> None:
@@ -39,26 +46,43 @@ class SharedMemoryPlane:
 
     def attach(self, key: int, path: str, size: int) -> None:
         """Map the region file at ``path`` (OSError / ValueError when it cannot be)."""
-        self._mapped[key] = SharedRegion.attach(path, size)
+        region = SharedRegion.attach(path, size)
+        self._forget_views(key)  # a key mapped anew: its old views are of the old map
+        self._mapped[key] = region
 
     def detach(self, key: int) -> None:
         """Unmap region ``key`` (unknown keys are ignored)."""
         region = self._mapped.pop(key, None)
         if region is not None:
+            self._forget_views(key)
             region.close()
+
+    def _forget_views(self, key: int) -> None:
+        if any(k[0] == key for k in self._views):
+            self._views = {k: v for k, v in self._views.items() if k[0] != key}
 
     def reduce(self, dtype: np.dtype[Any], op: str, refs: list[tuple[int, int]],
                count: int) -> None:
         """ld_reduce from every ``(key, offset)``, st the result into every one."""
         if self._kernel is None:
             self.prepare(self.backend_name)
-        arrays = [self._mapped[key].array(dtype, count, offset) for key, offset in refs]
+        views = self._views
+        arrays = []
+        for key, offset in refs:
+            v = views.get((key, offset, count, dtype))
+            if v is None:
+                if len(views) >= VIEWS_KEPT:
+                    views.clear()
+                v = views[(key, offset, count, dtype)] = self._mapped[key].array(
+                    dtype, count, offset)
+            arrays.append(v)
         t0 = time.perf_counter()
         self._kernel.multicast_reduce(arrays, arrays, op)
         self.reduce_seconds += time.perf_counter() - t0
 
     def close(self) -> None:
         """Unmap every region."""
+        self._views.clear()
         for region in self._mapped.values():
             region.close()
         self._mapped.clear()

@@ -244,3 +244,16 @@ def test_frame_module_is_pure() -> None:
         elif isinstance(node, ast.ImportFrom) and node.module:
             names.add(node.module.split(".")[0])
     assert not names & {"zmq", "socket", "asyncio", "time", "threading", "subprocess", "selectors"}
+
+
+def test_flag_arithmetic_is_int_arithmetic_with_flag_results() -> None:
+    # Flag's & and | come from a table: the same values and types as IntFlag's
+    for a in range(256):
+        fa = Flag(a)
+        for b in (0, 1, 0x10, 0x48, 0x80, 0xFF, a ^ 0x5A):
+            for got, want in ((fa & b, a & b), (b & fa, a & b), (fa | b, a | b),
+                              (b | fa, a | b), (fa & Flag(b), a & b), (fa | Flag(b), a | b)):
+                assert isinstance(got, Flag) and int(got) == want
+    assert int(Flag.REF | 0x100) == 0x110  # beyond 8 bits: IntFlag's own answer
+    with pytest.raises(TypeError):
+        Flag.REF & "x"  # type: ignore[operator]

@@ -9,6 +9,7 @@ or hypothesis), never zeros. numba-cuda and cupy: tests/test_kernels_cuda.py.
 from __future__ import annotations
 
 import math
+import warnings
 
 import ml_dtypes
 import numba
@@ -560,3 +561,39 @@ def test_microbench_runs() -> None:
     r = multicast_bandwidth("numba-cpu", 2, nbytes=1 << 20, repeats=1)
     assert r.gbps > 0 and r.nsrc == 2 and r.ndst == 2
     main(["--backends", "numpy", "--nsrc", "3", "--mib", "0.25", "--repeats", "1"])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "int32", "int64"])
+@pytest.mark.parametrize("op", OPS)
+def test_multicast_small_path_any_destination_order(dtype: str, op: str) -> None:
+    # the native path folds two sources straight into the first destination:
+    # right whether that is the first source, the second, or neither
+    b = get_backend("numba-cpu")
+    rng = np.random.default_rng([11, OPS.index(op)])
+    n = 1001
+    a, c = C.random_array(rng, n, dtype), C.random_array(rng, n, dtype)
+    want = np.empty_like(a)
+    R.multicast_reduce([a.copy(), c.copy()], [want], op)
+    for order in ("ab", "ba", "fa", "b"):
+        x, y = a.copy(), c.copy()
+        fresh = np.empty_like(a)
+        dsts = [{"a": x, "b": y, "f": fresh}[k] for k in order]
+        b.multicast_reduce([x, y], dsts, op)
+        for i, d in enumerate(dsts):
+            C.assert_same(d, want, f"{dtype} {op} dsts {order!r} #{i}")
+
+
+def test_multicast_small_path_overflow_is_quiet() -> None:
+    # a float sum that overflows gives inf, and inf - inf NaN, without a warning
+    b = get_backend("numba-cpu")
+    big = np.full(100, 3e38, np.float32)
+    inf = np.array([np.inf, -np.inf] * 50, np.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = np.empty_like(big)
+        b.multicast_reduce([big, big], [out], "sum")
+        assert np.isposinf(out).all()
+        b.multicast_reduce([inf, inf[::-1].copy()], [out], "sum")
+        assert np.isnan(out).all()
+        b.multicast_reduce([inf, np.full(100, np.nan, np.float32)], [out], "max")
+        assert np.isnan(out).all()

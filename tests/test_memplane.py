@@ -1,0 +1,66 @@
+"""The switch's memory plane: regions mapped by key, chunks reduced in place."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from fabric.shm import SharedRegion
+from switchd.memplane import SharedMemoryPlane
+
+
+@pytest.fixture
+def regions():
+    made: list[SharedRegion] = []
+
+    def make(tag: str, values: np.ndarray) -> SharedRegion:
+        r = SharedRegion.create(f"semfab-test-{os.getpid()}-{tag}", values.nbytes)
+        r.array(values.dtype, values.size)[:] = values
+        made.append(r)
+        return r
+
+    yield make
+    for r in made:
+        r.close()
+
+
+def test_reduce_in_place_into_every_member(regions) -> None:
+    rng = np.random.default_rng(4)
+    a, b = rng.random(1001, dtype=np.float32), rng.random(1001, dtype=np.float32)
+    ra, rb = regions("a", a), regions("b", b)
+    plane = SharedMemoryPlane()
+    plane.attach(1, str(ra.path), ra.size)
+    plane.attach(2, str(rb.path), rb.size)
+    dt = np.dtype(np.float32)
+    plane.reduce(dt, "max", [(1, 400), (2, 400)], 500)  # one chunk, in the middle
+    want = np.maximum(a[100:600], b[100:600])
+    for r, orig in ((ra, a), (rb, b)):
+        got = r.array(dt, 1001)
+        np.testing.assert_array_equal(got[100:600], want)
+        np.testing.assert_array_equal(got[:100], orig[:100])  # outside the chunk: untouched
+        np.testing.assert_array_equal(got[600:], orig[600:])
+    plane.close()
+
+
+def test_a_key_mapped_anew_reduces_the_new_memory(regions) -> None:
+    # the plane keeps views of the chunks it reduced; a key unregistered and
+    # registered again for another file (or mapped again) must not use the old ones
+    rng = np.random.default_rng(5)
+    dt = np.dtype(np.int32)
+    vals = {t: rng.integers(-1000, 1000, 64, dtype=np.int32) for t in "abcd"}
+    ra, rb, rc, rd = (regions(t, vals[t]) for t in "abcd")
+    plane = SharedMemoryPlane()
+    plane.attach(1, str(ra.path), ra.size)
+    plane.attach(2, str(rb.path), rb.size)
+    plane.reduce(dt, "sum", [(1, 0), (2, 0)], 64)
+    plane.detach(1)
+    plane.attach(1, str(rc.path), rc.size)  # after an unregister
+    plane.attach(2, str(rd.path), rd.size)  # over a live key
+    plane.reduce(dt, "sum", [(1, 0), (2, 0)], 64)
+    want = vals["c"] + vals["d"]
+    np.testing.assert_array_equal(rc.array(dt, 64), want)
+    np.testing.assert_array_equal(rd.array(dt, 64), want)
+    np.testing.assert_array_equal(ra.array(dt, 64), vals["a"] + vals["b"])  # done before
+    plane.close()
