@@ -259,19 +259,11 @@ def multicast_reduce_native(srcs: Sequence[np.ndarray], dsts: Sequence[np.ndarra
 
 
 def _fold(ufunc: Any, srcs: Sequence[np.ndarray], dsts: Sequence[np.ndarray]) -> None:
-    if len(srcs) == 2 and dsts:
-        # straight into the first destination: an element is read from both
-        # sources before it is written, whichever of them that array is
-        acc = ufunc(srcs[0], srcs[1], out=dsts[0])
-        rest = dsts[1:]
-    else:
-        acc = ufunc(srcs[0], srcs[1]) if len(srcs) > 1 else np.array(srcs[0], copy=True)
-        for s in srcs[2:]:
-            ufunc(acc, s, out=acc)
-        rest = dsts
-    for d in rest:
-        if d is not acc:
-            d[...] = acc
+    acc = ufunc(srcs[0], srcs[1]) if len(srcs) > 1 else np.array(srcs[0], copy=True)
+    for s in srcs[2:]:
+        ufunc(acc, s, out=acc)
+    for d in dsts:
+        d[...] = acc
 
 
 def reduce_into(acc: np.ndarray, x: np.ndarray, op: str) -> None:

@@ -566,8 +566,8 @@ def test_microbench_runs() -> None:
 @pytest.mark.parametrize("dtype", ["float32", "int32", "int64"])
 @pytest.mark.parametrize("op", OPS)
 def test_multicast_small_path_any_destination_order(dtype: str, op: str) -> None:
-    # the native path folds two sources straight into the first destination:
-    # right whether that is the first source, the second, or neither
+    # the native path reads both sources before it writes a destination:
+    # right whether a destination is the first source, the second, or neither
     b = get_backend("numba-cpu")
     rng = np.random.default_rng([11, OPS.index(op)])
     n = 1001
