@@ -35,7 +35,7 @@ from fabric import control
 from fabric import frame as fr
 from fabric.errors import FabricTimeout, PeerFailed, UsageError
 from fabric.frame import Flag, NackCode, Op
-from fabric.reliability import PSN_MASK
+from fabric.reliability import PSN_MASK, SACK_BITS
 from fabric.semantic import SemanticCounts
 from fabric.timers import ChunkTimers, RttEstimator
 from fabric.topology import Topology
@@ -1223,6 +1223,11 @@ STREAM_RTO_MAX_S = 1.0
 STREAMS_IN_FLIGHT = 4
 #: Frames in flight per stream (a deeper window only queues in the sockets).
 STREAM_WINDOW = 16
+#: PSNs a stream's frames may span, a hole included: the SACK bitmap's width, so
+#: the receiver can report every frame of the span. Wider than the window, new
+#: frames keep going past a lost one, and their ACKs reveal a lost resend
+#: (measured in docs/RELIABILITY.md "In the emulator").
+STREAM_SPAN = SACK_BITS
 STREAM_FRAME_BYTES = 64 * 1024
 
 
@@ -1269,8 +1274,9 @@ class StreamSend(Program):
         rto_initial, rto_min = st.stream_rto(window_frames * frame_bytes, self.dst)
         self.sender: Sender[int] = Sender(
             P2P_FLOW, policy=policy, window_frames=window_frames,
-            max_retries=STREAM_MAX_RETRIES, rto_max=STREAM_RTO_MAX_S, peer=self.peer,
-            rto_initial=rto_initial, rto_min=rto_min, operation="WRITE stream")
+            span_frames=max(STREAM_SPAN, window_frames), max_retries=STREAM_MAX_RETRIES,
+            rto_max=STREAM_RTO_MAX_S, peer=self.peer, rto_initial=rto_initial, rto_min=rto_min,
+            operation="WRITE stream")
         self.t0 = 0.0
 
     def _put(self, transmits: list[Any]) -> list[Send]:
@@ -1344,7 +1350,7 @@ class StreamRecv(Program):
         self.fb = frame_bytes
         self.nframes = max(-(-self.nbytes // frame_bytes), 1)
         self.receiver: Receiver[int] = Receiver(P2P_FLOW, policy=policy, ordered=False,
-                                                window=window_frames)
+                                                window=max(STREAM_SPAN, window_frames))
         self.got = bytearray(self.nframes)
         self.count = 0
         self.last_heard = 0.0

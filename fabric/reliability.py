@@ -24,10 +24,13 @@ Receiver::
     if ack: send(ack.frames(src=me, dst=peer, flow=3))   # ACK (+ NACK for a gap)
     rx.get_timer(); rx.handle_timer(now)      # delayed ACK
 
-Loss is declared only on (1) a NACK, (2) RTO expiry, or (3) the packet
+Loss is declared only on (1) a NACK, (2) RTO expiry, (3) the packet
 threshold: at least ``packet_threshold`` (3) frames *sent after* the frame's
-latest transmission are acknowledged. Reordering by fewer than 3 positions
-therefore never causes a retransmission.
+latest transmission are acknowledged, or (4) at a stream's tail, where fewer
+frames follow, every frame sent after it acknowledged and a round trip plus a
+reordering window (min RTT / 4) gone by (early retransmit, RFC 5827/8985).
+Reordering by fewer than 3 positions therefore never causes a retransmission,
+nor, at the tail, a frame overtaken by less than that window.
 """
 
 from __future__ import annotations
@@ -558,10 +561,21 @@ class Sender(Generic[H]):
     index, a memoryview...), ``size`` counts towards ``window_bytes``. It gets
     back :class:`Transmit` records to put on the wire, as the window allows.
 
-    Window: at most ``window_frames`` PSNs between the oldest unacknowledged
-    and the next to send (the receiver must accept that many) and at most
-    ``window_bytes`` of their sizes, except that one frame is always allowed
-    so a frame larger than ``window_bytes`` cannot deadlock the flow.
+    Window: at most ``window_frames`` frames in flight (sent and neither
+    acknowledged nor selectively acknowledged: RFC 6675's "pipe"), at most
+    ``span_frames`` PSNs between the oldest unacknowledged and the next to
+    send (the receiver must accept that many; default ``window_frames``, so
+    a hole stops the flow until it is filled) and at most ``window_bytes`` of
+    the span's sizes, except that one frame is always allowed so a frame
+    larger than ``window_bytes`` cannot deadlock the flow. A span wider than
+    the window lets new frames pass a hole, and frames sent after a resend
+    are what shows that the resend was lost too (the packet threshold counts
+    frames *sent after*), without waiting for the RTO.
+
+    When nothing is left to send, the threshold drops to the number of frames
+    sent after a frame, all of them acknowledged (early retransmit, RFC 5827):
+    a loss among the last frames of a stream is found by the ACKs of the
+    frames behind it rather than by the RTO.
 
     Errors: :class:`RetryLimitExceeded` from ``handle_timer`` / ``handle_ack``
     / ``handle_nack`` when a frame is declared lost again after
@@ -578,6 +592,7 @@ class Sender(Generic[H]):
         policy: str = "selective",
         window_frames: int = DEFAULT_WINDOW_FRAMES,
         window_bytes: int = DEFAULT_WINDOW_BYTES,
+        span_frames: int | None = None,
         max_retries: int = DEFAULT_MAX_RETRIES,
         rto_initial: float = DEFAULT_RTO_INITIAL,
         rto_min: float = DEFAULT_RTO_MIN,
@@ -592,6 +607,12 @@ class Sender(Generic[H]):
             raise ValueError(f"window_frames must be in [1, 2**31), got {window_frames}")
         if window_bytes < 1:
             raise ValueError(f"window_bytes must be >= 1, got {window_bytes}")
+        span = window_frames if span_frames is None else span_frames
+        if not window_frames <= span < _HALF:
+            raise ValueError(
+                f"span_frames must be in [window_frames, 2**31) = [{window_frames}, 2**31), "
+                f"got {span_frames}"
+            )
         if max_retries < 0:
             raise ValueError(f"max_retries must be >= 0, got {max_retries}")
         if not 0 < rto_min <= rto_max or not math.isfinite(rto_max):
@@ -610,6 +631,7 @@ class Sender(Generic[H]):
         self.policy: RetransmitPolicy = get_policy(policy)()
         self.window_frames = window_frames
         self.window_bytes = window_bytes
+        self.span_frames = span
         self.max_retries = max_retries
         self.rto_min = rto_min
         self.rto_max = rto_max
@@ -622,6 +644,8 @@ class Sender(Generic[H]):
         # append at the end and pop from the front).
         self._flight: dict[int, _Flight[H]] = {}
         self._span_bytes = 0
+        self._unacked = 0  # frames in flight not (selectively) acknowledged: the pipe
+        self._tail_deadline: float | None = None  # early retransmit's reordering wait
         self._queue: deque[tuple[H, int]] = deque()
         self._tx_seq = 0
         self._acked_out: list[H] = []
@@ -712,7 +736,7 @@ class Sender(Generic[H]):
                     newly.append(f)
         if newly:
             self._on_newly_acked(newly, now)
-        lost = self._detect_by_threshold()
+        lost = self._detect_by_threshold(now)
         out = self._retransmit(lost, now, timeout=False) if lost else []
         out.extend(self._pump(now))
         return out
@@ -755,34 +779,47 @@ class Sender(Generic[H]):
         return self._retransmit([psn], now, timeout=False)
 
     def get_timer(self) -> float | None:
-        """Absolute time of the next RTO expiry, or None when nothing is unacknowledged.
+        """Absolute time of the next timer, or None when nothing is unacknowledged.
 
-        Each unacknowledged frame expires ``rto`` after its latest transmission;
-        this returns the earliest such deadline.
+        The RTO: each unacknowledged frame expires ``rto`` after its latest
+        transmission, the earliest such deadline. Earlier, at a stream's tail,
+        the end of the reordering wait of early retransmit.
         """
         if self.error is not None:
             return None
-        oldest: float | None = None
-        for f in self._flight.values():
-            if not f.acked and (oldest is None or f.last_sent < oldest):
-                oldest = f.last_sent
-        return None if oldest is None else oldest + self._rtt.rto
+        rto = self._rto_deadline()
+        tail = self._tail_deadline
+        if tail is not None and (rto is None or tail < rto):
+            return tail
+        return rto
 
     def handle_timer(self, now: float) -> list[Transmit[H]]:
-        """Fire the RTO if due: retransmit what the policy says, double the RTO."""
+        """Fire what is due: early retransmit at the tail, else the RTO (retransmit
+        what the policy says, double the RTO)."""
         self._check_alive()
-        deadline = self.get_timer()
+        out: list[Transmit[H]] = []
+        if self._tail_deadline is not None and now >= self._tail_deadline:
+            lost = self._detect_by_threshold(now)
+            out = self._retransmit(lost, now, timeout=False) if lost else []
+        deadline = self._rto_deadline()
         if deadline is None or now < deadline:
-            return []
+            return out
         rto = self._rtt.rto
         expired = [f.psn for f in self._flight.values() if not f.acked and f.last_sent + rto <= now]
         self._timeouts += 1
         # RFC 6298 §5.5: back off the timer (RTO = RTO * 2), bounded by rto_max.
         # The backed-off value stays until a valid RTT sample (Karn, §5.7).
         self._rtt.backoff()
-        out = self._retransmit(expired, now, timeout=True)
+        out.extend(self._retransmit(expired, now, timeout=True))
         out.extend(self._pump(now))
         return out
+
+    def _rto_deadline(self) -> float | None:
+        oldest: float | None = None
+        for f in self._flight.values():
+            if not f.acked and (oldest is None or f.last_sent < oldest):
+                oldest = f.last_sent
+        return None if oldest is None else oldest + self._rtt.rto
 
     def pop_acked(self) -> list[H]:
         """Handles acknowledged since the last call, in the order ACKs covered them."""
@@ -807,7 +844,7 @@ class Sender(Generic[H]):
             rttvar=self._rtt.rttvar,
             rto=self._rtt.rto,
             min_rtt=self._rtt.min_rtt,
-            inflight=sum(1 for f in self._flight.values() if not f.acked),
+            inflight=self._unacked,
             queued=len(self._queue),
         )
 
@@ -823,12 +860,9 @@ class Sender(Generic[H]):
 
     def _pump(self, now: float) -> list[Transmit[H]]:
         out: list[Transmit[H]] = []
-        while self._queue:
-            span = len(self._flight)
-            if span >= self.window_frames:
-                break
+        while self._queue and not self._window_full():
             handle, size = self._queue[0]
-            if span and self._span_bytes + size > self.window_bytes:
+            if self._flight and self._span_bytes + size > self.window_bytes:
                 break
             self._queue.popleft()
             psn = self._nxt
@@ -836,11 +870,15 @@ class Sender(Generic[H]):
             self._tx_seq += 1
             self._flight[psn] = _Flight(psn, handle, size, now, now, self._tx_seq)
             self._span_bytes += size
+            self._unacked += 1
             self._sent += 1
             out.append(Transmit(psn, handle, size, retransmit=False))
-        if out and (not self._queue or len(self._flight) >= self.window_frames):
+        if out and (not self._queue or self._window_full()):
             out[-1] = replace(out[-1], ack_req=True)
         return out
+
+    def _window_full(self) -> bool:
+        return self._unacked >= self.window_frames or len(self._flight) >= self.span_frames
 
     def _on_newly_acked(self, newly: list[_Flight[H]], now: float) -> None:
         # Karn's rule (RFC 6298 §3): only never-retransmitted frames give RTT
@@ -861,6 +899,7 @@ class Sender(Generic[H]):
         if sample is not None:
             self._rtt.sample(now - sample.last_sent)
         self._acked += len(newly)
+        self._unacked -= len(newly)
         self._acked_out.extend(f.handle for f in newly)
         while self._flight:
             first = self._flight.get(self._una)
@@ -870,24 +909,45 @@ class Sender(Generic[H]):
             self._span_bytes -= first.size
             self._una = psn_add(self._una, 1)
 
-    def _detect_by_threshold(self) -> list[int]:
+    def _detect_by_threshold(self, now: float) -> list[int]:
         """PSNs with at least ``packet_threshold`` frames sent after them acknowledged.
 
         "Sent after" compares the order of *latest transmissions* (like RACK,
         RFC 8985), so a retransmitted frame is not declared lost again by the
-        same ACKs that declared it lost the first time.
+        same ACKs that declared it lost the first time. With nothing left to
+        send, fewer suffice (early retransmit, RFC 5827: no more frames will
+        come to reach 3): every frame sent after it acknowledged, and a round
+        trip plus RACK's reordering window (RFC 8985 §6.2: min RTT / 4) since
+        it was sent, so a frame merely overtaken is not resent. That wait is a
+        timer (``get_timer``).
         """
-        flights = list(self._flight.values())
-        if not any(f.acked for f in flights):
+        self._tail_deadline = None
+        if self._unacked == len(self._flight):  # nothing acknowledged past a hole
             return []
-        lost_seq: set[int] = set()
-        count = 0
-        for f in sorted(flights, key=lambda f: f.tx_seq, reverse=True):
+        tail = not self._queue
+        wait = self._tail_wait() if tail else None
+        lost: list[int] = []
+        acked_after = sent_after = 0
+        for f in sorted(self._flight.values(), key=lambda f: f.tx_seq, reverse=True):
             if f.acked:
-                count += 1
-            elif count >= self.packet_threshold:
-                lost_seq.add(f.tx_seq)
-        return [f.psn for f in flights if f.tx_seq in lost_seq]
+                acked_after += 1
+            elif acked_after >= self.packet_threshold:
+                lost.append(f.psn)
+            elif wait is not None and acked_after and acked_after == sent_after:
+                due = f.last_sent + wait
+                if now >= due:
+                    lost.append(f.psn)
+                elif self._tail_deadline is None or due < self._tail_deadline:
+                    self._tail_deadline = due
+            sent_after += 1
+        lost.sort(key=lambda psn: psn_diff(psn, self._una))
+        return lost
+
+    def _tail_wait(self) -> float | None:
+        rtt = self._rtt
+        if rtt.min_rtt is None:
+            return None
+        return (rtt.srtt if rtt.srtt is not None else rtt.min_rtt) + rtt.min_rtt / 4
 
     def _retransmit(self, lost: list[int], now: float, *, timeout: bool) -> list[Transmit[H]]:
         if not lost:

@@ -187,15 +187,81 @@ def test_spurious_retransmit_detected_by_rtt_evidence() -> None:
 
 
 def test_per_frame_deadline_is_oldest_unacked_send_time_plus_rto() -> None:
-    tx = make_sender()
+    # a third frame stays queued behind the window (two in flight, a span of
+    # four), so the stream's tail (early retransmit) does not apply
+    tx = make_sender(window_frames=2, span_frames=4)
     tx.send(0, 1, now=0.0)
     tx.send(1, 1, now=0.25)
+    tx.send(2, 1, now=0.25)
     assert tx.get_timer() == 0.5
-    tx.handle_ack(NONE, 0b10, now=0.375)  # SACK PSN 1 only: R = 0.125, RTO = 0.375
+    # SACK PSN 1 only: R = 0.125, RTO = 0.375; the pipe has room for PSN 2
+    assert psns(tx.handle_ack(NONE, 0b10, now=0.375)) == [2]
     assert tx.rto == 0.375
     assert tx.get_timer() == 0.375  # PSN 0, sent at 0, with the new RTO
-    tx.handle_ack(0, 0, now=0.4375)
+    tx.handle_ack(2, 0, now=0.4375)
     assert tx.get_timer() is None and tx.done
+
+
+def test_early_retransmit_at_the_tail_of_a_stream() -> None:
+    # RFC 5827: nothing left to send and every frame sent after PSN 0 acknowledged:
+    # fewer than 3 suffice, after a round trip and RACK's reordering window
+    tx = make_sender()
+    tx.send_many([(0, 1), (1, 1), (2, 1)], now=0.0)
+    assert psns(tx.handle_ack(NONE, 0b10, now=0.1)) == []  # PSN 1: R = 0.1
+    assert psns(tx.handle_ack(NONE, 0b110, now=0.1)) == []
+    # sent at 0, a round trip (0.1) and min RTT / 4 (0.025) later, well before the RTO
+    assert tx.get_timer() == pytest.approx(0.125)
+    assert psns(tx.handle_timer(0.12)) == []
+    assert psns(tx.handle_timer(0.125)) == [0]
+    tx.handle_ack(2, 0, now=0.2)
+    assert tx.done and tx.statistics().timeouts == 0
+
+
+def test_a_frame_overtaken_at_the_tail_is_not_resent() -> None:
+    tx = make_sender()
+    tx.send_many([(0, 1), (1, 1)], now=0.0)
+    tx.handle_ack(NONE, 0b10, now=0.1)  # PSN 1 overtook PSN 0
+    assert tx.get_timer() == pytest.approx(0.125)
+    tx.handle_ack(1, 0, now=0.11)  # PSN 0 arrives within the reordering wait
+    assert tx.done and tx.get_timer() is None
+    assert tx.statistics().retransmitted == 0
+
+
+def test_no_early_retransmit_while_frames_are_queued() -> None:
+    tx = make_sender(window_frames=2, span_frames=4)
+    tx.send_many([(0, 1), (1, 1), (2, 1)], now=0.0)
+    # PSN 1 acked, PSN 2 goes out: one frame after PSN 0 is not three
+    assert psns(tx.handle_ack(NONE, 0b10, now=0.1)) == [2]
+    assert tx.statistics().lost_declared == 0
+
+
+def test_a_span_wider_than_the_window_sends_past_a_hole() -> None:
+    tx = make_sender(window_frames=2, span_frames=8)
+    assert psns(tx.send_many([(i, 1) for i in range(8)], now=0.0)) == [0, 1]
+    assert psns(tx.handle_ack(NONE, 0b10, now=0.1)) == [2]  # PSN 0 still missing
+    assert psns(tx.handle_ack(NONE, 0b110, now=0.11)) == [3]
+    assert tx.statistics().inflight == 2
+    # PSNs 1-3 sent after PSN 0 acknowledged: lost; its resend and PSN 4 go
+    assert psns(tx.handle_ack(NONE, 0b1110, now=0.12)) == [0, 4]
+
+
+def test_a_lost_resend_is_found_by_the_frames_sent_after_it() -> None:
+    tx = make_sender(window_frames=2, span_frames=16)
+    tx.send_many([(i, 1) for i in range(12)], now=0.0)
+    tx.handle_ack(NONE, 0b10, now=0.1)  # -> 2
+    tx.handle_ack(NONE, 0b110, now=0.11)  # -> 3
+    assert psns(tx.handle_ack(NONE, 0b1110, now=0.12)) == [0, 4]  # resend of 0 (lost)
+    sack = 0b1110
+    out: list[int] = []
+    for k in (4, 5, 6):  # frames sent after the resend arrive; the resend does not
+        sack |= 1 << k
+        out += psns(tx.handle_ack(NONE, sack, now=0.13 + k / 100))
+    assert out.count(0) == 1 and tx.statistics().timeouts == 0
+
+
+def test_span_must_hold_the_window() -> None:
+    with pytest.raises(ValueError, match="span_frames"):
+        make_sender(window_frames=8, span_frames=4)
 
 
 # ---------------------------------------------------------------------------
