@@ -10,8 +10,11 @@ path runs on it:
   contribution when its result is late (per-chunk timers: selective by
   construction, so it runs once, as policy ``selective``).
 
-Reported per row: goodput (median over iterations), goodput relative to the
-loss-free run of the same path and policy in this run, frames the links
+Reported per row: goodput (median over transfers; with ``--repeat R`` the
+fabrics are launched R times in turn, seed + round, and a row pools the
+transfers of every round, because one launch's loss-free goodput moves by
+±20% on a small host), goodput relative to the
+loss-free row of the same path and policy in this run, frames the links
 really lost (counted by the switch's injectors), frames retransmitted,
 spurious retransmissions, retransmit timers that ran out (RTO expiries: a
 stream's timer, or one chunk's on ina; the costly way to recover), p99
@@ -100,7 +103,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also run with reordering only (P:K); 'none' to skip")
     p.add_argument("--size", default="4M", help="bytes per transfer")
     p.add_argument("--frame", default="64K", help="frame (chunk) size")
-    p.add_argument("-n", "--iters", type=int, default=5, help="transfers per row")
+    p.add_argument("-n", "--iters", type=int, default=5, help="transfers per row and round")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="rounds: each launches every scenario's fabric again (seed + round), "
+                        "in turn, and a row pools its transfers over all rounds, so the "
+                        "loss-free baseline is not one launch's luck")
     p.add_argument("--seed", type=int, default=7, help="fault injection and input seed")
     p.add_argument("--timeout", type=float, default=30.0, help="seconds any wait may take")
     p.add_argument("--json", metavar="PATH", help="write results as JSON")
@@ -135,6 +142,8 @@ def _parse(args: argparse.Namespace) -> tuple[list[float], list[str], list[str],
         raise UsageError("--size must be a positive multiple of 4 and --frame at least 256")
     if args.iters < 1:
         raise UsageError("--iters must be at least 1")
+    if args.repeat < 1:
+        raise UsageError("--repeat must be at least 1")
     return losses, policies, paths, size, frame
 
 
@@ -150,40 +159,59 @@ def run(args: argparse.Namespace) -> int:
         scenarios.append((f"reorder={args.reorder}", 0.0, f"reorder={args.reorder}"))
     combos = [(path, pol) for path in paths
               for pol in (policies if path == "p2p" else ["selective"])]
+    # (scenario, path, policy) -> per-transfer times and counters, pooled over rounds
+    pooled: dict[tuple[str, str, str], dict[str, Any]] = {}
+    topo = star(2, mtu=max(frame, 256))
+    with report.progress(args.repeat * len(scenarios) * len(combos), "loss") as bar:
+        for rnd in range(args.repeat):
+            for label, _p, faults in scenarios:
+                kw: dict[str, Any] = dict(timeout_s=args.timeout, faults=faults,
+                                          seed=args.seed + rnd,
+                                          remove_run_dir=not (args.run_dir or args.keep_runs))
+                if args.run_dir:
+                    kw["run_dir"] = f"{args.run_dir}/{label.replace(':', '_')}.{rnd}"
+                with launch(topology=topo, **kw) as fab:
+                    for path, pol in combos:
+                        bar.describe(f"{label} {path} {pol}"
+                                     + (f" (round {rnd + 1}/{args.repeat})"
+                                        if args.repeat > 1 else ""))
+                        per = fab.run(loss_task, path, pol, size, args.iters, args.seed + rnd,
+                                      frame)
+                        acc = pooled.setdefault((label, path, pol), {
+                            "times": [], "lost": 0, "retransmitted": 0, "spurious": 0,
+                            "rto_expiries": 0, "wrong": 0})
+                        # a transfer's time is its slowest rank's
+                        acc["times"] += np.max([r["times"] for r in per if r["times"]],
+                                               axis=0).tolist()
+                        acc["lost"] += per[0]["lost"]
+                        acc["retransmitted"] += sum(r["retransmitted"] for r in per)
+                        acc["spurious"] += sum(r["spurious"] for r in per)
+                        acc["rto_expiries"] += sum(r["timeouts"] for r in per)
+                        acc["wrong"] += sum(r["wrong"] for r in per)
+                        bar.advance()
     results: list[dict[str, Any]] = []
     base: dict[tuple[str, str], float] = {}
-    topo = star(2, mtu=max(frame, 256))
-    with report.progress(len(scenarios) * len(combos), "loss") as bar:
-        for label, p, faults in scenarios:
-            kw: dict[str, Any] = dict(timeout_s=args.timeout, faults=faults, seed=args.seed,
-                                      remove_run_dir=not (args.run_dir or args.keep_runs))
-            if args.run_dir:
-                kw["run_dir"] = f"{args.run_dir}/{label.replace(':', '_')}"
-            with launch(topology=topo, **kw) as fab:
-                for path, pol in combos:
-                    bar.describe(f"{label} {path} {pol}")
-                    per = fab.run(loss_task, path, pol, size, args.iters, args.seed, frame)
-                    r0 = per[0]
-                    times = np.max([r["times"] for r in per if r["times"]], axis=0)
-                    goodput = size / float(np.median(times)) / 1e9
-                    if faults is None:
-                        base[(path, pol)] = goodput
-                    ref = base.get((path, pol))
-                    results.append({
-                        "path": path, "policy": pol, "loss": p, "faults": faults or "none",
-                        "goodput_gbps": goodput,
-                        "goodput_ratio": goodput / ref if ref else None,
-                        "lost": r0["lost"], "retransmitted": sum(r["retransmitted"] for r in per),
-                        "spurious": sum(r["spurious"] for r in per),
-                        "rto_expiries": sum(r["timeouts"] for r in per),
-                        "p99_ms": float(np.percentile(times, 99)) * 1e3,
-                        "wrong": sum(r["wrong"] for r in per),
-                    })
-                    bar.advance()
+    for label, p, faults in scenarios:
+        for path, pol in combos:
+            acc = pooled[(label, path, pol)]
+            times = np.asarray(acc.pop("times"))
+            goodput = size / float(np.median(times)) / 1e9
+            if faults is None:
+                base[(path, pol)] = goodput
+            ref = base.get((path, pol))
+            results.append({
+                "path": path, "policy": pol, "loss": p, "faults": faults or "none",
+                "goodput_gbps": goodput, "goodput_ratio": goodput / ref if ref else None,
+                "transfers": int(times.size), **acc,
+                "p99_ms": float(np.percentile(times, 99)) * 1e3,
+            })
     table = format_table(results)
     print(table)
     if args.json:
-        report.write_json(args.json, "loss", results)
+        settings = {"loss": losses, "policies": policies, "paths": paths, "size": size,
+                    "frame": frame, "iters": args.iters, "repeat": args.repeat,
+                    "seed": args.seed, "reorder": args.reorder, "timeout_s": args.timeout}
+        report.write_json(args.json, "loss", results, extra={"settings": settings})
     if args.markdown:
         report.write_markdown(args.markdown, table + "\n")
     if args.plot:
