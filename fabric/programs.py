@@ -35,7 +35,7 @@ from fabric import control
 from fabric import frame as fr
 from fabric.errors import FabricTimeout, PeerFailed, UsageError
 from fabric.frame import Flag, NackCode, Op
-from fabric.reliability import PSN_MASK, SACK_BITS
+from fabric.reliability import PSN_MASK, SACK_BITS, get_policy
 from fabric.semantic import SemanticCounts
 from fabric.timers import ChunkTimers, RttEstimator
 from fabric.topology import Topology
@@ -1228,6 +1228,14 @@ STREAM_WINDOW = 16
 #: frames keep going past a lost one, and their ACKs reveal a lost resend
 #: (measured in docs/RELIABILITY.md "In the emulator").
 STREAM_SPAN = SACK_BITS
+
+
+def stream_span(policy: str, window_frames: int) -> int:
+    """PSN span of a stream under ``policy``: STREAM_SPAN when its receiver keeps
+    frames past a hole (selective repeat); else the window, since go-back-N
+    discards them and resends from the hole, so frames sent past it are waste."""
+    return max(STREAM_SPAN, window_frames) if get_policy(policy).receiver_buffers \
+        else window_frames
 STREAM_FRAME_BYTES = 64 * 1024
 
 
@@ -1274,7 +1282,7 @@ class StreamSend(Program):
         rto_initial, rto_min = st.stream_rto(window_frames * frame_bytes, self.dst)
         self.sender: Sender[int] = Sender(
             P2P_FLOW, policy=policy, window_frames=window_frames,
-            span_frames=max(STREAM_SPAN, window_frames), max_retries=STREAM_MAX_RETRIES,
+            span_frames=stream_span(policy, window_frames), max_retries=STREAM_MAX_RETRIES,
             rto_max=STREAM_RTO_MAX_S, peer=self.peer, rto_initial=rto_initial, rto_min=rto_min,
             operation="WRITE stream")
         self.t0 = 0.0
@@ -1350,7 +1358,7 @@ class StreamRecv(Program):
         self.fb = frame_bytes
         self.nframes = max(-(-self.nbytes // frame_bytes), 1)
         self.receiver: Receiver[int] = Receiver(P2P_FLOW, policy=policy, ordered=False,
-                                                window=max(STREAM_SPAN, window_frames))
+                                                window=stream_span(policy, window_frames))
         self.got = bytearray(self.nframes)
         self.count = 0
         self.last_heard = 0.0

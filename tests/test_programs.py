@@ -15,7 +15,11 @@ from fabric.programs import (
     InaAllreduce,
     JobState,
     NodeState,
+    STREAM_SPAN,
+    STREAM_WINDOW,
     Request,
+    StreamRecv,
+    StreamSend,
     Tensor,
 )
 from fabric.topology import star
@@ -123,3 +127,14 @@ def test_ring_takes_frames_of_a_later_step_early() -> None:
     assert prog.done
     # rank 1 reduces segment 0 (x[:3] + left), then gathers segment 1 from the left
     np.testing.assert_array_equal(out, [10, 11, 12, 100, 200, 300])
+
+
+def test_a_selective_stream_spans_the_sack_bitmap_and_go_back_n_its_window() -> None:
+    # selective repeat: new frames pass a hole; go-back-N would only resend them
+    data = np.arange(64 * 1024, dtype=np.float32)  # 256 KiB, 16 frames of 16 KiB
+    for policy, span in (("selective", STREAM_SPAN), ("gbn", STREAM_WINDOW)):
+        tx = StreamSend(_state("w0", 2), 1, data, policy=policy, frame_bytes=16 * 1024)
+        rx = StreamRecv(_state("w1", 2), 0, np.empty_like(data), policy=policy,
+                        frame_bytes=16 * 1024)
+        assert tx.sender.window_frames == STREAM_WINDOW
+        assert tx.sender.span_frames == span and rx.receiver.window == span
