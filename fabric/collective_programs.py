@@ -120,7 +120,7 @@ def group_program(st: NodeState, ranks: Sequence[int]) -> Program:
     members = list(key)
 
     def steps() -> Generator[Program, Any, Group]:
-        reply = yield Request(st, "group", "group_reply", members=members, nth=nth,
+        reply = yield Request(st, "group", "group_reply", members=members, nth=nth, waits=True,
                               match=lambda m: m.get("nth") == nth
                               and m.get("members") == members)
         gid = int(reply.get("gid", -1))

@@ -42,6 +42,7 @@ from fabric.topology import Topology
 from kernels.dtypes import UFUNCS, byte_view, np_dtype
 
 __all__ = [
+    "CTRL_RETRY_MIN_S",
     "CTRL_RETRY_S",
     "Chain",
     "HostPsAllreduce",
@@ -75,8 +76,13 @@ DEFAULT_SLOTS = {"ina": 8, "ina-mem": 4, "host-ps": 8}
 MEM_MIN_CHUNKS = 8
 MEM_MIN_CHUNK_BYTES = 4 * 1024 * 1024
 MEM_MIN_CHUNK_BYTES_SHAPED = 256 * 1024
-#: First resend interval of a control request (doubles up to CTRL_RETRY_MAX_S).
+#: First resend interval of a control request before any round trip to that node
+#: was measured; after that, the RTO of the measured control round trips
+#: (RFC 6298, the project's one estimator), never below CTRL_RETRY_MIN_S (the
+#: streams' floor: a shared host's scheduling jitter). Doubles per resend up to
+#: CTRL_RETRY_MAX_S.
 CTRL_RETRY_S = 0.05
+CTRL_RETRY_MIN_S = 0.005
 CTRL_RETRY_MAX_S = 1.0
 #: Floor of the aggregation retransmit timeout (seconds).
 AGG_RTO_MIN_S = 0.02
@@ -192,6 +198,7 @@ class NodeState:
             (lk := topo.link_between(w.name, topo.switch_of(w.name))) is not None
             and (lk.params.shaped or lk.params.latency_us > 0) for w in workers)
         self.rtt = RttEstimator(rto_min=AGG_RTO_MIN_S)
+        self._ctrl_rtt: dict[int, RttEstimator] = {}
         self.world_group = Group(0, tuple(range(self.world)), self.worker_ids, self.rank)
         self.jobs = self.world_group.jobs
         self.job_seq = self.world_group.job_seq
@@ -213,6 +220,14 @@ class NodeState:
         self.ring_done: OrderedDict[tuple[int, int], None] = OrderedDict()
         # streams received in full, by (src, flow, stream id, msg): their last PSN
         self.streams_done: OrderedDict[tuple[int, int, int, int], int] = OrderedDict()
+
+    def ctrl_rtt(self, dst: int) -> RttEstimator:
+        """The round trip of control requests to node ``dst``: their resend timer."""
+        est = self._ctrl_rtt.get(dst)
+        if est is None:
+            est = self._ctrl_rtt[dst] = RttEstimator(CTRL_RETRY_S, CTRL_RETRY_MIN_S,
+                                                     CTRL_RETRY_MAX_S)
+        return est
 
     def sem(self, path: str) -> SemanticCounts:
         """The semantic-distance counters of ``path``."""
@@ -366,24 +381,33 @@ class Request(Program):
     """A control request to a switch, resent with backoff until its reply comes.
 
     Control requests are idempotent, so a lost request or reply costs only a
-    resend; ``timeout_s`` after the first send it fails naming the peer.
+    resend, after the RTO of this node's control round trips to ``dst``
+    (:meth:`NodeState.ctrl_rtt`); ``timeout_s`` after the first send it fails
+    naming the peer. ``waits``: the answer waits for other nodes (a barrier,
+    a group), so its time is no round trip and gives no RTT sample.
     """
 
     def __init__(self, st: NodeState, t: str, reply: str, *, dst: int | None = None,
-                 match: Callable[[dict[str, Any]], bool] | None = None, **fields: Any) -> None:
+                 match: Callable[[dict[str, Any]], bool] | None = None, waits: bool = False,
+                 **fields: Any) -> None:
         self.st, self.t, self.reply, self.match = st, t, reply, match
         self.dst = st.switch_id if dst is None else dst
+        self.waits = waits
         # a request id in ``msg``: a refusal names it, so a stray NACK (a reply to
         # some other, perhaps hostile, frame) is never taken for ours
         self.id = next(st.ctrl_seq) & PSN_MASK or next(st.ctrl_seq) & PSN_MASK
         self.frame = fr.encode(Op.CTRL, src=st.node_id, dst=self.dst, msg=self.id,
                                payload=control.pack(t, **fields), crc=st.crc)
-        self._retry = CTRL_RETRY_S
+        self._rtt = st.ctrl_rtt(self.dst)
+        self._retry = self._rtt.rto
+        self._sent_at = 0.0
+        self._resent = False
         self._due = 0.0
         self._give_up = 0.0
 
     def start(self, now: float) -> list[Send]:
         self._give_up = now + self.st.timeout_s
+        self._sent_at = now
         self._due = now + self._retry
         return [(self.frame, None)]
 
@@ -407,6 +431,8 @@ class Request(Program):
                              f"{self.t!r}: {code.name if code is not None else f.offset}")
         self.done = True
         self.result = control.parse(f.payload)
+        if not self._resent and not self.waits:  # Karn: one send, one round trip
+            self._rtt.sample(now - self._sent_at)
         return []
 
     def get_timer(self) -> float | None:
@@ -423,6 +449,7 @@ class Request(Program):
                                 f"{self.dst}: no answer within {self.st.timeout_s:g}s")
         self._retry = min(self._retry * 2, CTRL_RETRY_MAX_S)
         self._due = min(now + self._retry, self._give_up)
+        self._resent = True
         return [(self.frame, None)]
 
 
@@ -501,7 +528,7 @@ def barrier_program(st: NodeState, group: Group | None = None) -> Program:
     barrier (counted by the tree root)."""
     g = group or st.world_group
     bid = g.gid << 32 | next(g.barrier_seq)
-    return Request(st, "barrier", "barrier_done", dst=st.root_switch_id,
+    return Request(st, "barrier", "barrier_done", dst=st.root_switch_id, waits=True,
                    match=lambda m: m.get("id") == bid, id=bid, n=g.size)
 
 

@@ -10,13 +10,14 @@ from fabric import frame as fr
 from fabric.errors import FabricTimeout, PeerFailed
 from fabric.frame import NackCode, Op
 from fabric.programs import (
+    CTRL_RETRY_MIN_S,
     CTRL_RETRY_S,
+    STREAM_SPAN,
+    STREAM_WINDOW,
     HostRingAllreduce,
     InaAllreduce,
     JobState,
     NodeState,
-    STREAM_SPAN,
-    STREAM_WINDOW,
     Request,
     StreamRecv,
     StreamSend,
@@ -46,6 +47,30 @@ def test_request_resends_with_backoff_then_times_out() -> None:
         while True:
             t = req.get_timer()
             req.handle_timer(t)
+
+
+def test_request_resends_after_the_measured_control_round_trip() -> None:
+    st = _state()
+    hello = Request(st, "hello", "welcome", name="w0")
+    hello.start(1.0)
+    hello.handle_frame(_reply(st.switch_id, st.node_id, "welcome"), 1.001)  # 1 ms round trip
+    assert st.ctrl_rtt(st.switch_id).srtt == pytest.approx(0.001)
+    # a lost request now costs the RTO of that round trip (at its floor), not CTRL_RETRY_S
+    req = Request(st, "stats", "stats")
+    req.start(2.0)
+    assert req.get_timer() == pytest.approx(2.0 + CTRL_RETRY_MIN_S)
+    # an answer that waited for other nodes is no round trip: no sample
+    bar = Request(st, "barrier", "barrier_done", waits=True, id=1, n=3)
+    bar.start(3.0)
+    bar.handle_frame(_reply(st.switch_id, st.node_id, "barrier_done", id=1), 5.0)
+    # nor is an answer to a resent request (Karn)
+    again = Request(st, "stats", "stats")
+    again.start(6.0)
+    again.handle_timer(again.get_timer())
+    again.handle_frame(_reply(st.switch_id, st.node_id, "stats"), 6.5)
+    assert st.ctrl_rtt(st.switch_id).srtt == pytest.approx(0.001)
+    # each node asked has its own estimate
+    assert st.ctrl_rtt(st.worker_ids[1]).srtt is None
 
 
 def test_request_takes_its_answer_only_from_the_node_asked() -> None:
