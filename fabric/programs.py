@@ -614,11 +614,12 @@ class InaAllreduce(Program):
         self.msg = (group or st.world_group).next_msg()
         self.code = fr.dtype_from_name(t.dtype)
         # A lost contribution is asked for by the switch (MISSING) as soon as a later
-        # chunk of ours shows the gap; results overtaking a chunk then mean its result
-        # was lost, but only once most of the window overtook it (fewer: the MISSING
-        # resend is still on its way, and every member would resend); RTO backstop.
-        self.timers = ChunkTimers(st.rtt, st.timeout_s,
-                                  packet_threshold=max(3, self.S - 1))
+        # chunk of ours shows the gap. Three results of chunks sent after one of ours
+        # overtaking it say it is lost (its result, or our contribution) when the
+        # switch's mark to us is above it: below that mark every chunk is complete or
+        # lacks our contribution, above it a chunk waits for another member (whom the
+        # switch asks). The RTO is the backstop.
+        self.timers = ChunkTimers(st.rtt, st.timeout_s)
         self.got = bytearray(self.nch)
         # send order (one count over every transmission) of each chunk's first copy
         # and of its latest one
@@ -745,10 +746,11 @@ class InaAllreduce(Program):
     def landed(self, i: int, now: float, done: int | None = None) -> list[Send]:
         """Chunk ``i``'s result is in ``out``: resend what it overtook, slide the window.
 
-        ``done``: the switch's mark on that RESULT (every chunk below it complete).
-        An overtaken chunk below the mark lost its result: resend it; one above
-        waits for another member, whom the switch asks alone (resending ours
-        would be spurious), so only its timer may resend it.
+        ``done``: the switch's mark on that RESULT (every chunk below it complete,
+        or lacking our contribution). An overtaken chunk below the mark lost its
+        result or our contribution: resend it; one above waits for another
+        member, whom the switch asks alone (resending ours would be spurious), so
+        only its timer may resend it.
         """
         self.got[i] = 1
         self.left -= 1

@@ -475,6 +475,17 @@ class AggregationEngine:
         idx = 2 * slot + (q & 1)
         return j.held[idx] == chunk and j.bitmap[idx] != j.full and not j.bitmap[idx] & bit
 
+    def contributed(self, job: int, chunk: int, member: int) -> bool:
+        """True when ``chunk`` is being aggregated (not complete) and already holds
+        ``member``'s contribution: it waits for someone else."""
+        j = self._jobs.get(job)
+        bit = None if j is None else j.bits.get(member)
+        if j is None or bit is None or chunk < 0:
+            return False
+        q, slot = divmod(chunk, j.slots)
+        idx = 2 * slot + (q & 1)
+        return j.held[idx] == chunk and j.bitmap[idx] != j.full and bool(j.bitmap[idx] & bit)
+
     def missing(self, job: int, chunk: int) -> tuple[int, ...]:
         """Members whose contribution to ``chunk`` (being aggregated) is still out."""
         j = self._jobs.get(job)

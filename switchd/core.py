@@ -255,8 +255,9 @@ class SwitchCore:
         self._job_members: dict[int, frozenset[int]] = {}  # every member, whole tree
         self._job_last: dict[int, int] = {}
         # per job: every chunk below ``_done_below`` has had its results sent, and
-        # the chunks above it that have too; RESULT frames carry the mark (offset)
-        # so a member whose result is missing can tell "lost" from "not complete yet"
+        # the chunks above it that have too; RESULT frames carry a mark (offset,
+        # per member: _mark_for) so a member whose result is missing can tell
+        # "lost" from "not complete yet"
         self._done_below: dict[int, int] = {}
         self._done_above: dict[int, set[int]] = {}
         self._refs: dict[tuple[int, int], dict[int, tuple[int, int]]] = {}
@@ -678,15 +679,31 @@ class SwitchCore:
             low += 1
         self._done_below[job] = low
 
+    def _mark_for(self, spec: JobSpec, member: int) -> int:
+        """The completion mark a RESULT to ``member`` carries: every chunk below it is
+        complete, or still lacks ``member``'s contribution (which was then lost, or
+        is on its way). Either way a missing result below it calls for a resend,
+        and one above it waits for another member. Per member, it passes the
+        chunks that wait only for others, which a mark common to all cannot."""
+        job = spec.job
+        low = self._done_below.get(job, 0)
+        top = min(self._job_last.get(job, -1) + 1, low + 2 * spec.slots)  # chunks held
+        if low >= top:
+            return low
+        above = self._done_above.get(job, ())
+        engine = self.engine
+        for c in range(low, top):
+            if c not in above and engine.contributed(job, c, member):
+                return c  # member's contribution is in; the chunk waits for others
+        return top
+
     def _send_results(self, spec: JobSpec, chunk: int, recipients: tuple[int, ...],
                       result: np.ndarray | None, f: fr.Frame) -> None:
         crc = bool(f.flags & Flag.CRC)  # answer in kind: a sender that checks gets checked
         owner = f.key if spec.job in self._owned else None
-        # every chunk below this mark is complete: a member missing one of those
-        # results lost it (and asks again), one above may still wait for a member
-        done = self._done_below.get(spec.job, 0) & PSN_MASK
         for member in recipients:
             port = self._ident[member]
+            done = self._mark_for(spec, member) & PSN_MASK
             if owner is not None and member != owner and owner not in \
                     self._child_below.get(member, ()):
                 # not the owner's side: a header-only completion (self-clocks its window)

@@ -8,7 +8,7 @@ import pytest
 from fabric import control
 from fabric import frame as fr
 from fabric.errors import FabricTimeout, PeerFailed
-from fabric.frame import NackCode, Op
+from fabric.frame import Flag, NackCode, Op
 from fabric.programs import (
     CTRL_RETRY_MIN_S,
     CTRL_RETRY_S,
@@ -100,10 +100,31 @@ def test_a_refused_control_request_fails_at_once_a_damaged_one_is_resent() -> No
         req.handle_frame(refused, 0.0)
 
 
-def _result(st: NodeState, js: JobState, psn: int, data: np.ndarray, src: int | None = None):
+def _result(st: NodeState, js: JobState, psn: int, data: np.ndarray, src: int | None = None,
+            mark: int = 0):
     h = fr.encode_header(Op.RESULT, src=st.switch_id if src is None else src, dst=st.node_id,
-                         job=js.job, psn=psn, dtype=fr.dtype_from_name("int32"), payload=data)
+                         job=js.job, psn=psn, dtype=fr.dtype_from_name("int32"), payload=data,
+                         offset=mark)
     return fr.decode(h, memoryview(data.view(np.uint8)))
+
+
+@pytest.mark.parametrize(("mark", "resent"), [(5, True), (0, False)])
+def test_ina_resends_a_chunk_three_later_results_overtake_below_its_mark(mark, resent) -> None:
+    # below the switch's mark to us the chunk is complete or lacks our
+    # contribution: three later results say it is lost; at or above, it waits for
+    # another member and only its timer may resend it
+    st = _state(world=2)
+    x = np.arange(30, dtype=np.int32)
+    js = JobState(job=8, slots=8, slot_elems=3, granted=True, reason="")
+    prog = InaAllreduce(st, Tensor(30, "int32", x, np.zeros_like(x)), "sum", js)
+    assert len(prog.start(0.0)) == 8  # a window of 8: three results are not most of it
+    out = []
+    for i in (1, 2, 3):  # chunk 0's result does not come
+        out += prog.handle_frame(_result(st, js, i, x[i * 3:(i + 1) * 3] * 2, mark=mark),
+                                 0.001 * i)
+    # header bytes: flags at 2, psn (the chunk) at 12..16
+    retx = [int.from_bytes(h[12:16], "little") for h, _ in out if h[2] & Flag.RETX]
+    assert retx == ([0] if resent else [])
 
 
 def test_ina_window_is_self_clocked_and_forged_results_are_ignored() -> None:

@@ -327,3 +327,23 @@ def test_results_carry_the_mark_below_which_every_chunk_is_complete() -> None:
     _reduce(net, "w1", 4, 0, x)
     (r0,) = [f for f in net.take("w0") if f.op is Op.RESULT]
     assert r0.psn == 0 and r0.offset == 2  # 0 and 1 complete
+
+
+def test_each_member_gets_its_own_mark() -> None:
+    # chunk 0 holds w0's contribution and waits for w1's (lost on the way); chunk
+    # 1 completes. To w0 the mark stays at 0: its missing result for 0 is not
+    # lost, it waits. To w1 it passes 0: below it, w1's own contribution is what
+    # is missing, so w1 resends chunk 0 when later results overtake it.
+    net = Net(star(2))
+    _job(net, job=5)
+    x = np.arange(4, dtype=np.int32)
+    _reduce(net, "w0", 5, 0, x)
+    _reduce(net, "w0", 5, 1, x)
+    _reduce(net, "w1", 5, 1, x)
+    (to_w0,) = [f for f in net.take("w0") if f.op is Op.RESULT]
+    (to_w1,) = [f for f in net.take("w1") if f.op is Op.RESULT]
+    assert to_w0.psn == to_w1.psn == 1
+    assert to_w0.offset == 0 and to_w1.offset == 2
+    _reduce(net, "w1", 5, 0, x)  # w1's resend completes chunk 0
+    marks = {n: [f.offset for f in net.take(n) if f.op is Op.RESULT] for n in ("w0", "w1")}
+    assert marks == {"w0": [2], "w1": [2]}
