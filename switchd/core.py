@@ -691,10 +691,12 @@ class SwitchCore:
         if low >= top:
             return low
         above = self._done_above.get(job, ())
-        engine = self.engine
+        engine, awaiting = self.engine, self._awaiting
         for c in range(low, top):
-            if c not in above and engine.contributed(job, c, member):
-                return c  # member's contribution is in; the chunk waits for others
+            # member's contribution is in and the chunk waits for others: for
+            # another member here, or (complete here) for the parent's result
+            if c not in above and ((job, c) in awaiting or engine.contributed(job, c, member)):
+                return c
         return top
 
     def _send_results(self, spec: JobSpec, chunk: int, recipients: tuple[int, ...],
