@@ -1257,6 +1257,7 @@ STREAM_WINDOW = 16
 #: frames keep going past a lost one, and their ACKs reveal a lost resend
 #: (measured in docs/RELIABILITY.md "In the emulator").
 STREAM_SPAN = SACK_BITS
+STREAM_FRAME_BYTES = 64 * 1024
 
 
 def stream_span(policy: str, window_frames: int) -> int:
@@ -1265,7 +1266,6 @@ def stream_span(policy: str, window_frames: int) -> int:
     discards them and resends from the hole, so frames sent past it are waste."""
     return max(STREAM_SPAN, window_frames) if get_policy(policy).receiver_buffers \
         else window_frames
-STREAM_FRAME_BYTES = 64 * 1024
 
 
 def _zero_bytes(n: int) -> np.ndarray:

@@ -572,10 +572,11 @@ class Sender(Generic[H]):
     are what shows that the resend was lost too (the packet threshold counts
     frames *sent after*), without waiting for the RTO.
 
-    When nothing is left to send, the threshold drops to the number of frames
-    sent after a frame, all of them acknowledged (early retransmit, RFC 5827):
-    a loss among the last frames of a stream is found by the ACKs of the
-    frames behind it rather than by the RTO.
+    When nothing is left to send, fewer than ``packet_threshold`` frames
+    suffice: every frame sent after it acknowledged, and a smoothed RTT plus
+    min RTT / 4 since it was sent (early retransmit, RFC 5827, with RACK's
+    reordering window): a loss among the last frames of a stream is found by
+    the ACKs of the frames behind it rather than by the RTO.
 
     Errors: :class:`RetryLimitExceeded` from ``handle_timer`` / ``handle_ack``
     / ``handle_nack`` when a frame is declared lost again after
