@@ -464,27 +464,29 @@ class AggregationEngine:
         np.copyto(j.mem[slot, q & 1, :n], data)
         return True
 
-    def pending(self, job: int, chunk: int, member: int) -> bool:
-        """True when ``chunk`` is being aggregated and ``member`` has not contributed
-        to it yet (a contribution the switch still waits for)."""
+    def _has_contributed(self, job: int, chunk: int, member: int) -> bool | None:
+        """Whether ``member``'s contribution to ``chunk`` is in, while the chunk is
+        being aggregated; None when it is not (unknown job, member or chunk, or
+        the chunk is complete or not held)."""
         j = self._jobs.get(job)
         bit = None if j is None else j.bits.get(member)
         if j is None or bit is None or chunk < 0:
-            return False
+            return None
         q, slot = divmod(chunk, j.slots)
         idx = 2 * slot + (q & 1)
-        return j.held[idx] == chunk and j.bitmap[idx] != j.full and not j.bitmap[idx] & bit
+        if j.held[idx] != chunk or j.bitmap[idx] == j.full:
+            return None
+        return bool(j.bitmap[idx] & bit)
+
+    def pending(self, job: int, chunk: int, member: int) -> bool:
+        """True when ``chunk`` is being aggregated and ``member`` has not contributed
+        to it yet (a contribution the switch still waits for)."""
+        return self._has_contributed(job, chunk, member) is False
 
     def contributed(self, job: int, chunk: int, member: int) -> bool:
         """True when ``chunk`` is being aggregated (not complete) and already holds
         ``member``'s contribution: it waits for someone else."""
-        j = self._jobs.get(job)
-        bit = None if j is None else j.bits.get(member)
-        if j is None or bit is None or chunk < 0:
-            return False
-        q, slot = divmod(chunk, j.slots)
-        idx = 2 * slot + (q & 1)
-        return j.held[idx] == chunk and j.bitmap[idx] != j.full and bool(j.bitmap[idx] & bit)
+        return self._has_contributed(job, chunk, member) is True
 
     def missing(self, job: int, chunk: int) -> tuple[int, ...]:
         """Members whose contribution to ``chunk`` (being aggregated) is still out."""
