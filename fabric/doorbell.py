@@ -275,9 +275,15 @@ class Doorbell:
             region.close()
             raise
 
-    def send(self, frame: bytes | memoryview) -> bool:
+    def send(self, frame: bytes | memoryview, handoff: bool = False) -> bool:
         """Post a header-only frame, ringing only a reader that sleeps; False
-        (nothing sent) if it does not fit."""
+        (nothing sent) if it does not fit.
+
+        ``handoff``: after ringing, give up the rest of our time slice. The
+        scheduler often wakes the reader on the writer's own CPU, and a writer
+        that goes on working (rather than waiting for an answer) then keeps it
+        waiting for its whole slice (measured: docs/SERVING.md, "Doorbells").
+        """
         if not self.outbox.post(frame):
             return False
         if self.outbox.reader_sleeping():
@@ -286,6 +292,8 @@ class Doorbell:
                 os.write(self._ring_fd, b"\x01")
             except BlockingIOError:
                 pass  # the pipe is full of earlier rings: the reader will wake anyway
+            if handoff:
+                os.sched_yield()
         return True
 
     def recv(self) -> bytes | None:

@@ -99,6 +99,26 @@ def test_a_spinning_reader_is_never_rung_a_sleeping_one_is(bell) -> None:
         peer.close()
 
 
+def test_handoff_yields_only_after_ringing_a_sleeping_reader(bell, monkeypatch) -> None:
+    yields = []
+    monkeypatch.setattr(db.os, "sched_yield", lambda: yields.append(1))
+    peer = db.Doorbell.attach(bell.path)
+    try:
+        bell.send(_descriptor(1), handoff=True)
+        assert yields == []  # the reader spins: nothing rung, nothing handed over
+        assert peer.recv() is not None
+        assert not peer.sleep()
+        bell.send(_descriptor(2))
+        assert (bell.rings, yields) == (1, [])  # rung, but no handoff asked
+        peer.wake()
+        assert peer.recv() is not None
+        assert not peer.sleep()
+        bell.send(_descriptor(3), handoff=True)
+        assert (bell.rings, yields) == (2, [1])
+    finally:
+        peer.close()
+
+
 def test_sleep_sees_a_frame_posted_just_before(bell) -> None:
     peer = db.Doorbell.attach(bell.path)
     try:

@@ -461,7 +461,8 @@ class Generator:
             Op.WRITE, src=self.ep.node_id, dst=self.host_id, job=self.job,
             flow=rec.TOKEN_FLOW, psn=(self.psn - 1) & 0xFFFF_FFFF, key=self.ring_key,
             offset=offset, length=n, flags=Flag.REF)
-        if not self.bell.send(header):
+        # host0 asleep: hand it the CPU now, our next step's work can wait
+        if not self.bell.send(header, handoff=True):
             return False
         self.bell_frames += 1
         return True
