@@ -395,6 +395,7 @@ def _run_levels(run: StrategyRun, opts: Options, base: str, model: str, tokenize
                 bar: Any, rep: int, factory: Any = None,
                 on_level: Any = None) -> list[list[Any]]:
     """Every load level once against ``base``; the clients of each level."""
+    from fabric.serving import eventloop
     from fabric.serving.dataset import make_prompts
 
     a = opts.args
@@ -404,7 +405,7 @@ def _run_levels(run: StrategyRun, opts: Options, base: str, model: str, tokenize
         bar.describe(f"{run.label} {level.label}" + (f" rep {rep + 1}" if a.repeat > 1 else ""))
         seed = _level_seed(a.seed, i, rep)
         prompts = make_prompts(a.dataset, level.num_prompts, seed, tokenizer, a.input_len)
-        clients, t0, t1 = asyncio.run(_level(base, a.endpoint, body, prompts, level, seed,
+        clients, t0, t1 = eventloop.run(_level(base, a.endpoint, body, prompts, level, seed,
                                              a.burstiness, factory))
         run.levels.setdefault(level, []).append((clients, t0, t1))
         out.append(clients)
@@ -414,14 +415,21 @@ def _run_levels(run: StrategyRun, opts: Options, base: str, model: str, tokenize
     return out
 
 
+def _loop_name() -> str:
+    from fabric.serving import eventloop
+
+    return eventloop.loop_name()
+
+
 def _warm_up(opts: Options, base: str, model: str, tokenizer: Any,
              factory: Any = None) -> list[Any]:
     """One short request (connection setup, first-call costs); raises if it fails."""
+    from fabric.serving import eventloop
     from fabric.serving.dataset import make_prompts
 
     a = opts.args
     prompts = make_prompts(a.dataset, 1, a.seed + 999, tokenizer, a.input_len)
-    clients, _, _ = asyncio.run(_level(base, a.endpoint, _request_body(opts, model, 8),
+    clients, _, _ = eventloop.run(_level(base, a.endpoint, _request_body(opts, model, 8),
                                        prompts, Level(math.inf, 1, 1), 0, 1.0, factory))
     cr = clients[0]
     if not cr.ok:
@@ -521,6 +529,7 @@ def _rows(runs: list[StrategyRun], opts: Options, tokenizer: Any,
                                    "step_ms": opts.args.step_ms,
                                    "detokenizer": opts.args.detokenizer,
                                    "doorbells": run.bells,
+                                   "event_loop": _loop_name(),
                                    "semantic_per_token": sem,
                                    "detok_us_per_token": stats(per_token_us)
                                    if per_token_us else None,
@@ -813,7 +822,7 @@ def _header(opts: Options, model: str) -> str:
         + (f"  temperature {a.temperature:g}" if a.temperature is not None else "")
         + ("  ignore-eos" if a.ignore_eos else ""),
         f"# load: {', '.join(f'{lv.label} ({lv.num_prompts} prompts)' for lv in opts.levels)}"
-        f"; burstiness {burst}; repeat {a.repeat}",
+        f"; burstiness {burst}; repeat {a.repeat}; event loop {_loop_name()}",
         f"# percentiles {', '.join(f'{p:g}' for p in opts.percentiles)} of "
         f"{', '.join(opts.metrics)}; SLO {_slo_text(opts)}",
     ])

@@ -47,7 +47,7 @@ from fabric import frame as fr
 from fabric.frame import FrameError, Op
 from fabric.memory import AccessError, RegionInfo, RegionTable
 from fabric.semantic import SemanticCounts
-from fabric.serving import api, prom
+from fabric.serving import api, eventloop, prom
 from fabric.serving import records as rec
 from fabric.serving.clock import now_ns
 from fabric.serving.config import ServeConfig
@@ -965,6 +965,6 @@ def serve(ep: Any, cfg: ServeConfig) -> dict[str, Any]:
     """Host task: run the chain's host side until shut down; return counters and timelines."""
     previous = signal.getsignal(signal.SIGTERM)
     try:
-        return asyncio.run(_serve(ep, cfg))
+        return eventloop.run(_serve(ep, cfg))
     finally:
         signal.signal(signal.SIGTERM, previous)  # the node's own handler, for after the task
