@@ -40,6 +40,13 @@ async def stream_request(session: Any, url: str, body: dict[str, Any], *,
     detok = detokenizer() if detokenizer is not None else None
     chat = url.rstrip("/").endswith("/chat/completions")
     text: list[str] = []
+    # Parse as the events come only when something needs them then (a client-side
+    # detokenizer's timestamps, an early close); otherwise keep each read with its
+    # time and parse after the stream. One client reads every stream, so a parse
+    # done inline (about a third of its per-event time) delays the reads of the
+    # other streams' events of the same step and would be charged to them.
+    inline = detok is not None or stop_after_events is not None
+    reads: list[tuple[int, bytes]] = []
     res.t_send = now_ns()
     try:
         async with session.post(url, json=body,
@@ -51,53 +58,78 @@ async def stream_request(session: Any, url: str, body: dict[str, Any], *,
                 return res
             async for chunk in resp.content.iter_any():
                 t = now_ns()
-                payloads = sse.feed(chunk)
-                for data in payloads:
-                    if data == "[DONE]":
-                        res.ok = res.finish_reason is not None
-                        continue
-                    obj = json.loads(data)
-                    if "error" in obj:
-                        res.error = obj["error"].get("message", str(obj["error"]))
-                        continue
-                    res.response_id = obj.get("id", res.response_id)
-                    if obj.get("usage"):
-                        res.usage = obj["usage"]
-                    choices = obj.get("choices") or []
-                    has = False
-                    if choices:
-                        ch = choices[0]
-                        piece = (ch.get("delta") or {}).get("content") if chat else ch.get("text")
-                        ids = (ch.get("delta") or {}).get("token_ids") if chat \
-                            else ch.get("token_ids")
-                        if piece:
-                            text.append(piece)
-                            has = True
-                        if ids:
-                            res.token_ids.extend(ids)
-                            if detok is None:
-                                has = True  # a consumer of ids: the ids are the content
-                            else:  # content is what a reader sees: new text
-                                before = detok.released
-                                piece = detok.feed(ids)
-                                if ch.get("finish_reason"):
-                                    piece += detok.finish()
-                                res.t_detok.extend([now_ns()] * (detok.released - before))
-                                text.append(piece)
-                                has = has or bool(piece)
-                        if ch.get("finish_reason"):
-                            res.finish_reason = ch["finish_reason"]
-                    res.t_events.append(t)
-                    res.content.append(has)
+                if not inline:
+                    reads.append((t, chunk))
+                    continue
+                _parse(res, sse, chunk, t, chat, detok, text)
                 res.parse_ns += now_ns() - t
                 if stop_after_events is not None and len(res.t_events) >= stop_after_events:
                     res.error = "closed by the client"
                     break
             else:  # the server closed the stream: some send no [DONE] after the last chunk
+                _finish(res, sse, reads, chat, text)
                 if res.error is None and res.finish_reason is not None:
                     res.ok = True
     except Exception as exc:  # reported per request; the benchmark counts failures
-        res.error = f"{type(exc).__name__}: {exc}"
+        error = f"{type(exc).__name__}: {exc}"
+        try:
+            _finish(res, sse, reads, chat, text)  # what came before it
+        except Exception:
+            pass  # a read cut short: the error above says why
+        res.error = error
     res.t_end = now_ns()
     res.text = "".join(text)
     return res
+
+
+def _finish(res: ClientResult, sse: SSEDecoder, reads: list[tuple[int, bytes]], chat: bool,
+            text: list[str]) -> None:
+    """Parse the reads kept during the stream, each with the time it was read."""
+    t0 = now_ns()
+    try:
+        for t, chunk in reads:
+            _parse(res, sse, chunk, t, chat, None, text)
+    finally:
+        reads.clear()
+        res.parse_ns += now_ns() - t0
+
+
+def _parse(res: ClientResult, sse: SSEDecoder, chunk: bytes, t: int, chat: bool,
+           detok: Detokenizer | None, text: list[str]) -> None:
+    """The events completed by one read (received at ``t``) into ``res``."""
+    for data in sse.feed(chunk):
+        if data == "[DONE]":
+            res.ok = res.finish_reason is not None
+            continue
+        obj = json.loads(data)
+        if "error" in obj:
+            res.error = obj["error"].get("message", str(obj["error"]))
+            continue
+        res.response_id = obj.get("id", res.response_id)
+        if obj.get("usage"):
+            res.usage = obj["usage"]
+        choices = obj.get("choices") or []
+        has = False
+        if choices:
+            ch = choices[0]
+            piece = (ch.get("delta") or {}).get("content") if chat else ch.get("text")
+            ids = (ch.get("delta") or {}).get("token_ids") if chat else ch.get("token_ids")
+            if piece:
+                text.append(piece)
+                has = True
+            if ids:
+                res.token_ids.extend(ids)
+                if detok is None:
+                    has = True  # a consumer of ids: the ids are the content
+                else:  # content is what a reader sees: new text
+                    before = detok.released
+                    piece = detok.feed(ids)
+                    if ch.get("finish_reason"):
+                        piece += detok.finish()
+                    res.t_detok.extend([now_ns()] * (detok.released - before))
+                    text.append(piece)
+                    has = has or bool(piece)
+            if ch.get("finish_reason"):
+                res.finish_reason = ch["finish_reason"]
+        res.t_events.append(t)
+        res.content.append(has)
