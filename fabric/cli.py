@@ -136,6 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
                      "E2EL, per-layer breakdown, semantic distance per token", "bench.tokens")
     _add_lazy_parser(bsub, "wakeup", "how soon a doorbell's sleeping reader runs after a ring, "
                      "with and without the writer's handoff", "bench.wakeup")
+    _add_lazy_parser(bsub, "core", "the protocol's own cost per allreduce: switch core and member "
+                     "programs in one process, no IPC", "bench.core")
     _add_lazy_parser(bsub, "moe", "MoE dispatch and combine, flat / hierarchical / in-network, "
                      "on a star or leaf/spine at several oversubscription ratios (emulated or "
                      "--sim)",
