@@ -4,9 +4,11 @@ Used by ``semfab bench tokens`` and the tests. It is a plain aiohttp client
 (no OpenAI SDK, which hides the event timing): it sends one request, reads
 the response as it arrives, splits it into events with
 :class:`~fabric.serving.api.SSEDecoder`, and records when each ``data`` event
-was received (:func:`fabric.serving.clock.now_ns`, the clock the fabric's processes use).
-With ``detokenizer`` set it also plays the "detokenize near the client"
-role: it turns the ``token_ids`` of each event into text itself.
+was received (:func:`fabric.serving.clock.now_ns`, the clock the fabric's
+processes use); the events are parsed after the stream ends unless something
+needs them sooner. With ``detokenizer`` set it also plays the "detokenize
+near the client" role: it turns the ``token_ids`` of each event into text
+itself, as they come.
 """
 
 from __future__ import annotations
