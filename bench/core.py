@@ -24,7 +24,9 @@ processes' caches are cold after every switch between them.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import os
+import pstats
 import time
 from collections import deque
 from dataclasses import asdict, dataclass
@@ -81,9 +83,20 @@ class _Wire:
         self.members_ns = 0
         self.frames_in = 0
         self.frames_out = 0
+        self.profile: cProfile.Profile | None = None  # on for the timed calls only
 
     def run(self, progs: dict[str, Program]) -> None:
         """Run the programs to completion, timing the core and the programs apart."""
+        if self.profile is None:
+            self._run(progs)
+            return
+        self.profile.enable()
+        try:
+            self._run(progs)
+        finally:
+            self.profile.disable()
+
+    def _run(self, progs: dict[str, Program]) -> None:
         clock = time.perf_counter_ns
         queue: deque[tuple[str, Any, Any]] = deque()
         for name, first in progs.items():
@@ -127,9 +140,10 @@ def _key_is(key: int) -> Any:
 
 def measure_row(path: str, workers: int, size: int, dtype: str = "float32", op: str = "sum",
                 iters: int = 200, warmup: int = 20, seed: int = 0,
-                crc: bool = False) -> CoreRow:
+                crc: bool = False, profile: cProfile.Profile | None = None) -> CoreRow:
     """One row: a first call that registers the job, ``warmup`` more untimed calls,
-    then ``iters`` timed ones; every call checked."""
+    then ``iters`` timed ones; every call checked. ``profile``: collects the
+    timed calls' protocol code (and slows it: its row's times are not the row's)."""
     from fabric.shm import SharedRegion
     from kernels.checking import expected_allreduce, make_input
     from kernels.dtypes import np_dtype
@@ -182,6 +196,7 @@ def measure_row(path: str, workers: int, size: int, dtype: str = "float32", op: 
             if it == first:
                 wire.switch_ns = wire.members_ns = 0
                 frames = (wire.frames_in, wire.frames_out)
+                wire.profile = profile
             s0, m0 = wire.switch_ns, wire.members_ns
             wire.run(progs)
             want = expected_allreduce(workers, it, count, dtype, op, seed)
@@ -226,6 +241,24 @@ def format_row(r: CoreRow) -> str:
     return "".join(f"{c:>{w}}" for c, (_, w) in zip(cells, _COLUMNS, strict=True))
 
 
+def profile_lines(prof: cProfile.Profile, calls: int, top: int) -> list[str]:
+    """The ``top`` functions by own time in a profile of ``calls`` calls, with their
+    share of the protocol's time and how often each call ran them."""
+    mine = os.path.abspath(__file__)  # the driver's own loop is not the protocol's
+    stats = {k: v for k, v in pstats.Stats(prof).stats.items()  # type: ignore[attr-defined]
+             if os.path.abspath(k[0]) != mine}
+    total = sum(v[2] for v in stats.values()) or 1.0
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = []
+    for (file, line, name), (_cc, nc, tt, _ct, _callers) in sorted(
+            stats.items(), key=lambda kv: -kv[1][2])[:top]:
+        where = os.path.relpath(file, here) if file.startswith(here) else os.path.basename(file)
+        out.append(f"#   {100 * tt / total:5.1f}%  {nc / calls:6.2f}/call  {name} "
+                   f"({where}:{line})" if line else f"#   {100 * tt / total:5.1f}%  "
+                   f"{nc / calls:6.2f}/call  {name}")
+    return out
+
+
 def format_markdown(rows: list[CoreRow]) -> str:
     """Markdown table of the rows."""
     out = ["| size | path | workers | frames in/out | switch p50 (µs) | members p50 (µs) | "
@@ -257,6 +290,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "(default: %(default)s)")
     p.add_argument("--crc", action="store_true", help="CRC on every frame, as with corrupt faults")
     p.add_argument("--seed", type=int, default=0, help="input seed (default: 0)")
+    p.add_argument("--profile", type=int, metavar="N", default=0,
+                   help="after each row, run it again under cProfile and print the N "
+                   "functions that took the most of the protocol's own time")
     p.add_argument("--json", metavar="PATH", help="write the rows and settings as JSON")
     p.add_argument("--markdown", metavar="PATH", help="write the table as Markdown")
 
@@ -287,6 +323,8 @@ def _parse(args: argparse.Namespace) -> tuple[list[str], list[int], list[int]]:
         raise UsageError(f"--op {args.op!r}: choose sum, max or min")
     if args.iters < 1 or args.warmup < 0:
         raise UsageError("--iters must be at least 1 and --warmup not negative")
+    if args.profile < 0:
+        raise UsageError("--profile N: N must not be negative")
     return paths, workers, sizes
 
 
@@ -297,7 +335,7 @@ def run(args: argparse.Namespace) -> int:
     paths, workers, sizes = _parse(args)
     settings = {"paths": paths, "workers": workers, "sizes": sizes, "dtype": args.dtype,
                 "op": args.op, "iters": args.iters, "warmup": args.warmup, "crc": args.crc,
-                "seed": args.seed}
+                "seed": args.seed, "profile": args.profile}
     print(f"# semfab bench core: switch core and member programs in one process, no IPC; "
           f"{args.dtype} {args.op}, {args.warmup} warm-up + {args.iters} timed calls per row, "
           f"every result checked; crc {'on' if args.crc else 'off'}; seed {args.seed}")
@@ -319,6 +357,12 @@ def run(args: argparse.Namespace) -> int:
                 print(format_row(row), flush=True)
                 if row.wrong:
                     failed.append(f"{path} {w} workers {size} B: {row.wrong} wrong elements")
+                if args.profile:
+                    prof = cProfile.Profile()
+                    measure_row(path, w, size, args.dtype, args.op, args.iters, args.warmup,
+                                args.seed, args.crc, profile=prof)
+                    print(f"# profile of the row again ({args.iters} calls, own time):")
+                    print("\n".join(profile_lines(prof, args.iters, args.profile)), flush=True)
     ok = sum(1 for r in rows if not r.wrong)
     print(f"# {ok + len(failed)} rows in {time.monotonic() - t0:.1f} s: {ok} ok, "
           f"{len(failed)} failed")

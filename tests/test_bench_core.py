@@ -49,16 +49,29 @@ def test_the_cli_prints_rows_and_writes_every_setting(tmp_path, capsys) -> None:
         ("ina-mem", 4096), ("ina-mem", 16384), ("ina", 4096), ("ina", 16384)]
     assert doc["settings"] == {"paths": ["ina-mem", "ina"], "workers": [2],
                                "sizes": [4096, 16384], "dtype": "float32", "op": "sum",
-                               "iters": 3, "warmup": 1, "crc": False, "seed": 0}
+                               "iters": 3, "warmup": 1, "crc": False, "seed": 0,
+                               "profile": 0}
     assert doc["failed"] == []
     assert md.read_text().startswith("| size | path |")
     text = capsys.readouterr().out
     assert "4 rows in" in text and "4 ok, 0 failed" in text
 
 
-@pytest.mark.parametrize("flags", [["--paths", "host-ring"], ["--workers", "1"],
-                                   ["--workers", "two"], ["-b", "1M", "-e", "4K"],
-                                   ["-d", "float128"], ["-o", "prod"], ["-n", "0"]])
+def test_profile_names_the_protocol_functions_not_the_driver(capsys) -> None:
+    assert main(["bench", "core", "--paths", "ina-mem", "-b", "4K", "-e", "4K", "-n", "5",
+                 "-w", "1", "--profile", "4"]) == 0
+    text = capsys.readouterr().out
+    assert "# profile of the row again (5 calls, own time):" in text
+    lines = [x for x in text.splitlines() if "/call" in x]
+    assert len(lines) == 4
+    assert not any("bench/core.py" in x for x in lines)
+    assert any("switchd/" in x or "fabric/" in x for x in lines)
+
+
+@pytest.mark.parametrize("flags", [["--profile", "-1"], ["--paths", "host-ring"],
+                                   ["--workers", "1"], ["--workers", "two"],
+                                   ["-b", "1M", "-e", "4K"], ["-d", "float128"],
+                                   ["-o", "prod"], ["-n", "0"]])
 def test_bad_flags_exit_2_with_one_line(flags, capsys) -> None:
     assert main(["bench", "core", *flags]) == 2
     err = capsys.readouterr().err.strip().splitlines()
