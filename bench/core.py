@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import itertools
 import os
 import pstats
 import time
@@ -219,22 +220,22 @@ def measure_row(path: str, workers: int, size: int, dtype: str = "float32", op: 
             r.close()
 
 
-_COLUMNS = (("size(B)", 12), ("path", 8), ("workers", 8), ("frames", 11), ("switch", 10),
-            ("sw min", 9), ("members", 10), ("mem min", 9), ("total", 10), ("us/frame", 9),
-            ("#wrong", 7))
+_COLUMNS = (("size(B)", 12), ("type", 10), ("path", 8), ("workers", 8), ("frames", 11),
+            ("switch", 10), ("sw min", 9), ("members", 10), ("mem min", 9), ("total", 10),
+            ("us/frame", 9), ("#wrong", 7))
 
 
 def format_header() -> str:
     """The fixed-width header (nccl-tests habit: printed before the first row)."""
     top = "".join(f"{n:>{w}}" for n, w in _COLUMNS)
-    units = ("", "", "", "(in/out)", "(us)", "(us)", "(us)", "(us)", "(us)", "(switch)", "")
+    units = ("", "", "", "", "(in/out)", "(us)", "(us)", "(us)", "(us)", "(us)", "(switch)", "")
     return "#" + top[1:] + "\n#" + "".join(f"{u:>{w}}" for u, (_, w) in
                                            zip(units, _COLUMNS, strict=True))[1:]
 
 
 def format_row(r: CoreRow) -> str:
     """One fixed-width row, printed when it is done."""
-    cells = (str(r.size), r.path, str(r.workers), f"{r.frames_in:g}/{r.frames_out:g}",
+    cells = (str(r.size), r.dtype, r.path, str(r.workers), f"{r.frames_in:g}/{r.frames_out:g}",
              f"{r.switch_p50_us:.1f}", f"{r.switch_min_us:.1f}", f"{r.members_p50_us:.1f}",
              f"{r.members_min_us:.1f}", f"{r.total_p50_us:.1f}", f"{r.switch_us_per_frame:.2f}",
              str(r.wrong))
@@ -261,11 +262,12 @@ def profile_lines(prof: cProfile.Profile, calls: int, top: int) -> list[str]:
 
 def format_markdown(rows: list[CoreRow]) -> str:
     """Markdown table of the rows."""
-    out = ["| size | path | workers | frames in/out | switch p50 (µs) | members p50 (µs) | "
+    out = ["| size | type | path | workers | frames in/out | switch p50 (µs) | members p50 (µs) | "
            "total p50 (µs) | switch µs/frame | wrong |",
-           "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+           "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
-        out.append(f"| {r.size} | {r.path} | {r.workers} | {r.frames_in:g}/{r.frames_out:g} "
+        out.append(f"| {r.size} | {r.dtype} | {r.path} | {r.workers} "
+                   f"| {r.frames_in:g}/{r.frames_out:g} "
                    f"| {r.switch_p50_us:.1f} | {r.members_p50_us:.1f} | {r.total_p50_us:.1f} "
                    f"| {r.switch_us_per_frame:.2f} | {r.wrong} |")
     return "\n".join(out)
@@ -281,7 +283,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-e", "--end", default="1M", help="largest size in bytes (default: 1M)")
     p.add_argument("-f", "--factor", type=float, default=4.0,
                    help="size multiplier between rows (default: %(default)s)")
-    p.add_argument("-d", "--dtype", default="float32", help="element type (default: float32)")
+    p.add_argument("-d", "--dtype", default="float32",
+                   help="element types, comma-separated; nccl-tests' names too (float, half, "
+                   "bf16, int, int64) or 'all' (default: float32)")
     p.add_argument("-o", "--op", default="sum", help="sum, max or min (default: sum)")
     p.add_argument("-n", "--iters", type=int, default=200,
                    help="timed calls per row (default: %(default)s)")
@@ -297,9 +301,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--markdown", metavar="PATH", help="write the table as Markdown")
 
 
-def _parse(args: argparse.Namespace) -> tuple[list[str], list[int], list[int]]:
-    from bench import report
-    from kernels.dtypes import np_dtype
+def _parse(args: argparse.Namespace) -> tuple[list[str], list[int], list[int], list[str]]:
+    from bench import report, sweep
 
     paths = [x.strip() for x in args.paths.split(",") if x.strip()]
     bad = [x for x in paths if x not in PATHS]
@@ -315,54 +318,50 @@ def _parse(args: argparse.Namespace) -> tuple[list[str], list[int], list[int]]:
         sizes = report.size_range(args.begin, args.end, args.factor)
     except ValueError as exc:
         raise UsageError(f"sizes: {exc}") from None
-    try:
-        np_dtype(args.dtype)
-    except (KeyError, ValueError, TypeError):
-        raise UsageError(f"--dtype {args.dtype!r} is not a type semfab reduces") from None
+    dtypes = sweep.parse_dtypes(args.dtype)
     if args.op not in ("sum", "max", "min"):
         raise UsageError(f"--op {args.op!r}: choose sum, max or min")
     if args.iters < 1 or args.warmup < 0:
         raise UsageError("--iters must be at least 1 and --warmup not negative")
     if args.profile < 0:
         raise UsageError("--profile N: N must not be negative")
-    return paths, workers, sizes
+    return paths, workers, sizes, dtypes
 
 
 def run(args: argparse.Namespace) -> int:
     """Entry point for `semfab bench core`."""
     from bench import report
 
-    paths, workers, sizes = _parse(args)
-    settings = {"paths": paths, "workers": workers, "sizes": sizes, "dtype": args.dtype,
+    paths, workers, sizes, dtypes = _parse(args)
+    settings = {"paths": paths, "workers": workers, "sizes": sizes, "dtypes": dtypes,
                 "op": args.op, "iters": args.iters, "warmup": args.warmup, "crc": args.crc,
                 "seed": args.seed, "profile": args.profile}
     print(f"# semfab bench core: switch core and member programs in one process, no IPC; "
-          f"{args.dtype} {args.op}, {args.warmup} warm-up + {args.iters} timed calls per row, "
-          f"every result checked; crc {'on' if args.crc else 'off'}; seed {args.seed}")
+          f"{','.join(dtypes)} {args.op}, {args.warmup} warm-up + {args.iters} timed calls "
+          f"per row, every result checked; crc {'on' if args.crc else 'off'}; seed {args.seed}")
     print(format_header(), flush=True)
     rows: list[CoreRow] = []
     failed: list[str] = []
     t0 = time.monotonic()
-    for w in workers:
-        for path in paths:
-            for size in sizes:
-                try:
-                    row = measure_row(path, w, size, args.dtype, args.op, args.iters,
-                                      args.warmup, args.seed, args.crc)
-                except (RuntimeError, OSError) as exc:
-                    failed.append(f"{path} {w} workers {size} B: {exc}")
-                    print(f"# FAILED {path} {w} workers {size} B: {exc}", flush=True)
-                    continue
-                rows.append(row)
-                print(format_row(row), flush=True)
-                if row.wrong:
-                    failed.append(f"{path} {w} workers {size} B: {row.wrong} wrong elements")
-                if args.profile:
-                    prof = cProfile.Profile()
-                    measure_row(path, w, size, args.dtype, args.op, args.iters, args.warmup,
-                                args.seed, args.crc, profile=prof)
-                    print(f"# profile of the row again ({args.iters} calls, own time):")
-                    print("\n".join(profile_lines(prof, args.iters, args.profile)), flush=True)
+    for w, dtype, path, size in itertools.product(workers, dtypes, paths, sizes):
+        what = f"{path} {dtype} {w} workers {size} B"
+        try:
+            row = measure_row(path, w, size, dtype, args.op, args.iters, args.warmup,
+                              args.seed, args.crc)
+        except (RuntimeError, OSError) as exc:
+            failed.append(f"{what}: {exc}")
+            print(f"# FAILED {what}: {exc}", flush=True)
+            continue
+        rows.append(row)
+        print(format_row(row), flush=True)
+        if row.wrong:
+            failed.append(f"{what}: {row.wrong} wrong elements")
+        if args.profile:
+            prof = cProfile.Profile()
+            measure_row(path, w, size, dtype, args.op, args.iters, args.warmup, args.seed,
+                        args.crc, profile=prof)
+            print(f"# profile of the row again ({args.iters} calls, own time):")
+            print("\n".join(profile_lines(prof, args.iters, args.profile)), flush=True)
     ok = sum(1 for r in rows if not r.wrong)
     print(f"# {ok + len(failed)} rows in {time.monotonic() - t0:.1f} s: {ok} ok, "
           f"{len(failed)} failed")

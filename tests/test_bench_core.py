@@ -48,13 +48,22 @@ def test_the_cli_prints_rows_and_writes_every_setting(tmp_path, capsys) -> None:
     assert [(r["path"], r["size"]) for r in doc["results"]] == [
         ("ina-mem", 4096), ("ina-mem", 16384), ("ina", 4096), ("ina", 16384)]
     assert doc["settings"] == {"paths": ["ina-mem", "ina"], "workers": [2],
-                               "sizes": [4096, 16384], "dtype": "float32", "op": "sum",
+                               "sizes": [4096, 16384], "dtypes": ["float32"], "op": "sum",
                                "iters": 3, "warmup": 1, "crc": False, "seed": 0,
                                "profile": 0}
     assert doc["failed"] == []
-    assert md.read_text().startswith("| size | path |")
+    assert md.read_text().startswith("| size | type | path |")
     text = capsys.readouterr().out
     assert "4 rows in" in text and "4 ok, 0 failed" in text
+
+
+def test_nccl_dtype_names_and_lists_give_a_row_each(tmp_path) -> None:
+    out = tmp_path / "d.json"
+    assert main(["bench", "core", "--paths", "ina", "-b", "4K", "-e", "4K", "-n", "2", "-w", "0",
+                 "-d", "float,bf16,int", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["results"]
+    assert [r["dtype"] for r in rows] == ["float32", "bfloat16", "int32"]
+    assert all(r["wrong"] == 0 for r in rows)
 
 
 def test_profile_names_the_protocol_functions_not_the_driver(capsys) -> None:
