@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 import zmq
 
-from fabric import control
+from fabric import control, transport
 from fabric import doorbell as db
 from fabric import frame as fr
 from fabric.frame import FrameError, Op
@@ -359,7 +359,7 @@ class TokenHost:
         self._drain_due = False
         sock = self.ep.sock
         try:
-            while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            while transport.has_frame(sock):
                 self._recv_one(sock)
         except zmq.ZMQError as exc:  # the socket is closing
             log.debug("fabric socket: %s", exc)
