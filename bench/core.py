@@ -12,13 +12,15 @@ without the noise of processes sharing cores.
 
 Per row (path, workers, size): time in the switch core and in the member
 programs per call (median and minimum over the timed calls, member time summed
-over members), frames into and out of the switch per call, and the switch's
-time per frame it took in. Inputs are fresh every call (``make_input``, exact
-values) and every call's result is checked element by element.
+over members: starting the program, decoding and handling each frame that
+comes back; building the call's program object is not timed), frames into and
+out of the switch per call, and the switch's time per frame it took in. Inputs
+are fresh every call (``make_input``, exact values) and every call's result is
+checked element by element.
 
 A launched fabric pays this at least once per call on its critical path
-(the switch's part, then a member's), and more on a loaded host: its
-processes' caches are cold after every switch between them.
+(the switch's part, then a member's), plus its drivers' own work (sockets,
+doorbells, wait loops) and its processes' turns on the cores.
 """
 
 from __future__ import annotations
@@ -195,7 +197,6 @@ def measure_row(path: str, workers: int, size: int, dtype: str = "float32", op: 
                     region=(keys[name], 0) if path == "ina-mem" else None)
                 for name in names}
             if it == first:
-                wire.switch_ns = wire.members_ns = 0
                 frames = (wire.frames_in, wire.frames_out)
                 wire.profile = profile
             s0, m0 = wire.switch_ns, wire.members_ns

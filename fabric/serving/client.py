@@ -45,8 +45,9 @@ async def stream_request(session: Any, url: str, body: dict[str, Any], *,
     # Parse as the events come only when something needs them then (a client-side
     # detokenizer's timestamps, an early close); otherwise keep each read with its
     # time and parse after the stream. One client reads every stream, so a parse
-    # done inline (about a third of its per-event time) delays the reads of the
-    # other streams' events of the same step and would be charged to them.
+    # done inline (JSON and SSE: about a third of its per-event time in a py-spy
+    # profile) delays the reads of the other streams' events of the same step,
+    # and that delay would be charged to them.
     inline = detok is not None or stop_after_events is not None
     reads: list[tuple[int, bytes]] = []
     res.t_send = now_ns()
