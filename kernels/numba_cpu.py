@@ -305,6 +305,12 @@ class NumbaCpuBackend(Backend):
 
     def __init__(self) -> None:
         self.device = f"cpu ({numba.get_num_threads()} threads)"
+        #: Sources of at most this many bytes are reduced on the calling thread
+        #: (the NumPy path) whatever their element count, for the dtypes that
+        #: compute in themselves. The switch daemon raises it to the sizes at
+        #: which its workers spin on the other cores: a pool thread there waits
+        #: behind them (docs/BENCHMARKS.md, "Cores of their own").
+        self.serial_bytes = 0
 
     def set_threads(self, n: int) -> None:
         """Use ``n`` worker threads (at most NUMBA_NUM_THREADS); 1 when many
@@ -342,7 +348,8 @@ class NumbaCpuBackend(Backend):
         size = srcs[0].size
         if size == 0 or len(dsts) == 0:
             return
-        if size < PARALLEL_MIN and not _kind16(dt):
+        if (size < PARALLEL_MIN or size * dt.itemsize <= self.serial_bytes) \
+                and not _kind16(dt):
             reference.multicast_reduce_native(srcs, dsts, code)  # small: no thread pool
             return
         if (

@@ -13,6 +13,8 @@ from typing import Any
 
 import numpy as np
 
+from fabric import affinity
+from fabric import doorbell as db
 from fabric.shm import SharedRegion
 
 #: Chunk views kept (each a few hundred bytes); beyond it they are made anew.
@@ -31,6 +33,7 @@ class SharedMemoryPlane:
         # view costs more than reducing 4 KiB
         self._views: dict[tuple[int, int, int, np.dtype[Any]], np.ndarray] = {}
         self.reduce_seconds = 0.0  # time in the fused kernel (driver-side: it reads a clock)
+        self._pool_widened = False
 
     def prepare(self, backend: str) -> None:
         """Load the reduction kernel a job asks for; ValueError for an unknown one."""
@@ -43,6 +46,10 @@ class SharedMemoryPlane:
         except Exception as exc:  # unknown or unavailable: the job is refused
             raise ValueError(f"kernel backend {backend!r}: {exc}") from None
         self.backend_name = backend
+        if hasattr(self._kernel, "serial_bytes"):
+            # up to these sizes the workers spin on the other cores (fabric.doorbell),
+            # and a pool thread there would wait behind them
+            self._kernel.serial_bytes = db.SPIN_MAX_BYTES
 
     def attach(self, key: int, path: str, size: int) -> None:
         """Map the region file at ``path`` (OSError / ValueError when it cannot be)."""
@@ -79,6 +86,11 @@ class SharedMemoryPlane:
         t0 = time.perf_counter()
         self._kernel.multicast_reduce(arrays, arrays, op)
         self.reduce_seconds += time.perf_counter() - t0
+        if not self._pool_widened and count * dtype.itemsize > db.SPIN_MAX_BYTES:
+            # the first call that may have started the kernel's thread pool: its
+            # threads inherited our pinned core, and a large reduction needs all
+            self._pool_widened = True
+            affinity.widen_other_threads()
 
     def close(self) -> None:
         """Unmap every region."""

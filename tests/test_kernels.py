@@ -228,6 +228,18 @@ def test_multicast_numba_size_threshold(dtype: str) -> None:
         C.check_multicast(b, srcs, 3, "sum", alias=True, on_device=False)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "int64", "int32", "bfloat16"])
+def test_multicast_numba_serial_bytes(dtype: str) -> None:
+    # serial_bytes keeps a call above PARALLEL_MIN on the calling thread (the
+    # 16-bit floats, which need the kernel's widening, keep to the kernel)
+    b = numba_cpu.NumbaCpuBackend()
+    b.serial_bytes = 1 << 21
+    rng = np.random.default_rng(11)
+    srcs = [C.random_array(rng, numba_cpu.PARALLEL_MIN + 333, dtype) for _ in range(2)]
+    C.check_multicast(b, srcs, 2, "sum", alias=True, on_device=False)
+    C.check_multicast(b, srcs, 1, "max", alias=False, on_device=False)
+
+
 @pytest.mark.parametrize("name", ["numba-cpu", "xp-numpy"])
 def test_multicast_awkward_arrays(name: str, fused_always: None) -> None:
     b = backend(name)
