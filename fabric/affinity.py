@@ -23,6 +23,7 @@ ENV = "SEMFAB_CPUS"
 PIN_ENV = "SEMFAB_PIN"
 
 _before: frozenset[int] | None = None  # the mask this process had before pinning
+_plan: frozenset[int] | None = None  # the mask pin_from_env set
 
 
 def enabled(env: Mapping[str, str] = os.environ) -> bool:
@@ -44,7 +45,7 @@ def pin_from_env(env: Mapping[str, str] = os.environ) -> tuple[int, ...] | None:
     """Pin the calling thread to the CPUs in ``SEMFAB_CPUS``; the CPUs, or None
     when there is no plan (or it cannot be applied, which is logged: the
     process then runs unpinned, as it would without a plan)."""
-    global _before
+    global _before, _plan
     text = env.get(ENV, "")
     if not text:
         return None
@@ -55,9 +56,19 @@ def pin_from_env(env: Mapping[str, str] = os.environ) -> tuple[int, ...] | None:
     except (ValueError, OSError) as exc:
         log.warning("%s=%r not applied (%s); running unpinned", ENV, text, exc)
         return None
-    _before = before
+    _before, _plan = before, frozenset(cpus)
     log.info("pinned to CPU %s", encode(cpus))
     return tuple(sorted(cpus))
+
+
+def widen(wide: bool) -> None:
+    """Let the calling thread run on every CPU the process had (``wide``), or
+    on its planned ones again. A worker widens for a memory-plane call it
+    waits for blocked (beyond the spin limit): it does not compete with the
+    switch then, and its own copies of a large tensor may use every core."""
+    if _before is None or _plan is None:
+        return
+    os.sched_setaffinity(0, _before if wide else _plan)
 
 
 def widen_other_threads() -> int:

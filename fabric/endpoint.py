@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import zmq
 
-from fabric import collectives, control, transport
+from fabric import affinity, collectives, control, transport
 from fabric import doorbell as db
 from fabric import frame as fr
 from fabric.errors import FabricTimeout, PeerFailed, UsageError
@@ -690,29 +690,35 @@ class Endpoint:
             self.run(allreduce_program(self.state, Tensor(x.size, name, x, out), op, path,
                                        group=g), what)
             return out
-        # memory plane: reduced in place in registered memory (an out-of-place call
-        # into a registered ``out`` copies x there first), else staged through scratch
-        loc = self.region_of(out)
-        work = out
-        copies = 0  # copies per chunk this call adds around the switch's work
-        if loc is not None and out is not x:
-            np.copyto(out, x)
-            copies = 1
-        elif loc is None:
-            work = collectives.scratch_region(self, x.nbytes).view(x.dtype)
-            np.copyto(work, x)
-            loc = self.region_of(work)
-            assert loc is not None
-            copies = 2  # staged in, copied out
-        t = Tensor(x.size, name, work, work)
-        # spin only where the wait is short: a large reduction needs the cores
-        self._spin_s = db.SPIN_S if x.nbytes <= db.SPIN_MAX_BYTES else 0.0
+        # spin only where the wait is short: a large reduction needs the cores, and
+        # a waiter that blocks may leave its planned CPUs for its copies
+        large = x.nbytes > db.SPIN_MAX_BYTES
+        self._spin_s = 0.0 if large else db.SPIN_S
+        if large:
+            affinity.widen(True)
         try:
+            # memory plane: reduced in place in registered memory (an out-of-place call
+            # into a registered ``out`` copies x there first), else staged through scratch
+            loc = self.region_of(out)
+            work = out
+            copies = 0  # copies per chunk this call adds around the switch's work
+            if loc is not None and out is not x:
+                np.copyto(out, x)
+                copies = 1
+            elif loc is None:
+                work = collectives.scratch_region(self, x.nbytes).view(x.dtype)
+                np.copyto(work, x)
+                loc = self.region_of(work)
+                assert loc is not None
+                copies = 2  # staged in, copied out
+            t = Tensor(x.size, name, work, work)
             self.run(allreduce_program(self.state, t, op, path, region=loc, group=g), what)
+            if work is not out:
+                np.copyto(out, work)
         finally:
             self._spin_s = db.SPIN_S
-        if work is not out:
-            np.copyto(out, work)
+            if large:
+                affinity.widen(False)
         if copies and self.sem(path).chunks:
             self.sem(path).copies += copies * -(-x.size // max(self.state.mem_chunk_elems(
                 self.state.chunk_elems("ina-mem", x.itemsize), x.size, x.itemsize), 1))

@@ -27,16 +27,27 @@ def _in_thread(fn):  # pinning applies to the calling thread: keep it off the te
 
 def test_pin_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(affinity, "_before", None)
+    monkeypatch.setattr(affinity, "_plan", None)
     assert _in_thread(lambda: affinity.pin_from_env({}))[0] is None
     got, mask = _in_thread(lambda: affinity.pin_from_env({affinity.ENV: str(CPUS[-1])}))
     assert got == (CPUS[-1],) and mask == {CPUS[-1]}
     assert affinity._before == frozenset(CPUS)
+
+    def widened() -> tuple[set[int], set[int]]:
+        affinity.pin_from_env({affinity.ENV: str(CPUS[-1])})
+        affinity.widen(True)
+        wide = os.sched_getaffinity(0)
+        affinity.widen(False)
+        return wide, os.sched_getaffinity(0)
+
+    assert _in_thread(widened)[0] == (set(CPUS), {CPUS[-1]})
 
 
 @pytest.mark.parametrize("bad", ["x", "0,,1", "99999"])
 def test_pin_from_env_refuses_a_bad_value_and_runs_unpinned(
         bad: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.setattr(affinity, "_before", None)
+    monkeypatch.setattr(affinity, "_plan", None)
     with caplog.at_level(logging.WARNING, logger="semfab.affinity"):
         got, mask = _in_thread(lambda: affinity.pin_from_env({affinity.ENV: bad}))
     assert got is None and mask == set(CPUS)
@@ -69,15 +80,21 @@ def test_launched_fabric_follows_the_plan(tmp_path: Path) -> None:
         assert _mask(pids["host0"]) == set(CPUS)
         sw = pids["sw0"]
         assert _mask(sw) == {CPUS[-1]}
-        # a reduction above the spin limit starts the kernel's pool: its threads
-        # (and every other but the main one) may then use every core
+        # beyond the spin limit nobody spins: the switch reduces on every core
+        # (its kernel's pool included) and the workers wait unpinned
         big = (1 << 19) + 7  # float32: 2 MiB in one chunk
         for r in fab.run(tasks.allreduce_check, "ina-mem", big, "float32", "sum", 4 << 20,
                          steps=1):
             assert r["wrong"] == 0
+        threads = [int(t) for t in os.listdir(f"/proc/{sw}/task")]
+        assert len(threads) > 1 and all(_mask(sw, t) == set(CPUS) for t in threads)
+        assert _mask(pids["w0"]) == _mask(pids["w1"]) == set(CPUS[:-1])  # back after the call
+        # a small reduction puts the switch back on its own core; its pool stays wide
+        for r in fab.run(tasks.allreduce_check, "ina-mem", 1001, "float32", "sum", 4 << 20,
+                         steps=1):
+            assert r["wrong"] == 0
         assert _mask(sw) == {CPUS[-1]}
-        others = [int(t) for t in os.listdir(f"/proc/{sw}/task") if int(t) != sw]
-        assert others and all(_mask(sw, t) == set(CPUS) for t in others)
+        assert all(_mask(sw, t) == set(CPUS) for t in threads if t != sw)
 
 
 def test_pin_off_leaves_every_process_free(tmp_path: Path,
