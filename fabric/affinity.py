@@ -1,10 +1,12 @@
 """Applying a CPU plan (:func:`fabric.placement.cpu_plan`) inside a launched process.
 
-The launcher hands each process its CPUs in ``SEMFAB_CPUS``; the process pins
-its main thread first thing, so the threads it starts later (ZeroMQ's I/O
-thread) inherit the mask. A switch's kernel thread pool must not: a large
-reduction needs every core, so the memory plane widens the pool's threads
-back to the whole machine once it exists (:func:`widen_other_threads`).
+The launcher hands each process its CPUs in ``SEMFAB_CPUS``. The plan keeps
+spinning waiters out of each other's way, so it holds where they spin: a
+switch pins its main thread first thing (ZeroMQ's I/O thread, started later,
+inherits the mask) and leaves it only to reduce a memory-plane chunk beyond
+the workers' spin limit, where nobody spins; a worker keeps to its CPUs only
+for the memory-plane calls it waits for spinning (:func:`hold`). The
+switch's kernel thread pool is widened for good (:func:`widen_other_threads`).
 ``SEMFAB_PIN=0`` turns the plan off, for comparisons.
 """
 
@@ -22,8 +24,9 @@ ENV = "SEMFAB_CPUS"
 #: "0" launches fabrics without a CPU plan.
 PIN_ENV = "SEMFAB_PIN"
 
-_before: frozenset[int] | None = None  # the mask this process had before pinning
-_plan: frozenset[int] | None = None  # the mask pin_from_env set
+_before: frozenset[int] | None = None  # the mask this process had before the plan
+_plan: frozenset[int] | None = None  # the planned mask (SEMFAB_CPUS)
+_held = False  # the calling thread keeps to _plan now
 
 
 def enabled(env: Mapping[str, str] = os.environ) -> bool:
@@ -41,39 +44,41 @@ def encode(cpus: Iterable[int]) -> str:
     return ",".join(str(c) for c in sorted(cpus))
 
 
-def pin_from_env(env: Mapping[str, str] = os.environ) -> tuple[int, ...] | None:
-    """Pin the calling thread to the CPUs in ``SEMFAB_CPUS``; the CPUs, or None
-    when there is no plan (or it cannot be applied, which is logged: the
-    process then runs unpinned, as it would without a plan)."""
-    global _before, _plan
+def setup_from_env(env: Mapping[str, str] = os.environ, *, pin: bool) -> tuple[int, ...] | None:
+    """Take this process's planned CPUs from ``SEMFAB_CPUS`` and, with ``pin``,
+    keep the calling thread to them from now on (else only while :func:`hold`
+    says so). The CPUs, or None when there is no plan (or it cannot be applied,
+    which is logged: the process then runs unpinned, as without a plan)."""
+    global _before, _plan, _held
     text = env.get(ENV, "")
     if not text:
         return None
     try:
-        cpus = {int(c) for c in text.split(",")}
+        cpus = frozenset(int(c) for c in text.split(","))
         before = frozenset(os.sched_getaffinity(0))
-        os.sched_setaffinity(0, cpus)
+        if pin:
+            os.sched_setaffinity(0, cpus)
     except (ValueError, OSError) as exc:
         log.warning("%s=%r not applied (%s); running unpinned", ENV, text, exc)
         return None
-    _before, _plan = before, frozenset(cpus)
-    log.info("pinned to CPU %s", encode(cpus))
+    _before, _plan, _held = before, cpus, pin
+    log.info("planned CPUs %s (%s)", encode(cpus), "pinned" if pin else "while spinning")
     return tuple(sorted(cpus))
 
 
-def widen(wide: bool) -> None:
-    """Let the calling thread run on every CPU the process had (``wide``), or
-    on its planned ones again. A worker widens for a memory-plane call it
-    waits for blocked (beyond the spin limit): it does not compete with the
-    switch then, and its own copies of a large tensor may use every core."""
-    if _before is None or _plan is None:
+def hold(narrow: bool) -> None:
+    """Keep the calling thread to its planned CPUs (``narrow``) or let it run on
+    every CPU the process had; a system call only when that changes."""
+    global _held
+    if _plan is None or _before is None or narrow is _held:
         return
-    os.sched_setaffinity(0, _before if wide else _plan)
+    os.sched_setaffinity(0, _plan if narrow else _before)
+    _held = narrow
 
 
 def widen_other_threads() -> int:
     """Let every thread but the caller run on the CPUs the process had before
-    :func:`pin_from_env`; how many threads were widened (0 when not pinned)."""
+    the plan; how many threads were widened (0 without a plan)."""
     if _before is None:
         return 0
     me = threading.get_native_id()

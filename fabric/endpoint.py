@@ -156,6 +156,7 @@ class Endpoint:
         self._bell_tried = False
         self._poller: zmq.Poller | None = None
         self._spin_s = db.SPIN_S  # this call's spin budget on the doorbell
+        self._hold_cpus = False  # keep to the CPU plan in this call (it spins)
         # the topology's placement: the switch maps our memory only on our host
         self.shares_host = topo.host_address(name) == topo.host_address(self.switch_name)
         # frames recorded for a trace (SEMFAB_FRAME_TRACE only)
@@ -266,6 +267,9 @@ class Endpoint:
         naming ``what``. A frame-plane allreduce receives each result straight
         into the output with ``recv_into`` (no copy).
         """
+        # the CPU plan holds while we spin for the switch (small memory-plane calls);
+        # back-to-back calls of one kind change nothing (fabric.affinity)
+        affinity.hold(self._hold_cpus)
         now = time.monotonic()
         self._send_all(prog.start(now))
         stage = self._replay(prog, None)  # frames that came before we asked
@@ -694,8 +698,7 @@ class Endpoint:
         # a waiter that blocks may leave its planned CPUs for its copies
         large = x.nbytes > db.SPIN_MAX_BYTES
         self._spin_s = 0.0 if large else db.SPIN_S
-        if large:
-            affinity.widen(True)
+        self._hold_cpus = not large
         try:
             # memory plane: reduced in place in registered memory (an out-of-place call
             # into a registered ``out`` copies x there first), else staged through scratch
@@ -717,8 +720,7 @@ class Endpoint:
                 np.copyto(out, work)
         finally:
             self._spin_s = db.SPIN_S
-            if large:
-                affinity.widen(False)
+            self._hold_cpus = False
         if copies and self.sem(path).chunks:
             self.sem(path).copies += copies * -(-x.size // max(self.state.mem_chunk_elems(
                 self.state.chunk_elems("ina-mem", x.itemsize), x.size, x.itemsize), 1))

@@ -96,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
     topo, node = check_arguments(args)
     # a task's file that calls launch() at import time is refused there
     os.environ[NODE_ENV] = args.name
-    affinity.pin_from_env()  # before any thread starts: they inherit the mask
+    affinity.setup_from_env(pin=False)  # a worker keeps to its CPUs only while it spins
     ctx = transport.context()
     ep = Endpoint(topo, args.name, args.sock_dir, run_id=args.run_id, timeout_s=args.timeout,
                   ctx=ctx)

@@ -68,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
             parse_faults(args.faults)
         except FaultSpecError as exc:
             raise UsageError(f"--faults: {exc}") from None
-    affinity.pin_from_env()  # the main thread; the kernel's pool is widened later
+    affinity.setup_from_env(pin=True)  # before any thread starts: they inherit the mask
     daemon = SwitchDaemon(topo, args.name, Path(args.sock_dir), ctl_addr=args.ctl,
                           memory_budget=args.memory_mb * 2**20, io_threads=args.io_threads,
                           faults=args.faults, seed=args.seed)

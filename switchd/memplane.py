@@ -34,7 +34,6 @@ class SharedMemoryPlane:
         self._views: dict[tuple[int, int, int, np.dtype[Any]], np.ndarray] = {}
         self.reduce_seconds = 0.0  # time in the fused kernel (driver-side: it reads a clock)
         self._pool_widened = False
-        self._wide = False  # running on every CPU rather than our planned one
 
     def prepare(self, backend: str) -> None:
         """Load the reduction kernel a job asks for; ValueError for an unknown one."""
@@ -85,12 +84,9 @@ class SharedMemoryPlane:
                     dtype, count, offset)
             arrays.append(v)
         large = count * dtype.itemsize > db.SPIN_MAX_BYTES
-        if large is not self._wide:
-            # beyond the spin limit the workers block while we reduce: nobody
-            # spins, so the CPU plan has nothing to protect and the kernel may
-            # use every core (fabric.affinity)
-            self._wide = large
-            affinity.widen(large)
+        # beyond the spin limit the workers block while we reduce: nobody spins,
+        # so the CPU plan has nothing to protect and the kernel may use every core
+        affinity.hold(not large)
         t0 = time.perf_counter()
         self._kernel.multicast_reduce(arrays, arrays, op)
         self.reduce_seconds += time.perf_counter() - t0
