@@ -144,15 +144,16 @@ def best_offset(samples: Sequence[ClockSample]) -> ClockSample:
 
 
 def cpu_plan(topo: Topology, cpus: Sequence[int]) -> dict[str, tuple[int, ...]]:
-    """The CPUs each switch and worker of a fabric launched on one machine runs on.
+    """The CPUs each switch and worker of a fabric launched on one machine runs
+    on while it spins (:mod:`fabric.affinity` says when that is).
 
     A switch stands for a device of its own, so each gets one core to itself,
     from the highest-numbered down, and the workers share the rest. Sharing a
-    core, a switch waits behind a worker's Python for its turn and the worker
-    behind the switch's, once per chunk (measured in docs/BENCHMARKS.md,
-    "Cores of their own"). Hosts are left free: they are idle in collectives
-    and serve tokens when the switches are idle. Empty (nothing pinned) when
-    there are no more cores than switches, or no switch.
+    core, a spinning switch waits behind a worker's Python for its turn and
+    the worker behind the switch's, once per chunk (docs/BENCHMARKS.md, "Cores
+    of their own"). Hosts are left free: they are idle in collectives and
+    serve tokens when the switches are idle. Empty (nothing pinned) when there
+    are no more cores than switches, or no switch.
     """
     order = sorted(set(cpus))
     switches = [s.name for s in topo.switches]

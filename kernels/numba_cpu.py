@@ -307,9 +307,9 @@ class NumbaCpuBackend(Backend):
         self.device = f"cpu ({numba.get_num_threads()} threads)"
         #: Sources of at most this many bytes are reduced on the calling thread
         #: (the NumPy path) whatever their element count, for the dtypes that
-        #: compute in themselves. The switch daemon raises it to the sizes at
-        #: which its workers spin on the other cores: a pool thread there waits
-        #: behind them (docs/BENCHMARKS.md, "Cores of their own").
+        #: compute in themselves. The switch daemon raises it
+        #: (switchd.memplane.SERIAL_MAX_BYTES): below its workers' spin limit a
+        #: pool thread on their cores waits behind them.
         self.serial_bytes = 0
 
     def set_threads(self, n: int) -> None:

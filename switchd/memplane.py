@@ -14,11 +14,17 @@ from typing import Any
 import numpy as np
 
 from fabric import affinity
-from fabric import doorbell as db
 from fabric.shm import SharedRegion
 
 #: Chunk views kept (each a few hundred bytes); beyond it they are made anew.
 VIEWS_KEPT = 4096
+#: Chunks up to this size are reduced on the switch's own thread. Below the
+#: workers' spin limit (fabric.doorbell.SPIN_MAX_BYTES) they spin on the other
+#: cores, and a pool thread there waits behind them: at 2 workers on 2 cores,
+#: 4 runs each, 256 KiB took 193-261 us serial against 238-338 us with the
+#: pool, 512 KiB 212-333 against 232-308, while 1 MiB was 303-415 against
+#: 307-392 (docs/BENCHMARKS.md, "Cores of their own").
+SERIAL_MAX_BYTES = 512 * 1024
 
 
 class SharedMemoryPlane:
@@ -47,9 +53,7 @@ class SharedMemoryPlane:
             raise ValueError(f"kernel backend {backend!r}: {exc}") from None
         self.backend_name = backend
         if hasattr(self._kernel, "serial_bytes"):
-            # up to these sizes the workers spin on the other cores (fabric.doorbell),
-            # and a pool thread there would wait behind them
-            self._kernel.serial_bytes = db.SPIN_MAX_BYTES
+            self._kernel.serial_bytes = SERIAL_MAX_BYTES
 
     def attach(self, key: int, path: str, size: int) -> None:
         """Map the region file at ``path`` (OSError / ValueError when it cannot be)."""
@@ -83,14 +87,14 @@ class SharedMemoryPlane:
                 v = views[(key, offset, count, dtype)] = self._mapped[key].array(
                     dtype, count, offset)
             arrays.append(v)
-        large = count * dtype.itemsize > db.SPIN_MAX_BYTES
-        # beyond the spin limit the workers block while we reduce: nobody spins,
-        # so the CPU plan has nothing to protect and the kernel may use every core
-        affinity.hold(not large)
+        # the CPU plan keeps the switch on its core while it reduces on its own
+        # thread; a reduction big enough for the kernel's pool gets every core
+        parallel = count * dtype.itemsize > SERIAL_MAX_BYTES
+        affinity.hold(not parallel)
         t0 = time.perf_counter()
         self._kernel.multicast_reduce(arrays, arrays, op)
         self.reduce_seconds += time.perf_counter() - t0
-        if large and not self._pool_widened:
+        if parallel and not self._pool_widened:
             # the kernel's thread pool exists now; threads it started while we
             # were pinned (a 16-bit reduction below the limit) inherited our core
             self._pool_widened = True
