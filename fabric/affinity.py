@@ -3,10 +3,10 @@
 The launcher hands each process its CPUs in ``SEMFAB_CPUS``. The plan keeps
 spinning waiters out of each other's way, so it holds where they spin: a
 switch pins its main thread first thing (ZeroMQ's I/O thread, started later,
-inherits the mask) and leaves it only to reduce a memory-plane chunk beyond
-the workers' spin limit, where nobody spins; a worker keeps to its CPUs only
-for the memory-plane calls it waits for spinning (:func:`hold`). The
-switch's kernel thread pool is widened for good (:func:`widen_other_threads`).
+inherits the mask) and leaves its core only for a memory-plane chunk large
+enough for the kernel's thread pool (switchd.memplane); a worker keeps to its
+CPUs only for the memory-plane calls it waits for spinning (:func:`hold`).
+The kernel's pool is widened for good (:func:`widen_other_threads`).
 ``SEMFAB_PIN=0`` turns the plan off, for comparisons.
 """
 
