@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import Any
 
 from bench import report
-from fabric import affinity
 from fabric.endpoint import DTYPE_NAMES, OPS
 from fabric.errors import FabricTimeout, PeerFailed, UsageError
 
@@ -358,7 +357,7 @@ def busy(args: argparse.Namespace, plan: Plan) -> tuple[int, str]:
 
 #: Environment variables that change how the fabric moves data (recorded with a run).
 TUNING_ENV = ("SEMFAB_DOORBELLS", "SEMFAB_BELL_SPIN_US", "SEMFAB_SPIN_US", "OMP_WAIT_POLICY",
-              "NUMBA_NUM_THREADS", "SEMFAB_PIN")
+              "NUMBA_NUM_THREADS")
 
 
 def settings(args: argparse.Namespace, plan: Plan, name: str, n_cores: int,
@@ -384,8 +383,6 @@ def settings(args: argparse.Namespace, plan: Plan, name: str, n_cores: int,
         "faults": getattr(args, "faults", None), "timeout_s": args.timeout,
         "sim": bool(getattr(args, "sim", False)), "cores": n_cores,
         "inplace": str(getattr(args, "inplace", "both")),
-        # switches on cores of their own (fabric.placement.cpu_plan) unless SEMFAB_PIN=0
-        "pin": affinity.enabled(),
         # the transport knobs set in the environment (doorbells, spin budgets)
         "env": {k: v for k, v in sorted(os.environ.items()) if k in TUNING_ENV},
     }

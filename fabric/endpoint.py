@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import zmq
 
-from fabric import affinity, collectives, control, transport
+from fabric import collectives, control, transport
 from fabric import doorbell as db
 from fabric import frame as fr
 from fabric.errors import FabricTimeout, PeerFailed, UsageError
@@ -156,7 +156,6 @@ class Endpoint:
         self._bell_tried = False
         self._poller: zmq.Poller | None = None
         self._spin_s = db.SPIN_S  # this call's spin budget on the doorbell
-        self._hold_cpus = False  # keep to the CPU plan in this call (it spins)
         # the topology's placement: the switch maps our memory only on our host
         self.shares_host = topo.host_address(name) == topo.host_address(self.switch_name)
         # frames recorded for a trace (SEMFAB_FRAME_TRACE only)
@@ -267,9 +266,6 @@ class Endpoint:
         naming ``what``. A frame-plane allreduce receives each result straight
         into the output with ``recv_into`` (no copy).
         """
-        # the CPU plan holds while we spin for the switch (small memory-plane calls);
-        # back-to-back calls of one kind change nothing (fabric.affinity)
-        affinity.hold(self._hold_cpus)
         now = time.monotonic()
         self._send_all(prog.start(now))
         stage = self._replay(prog, None)  # frames that came before we asked
@@ -694,33 +690,29 @@ class Endpoint:
             self.run(allreduce_program(self.state, Tensor(x.size, name, x, out), op, path,
                                        group=g), what)
             return out
-        # spin only where the wait is short: a large reduction needs the cores, and
-        # a waiter that blocks may leave its planned CPUs for its copies
-        large = x.nbytes > db.SPIN_MAX_BYTES
-        self._spin_s = 0.0 if large else db.SPIN_S
-        self._hold_cpus = not large
+        # memory plane: reduced in place in registered memory (an out-of-place call
+        # into a registered ``out`` copies x there first), else staged through scratch
+        loc = self.region_of(out)
+        work = out
+        copies = 0  # copies per chunk this call adds around the switch's work
+        if loc is not None and out is not x:
+            np.copyto(out, x)
+            copies = 1
+        elif loc is None:
+            work = collectives.scratch_region(self, x.nbytes).view(x.dtype)
+            np.copyto(work, x)
+            loc = self.region_of(work)
+            assert loc is not None
+            copies = 2  # staged in, copied out
+        t = Tensor(x.size, name, work, work)
+        # spin only where the wait is short: a large reduction needs the cores
+        self._spin_s = db.SPIN_S if x.nbytes <= db.SPIN_MAX_BYTES else 0.0
         try:
-            # memory plane: reduced in place in registered memory (an out-of-place call
-            # into a registered ``out`` copies x there first), else staged through scratch
-            loc = self.region_of(out)
-            work = out
-            copies = 0  # copies per chunk this call adds around the switch's work
-            if loc is not None and out is not x:
-                np.copyto(out, x)
-                copies = 1
-            elif loc is None:
-                work = collectives.scratch_region(self, x.nbytes).view(x.dtype)
-                np.copyto(work, x)
-                loc = self.region_of(work)
-                assert loc is not None
-                copies = 2  # staged in, copied out
-            t = Tensor(x.size, name, work, work)
             self.run(allreduce_program(self.state, t, op, path, region=loc, group=g), what)
-            if work is not out:
-                np.copyto(out, work)
         finally:
             self._spin_s = db.SPIN_S
-            self._hold_cpus = False
+        if work is not out:
+            np.copyto(out, work)
         if copies and self.sem(path).chunks:
             self.sem(path).copies += copies * -(-x.size // max(self.state.mem_chunk_elems(
                 self.state.chunk_elems("ina-mem", x.itemsize), x.size, x.itemsize), 1))

@@ -42,9 +42,8 @@ from typing import Any
 
 import zmq
 
-from fabric import affinity, control, transport
+from fabric import control, transport
 from fabric.errors import FabricTimeout, PeerFailed, UsageError, check_seconds
-from fabric.placement import cpu_plan
 from fabric.shm import SHM_DIR
 from fabric.topology import Topology, load, star
 
@@ -143,7 +142,6 @@ class Fabric:
         crc: bool | None = None,
         verbose: bool = False,
         remove_run_dir: bool = False,
-        pin: bool | None = None,
     ) -> None:
         self.topo = topo
         self.run_dir = Path(run_dir) if run_dir else default_run_dir()
@@ -158,12 +156,6 @@ class Fabric:
         # CRC on data frames by default wherever frames may be corrupted
         self.crc = crc if crc is not None else bool(faults and "corrupt" in faults)
         self.verbose = verbose
-        # switches on cores of their own, workers on the rest (fabric.placement.cpu_plan);
-        # pin=None follows SEMFAB_PIN (on unless "0")
-        self.pin = affinity.enabled() if pin is None else bool(pin)
-        self.all_cpus = affinity.available_cpus()
-        self.cpu_plan: dict[str, tuple[int, ...]] = (
-            cpu_plan(topo, self.all_cpus) if self.pin else {})
         self.procs: dict[str, Proc] = {}
         self.sock_dir: Path | None = None
         self.run_id = f"{os.getpid():x}{int(time.time() * 1000) & 0xFFFFFF:x}"
@@ -219,8 +211,6 @@ class Fabric:
             self.close()
             raise
         log.info("fabric up: %d processes, run folder %s", len(self.procs), self.run_dir)
-        if self.cpu_plan:
-            log.info("CPUs: %s", describe_plan(self.cpu_plan))
         return self
 
     def _write_info(self) -> None:
@@ -242,13 +232,6 @@ class Fabric:
         # 0.9 to 3.4 GB/s busbw with passive waiting).
         env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         env[NODE_ENV] = name
-        env.pop(affinity.ENV, None)
-        if name in self.cpu_plan:
-            env[affinity.ENV] = affinity.encode(self.cpu_plan[name])
-            if kind == "switch":
-                # a pinned process would size its kernel pool to its one core;
-                # the pool is widened to every core once it exists (fabric.affinity)
-                env.setdefault("NUMBA_NUM_THREADS", str(len(self.all_cpus)))
         with open(log_path, "wb") as out:
             popen = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
                                      stdin=subprocess.DEVNULL, start_new_session=True)
@@ -428,15 +411,6 @@ class Fabric:
         self.close()
         if exc[0] is None and self.remove_run_dir:
             shutil.rmtree(self.run_dir, ignore_errors=True)
-
-
-def describe_plan(plan: dict[str, tuple[int, ...]]) -> str:
-    """``sw0 on CPU 1; w0, w1 on CPU 0`` (processes that share CPUs together)."""
-    by_cpus: dict[tuple[int, ...], list[str]] = {}
-    for name, cpus in plan.items():
-        by_cpus.setdefault(cpus, []).append(name)
-    return "; ".join(f"{', '.join(names)} on CPU {affinity.encode(cpus)}"
-                     for cpus, names in by_cpus.items())
 
 
 def _signal_group(popen: subprocess.Popen[bytes], sig: int) -> None:

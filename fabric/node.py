@@ -25,7 +25,7 @@ from typing import Any
 
 import zmq
 
-from fabric import affinity, control, transport
+from fabric import control, transport
 from fabric import frame as fr
 from fabric.endpoint import Endpoint
 from fabric.errors import UsageError, check_seconds
@@ -96,7 +96,6 @@ def run(args: argparse.Namespace) -> int:
     topo, node = check_arguments(args)
     # a task's file that calls launch() at import time is refused there
     os.environ[NODE_ENV] = args.name
-    affinity.setup_from_env(pin=False)  # a worker keeps to its CPUs only while it spins
     ctx = transport.context()
     ep = Endpoint(topo, args.name, args.sock_dir, run_id=args.run_id, timeout_s=args.timeout,
                   ctx=ctx)

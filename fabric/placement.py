@@ -2,11 +2,9 @@
 
 Pure: which launcher rank a process has (from the environment it is given),
 which node of the topology each process plays (from the topology's host
-addresses and the addresses local to each process), the clock offset
+addresses and the addresses local to each process), and the clock offset
 between two hosts from one request/reply exchange (NTP's on-wire
-calculation, RFC 5905 section 8), and which CPUs the processes of a fabric
-launched on one machine run on (:func:`cpu_plan`). The drivers are
-:mod:`fabric.rendezvous` and :mod:`fabric.launcher` (with :mod:`fabric.affinity`).
+calculation, RFC 5905 section 8). The driver is :mod:`fabric.rendezvous`.
 """
 
 from __future__ import annotations
@@ -18,7 +16,7 @@ from fabric.errors import UsageError
 from fabric.topology import Node, Topology
 
 __all__ = ["RANK_VARIABLES", "ClockSample", "Member", "PlacementError", "assign",
-           "best_offset", "clock_sample", "cpu_plan", "launcher_rank", "start_order"]
+           "best_offset", "clock_sample", "launcher_rank", "start_order"]
 
 #: (rank, size) environment variables, in the order they are looked at: Open MPI,
 #: PMIx (Open MPI 5, prterun), MPICH/Hydra and Intel MPI (PMI), Slurm's srun,
@@ -141,27 +139,3 @@ def best_offset(samples: Sequence[ClockSample]) -> ClockSample:
     if not samples:
         raise ValueError("no clock samples")
     return min(samples, key=lambda s: s.rtt_s)
-
-
-def cpu_plan(topo: Topology, cpus: Sequence[int]) -> dict[str, tuple[int, ...]]:
-    """The CPUs each switch and worker of a fabric launched on one machine runs
-    on while it spins (:mod:`fabric.affinity` says when that is).
-
-    A switch stands for a device of its own, so each gets one core to itself,
-    from the highest-numbered down, and the workers share the rest. Sharing a
-    core, a spinning switch waits behind a worker's Python for its turn and
-    the worker behind the switch's, once per chunk (docs/BENCHMARKS.md, "Cores
-    of their own"). Hosts are left free: they are idle in collectives and
-    serve tokens when the switches are idle. Empty (nothing pinned) when there
-    are no more cores than switches, or no switch.
-    """
-    order = sorted(set(cpus))
-    switches = [s.name for s in topo.switches]
-    if not switches or len(order) <= len(switches):
-        return {}
-    plan: dict[str, tuple[int, ...]] = {
-        name: (order[-1 - i],) for i, name in enumerate(switches)}
-    rest = tuple(order[: len(order) - len(switches)])
-    for w in topo.workers:
-        plan[w.name] = rest
-    return plan

@@ -8,7 +8,6 @@ import os
 import sys
 from pathlib import Path
 
-from fabric import affinity
 from fabric.topology import TopologyError, load
 
 #: More ZeroMQ I/O threads than cores only adds switching; 64 is already absurd.
@@ -68,7 +67,6 @@ def run(args: argparse.Namespace) -> int:
             parse_faults(args.faults)
         except FaultSpecError as exc:
             raise UsageError(f"--faults: {exc}") from None
-    affinity.setup_from_env(pin=True)  # before any thread starts: they inherit the mask
     daemon = SwitchDaemon(topo, args.name, Path(args.sock_dir), ctl_addr=args.ctl,
                           memory_budget=args.memory_mb * 2**20, io_threads=args.io_threads,
                           faults=args.faults, seed=args.seed)

@@ -13,17 +13,17 @@ from typing import Any
 
 import numpy as np
 
-from fabric import affinity
 from fabric.shm import SharedRegion
 
 #: Chunk views kept (each a few hundred bytes); beyond it they are made anew.
 VIEWS_KEPT = 4096
-#: Chunks up to this size are reduced on the switch's own thread. Below the
-#: workers' spin limit (fabric.doorbell.SPIN_MAX_BYTES) they spin on the other
-#: cores, and a pool thread there waits behind them: at 2 workers on 2 cores,
-#: 4 runs each, 256 KiB took 193-261 us serial against 238-338 us with the
-#: pool, 512 KiB 212-333 against 232-308, while 1 MiB was 303-415 against
-#: 307-392 (docs/BENCHMARKS.md, "Cores of their own").
+#: Chunks up to this size are reduced on the switch's own thread, not the
+#: kernel's pool. Below the workers' spin limit (fabric.doorbell.SPIN_MAX_BYTES)
+#: they spin on the other cores, and a pool thread there waits behind them: at
+#: 2 workers on 2 cores (4 launches each, medians of 3 rounds of 60 calls in
+#: place), 256 KiB took 193-261 us serial against 238-338 us with the pool and
+#: 512 KiB 212-333 against 232-308, while 1 MiB was 303-415 against 307-392
+#: (docs/BENCHMARKS.md, "The switch's kernel below 1 MiB").
 SERIAL_MAX_BYTES = 512 * 1024
 
 
@@ -39,7 +39,6 @@ class SharedMemoryPlane:
         # view costs more than reducing 4 KiB
         self._views: dict[tuple[int, int, int, np.dtype[Any]], np.ndarray] = {}
         self.reduce_seconds = 0.0  # time in the fused kernel (driver-side: it reads a clock)
-        self._pool_widened = False
 
     def prepare(self, backend: str) -> None:
         """Load the reduction kernel a job asks for; ValueError for an unknown one."""
@@ -87,18 +86,9 @@ class SharedMemoryPlane:
                 v = views[(key, offset, count, dtype)] = self._mapped[key].array(
                     dtype, count, offset)
             arrays.append(v)
-        # the CPU plan keeps the switch on its core while it reduces on its own
-        # thread; a reduction big enough for the kernel's pool gets every core
-        parallel = count * dtype.itemsize > SERIAL_MAX_BYTES
-        affinity.hold(not parallel)
         t0 = time.perf_counter()
         self._kernel.multicast_reduce(arrays, arrays, op)
         self.reduce_seconds += time.perf_counter() - t0
-        if parallel and not self._pool_widened:
-            # the kernel's thread pool exists now; threads it started while we
-            # were pinned (a 16-bit reduction below the limit) inherited our core
-            self._pool_widened = True
-            affinity.widen_other_threads()
 
     def close(self) -> None:
         """Unmap every region."""

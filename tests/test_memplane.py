@@ -64,3 +64,29 @@ def test_a_key_mapped_anew_reduces_the_new_memory(regions) -> None:
     np.testing.assert_array_equal(rd.array(dt, 64), want)
     np.testing.assert_array_equal(ra.array(dt, 64), vals["a"] + vals["b"])  # done before
     plane.close()
+
+
+@pytest.mark.parametrize("count", [(1 << 16) + 77, (1 << 17) - 3, (1 << 18) + 5])
+def test_chunks_either_side_of_the_serial_limit(regions, count: int,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    # up to SERIAL_MAX_BYTES on the calling thread, beyond it the kernel's pool:
+    # exact either way, for sizes where the plain backend would take the pool
+    from kernels.backends import get_backend
+    from switchd.memplane import SERIAL_MAX_BYTES
+
+    kernel = get_backend("numba-cpu")
+    monkeypatch.setattr(kernel, "serial_bytes", kernel.serial_bytes)  # restored after
+    rng = np.random.default_rng(count)
+    a, b = rng.random(count, dtype=np.float32), rng.random(count, dtype=np.float32)
+    ra, rb = regions(f"sa{count}", a), regions(f"sb{count}", b)
+    plane = SharedMemoryPlane()
+    plane.prepare("numba-cpu")
+    assert kernel.serial_bytes == SERIAL_MAX_BYTES
+    plane.attach(1, str(ra.path), ra.size)
+    plane.attach(2, str(rb.path), rb.size)
+    dt = np.dtype(np.float32)
+    plane.reduce(dt, "sum", [(1, 0), (2, 0)], count)
+    want = a + b
+    for r in (ra, rb):
+        np.testing.assert_array_equal(r.array(dt, count), want)
+    plane.close()

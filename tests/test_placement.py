@@ -19,10 +19,9 @@ from fabric.placement import (
     assign,
     best_offset,
     clock_sample,
-    cpu_plan,
     launcher_rank,
 )
-from fabric.topology import leaf_spine, loads, star
+from fabric.topology import loads, star
 from fabric.transport import free_tcp_port
 from tests.processes import kill_groups
 
@@ -105,24 +104,6 @@ def test_clock_offset_and_its_bound() -> None:
 
 
 # ------------------------------------------------------------------ processes
-
-
-def test_cpu_plan_gives_each_switch_a_core() -> None:
-    topo = star(2)
-    assert cpu_plan(topo, [0, 1]) == {"sw0": (1,), "w0": (0,), "w1": (0,)}
-    assert cpu_plan(topo, [3, 0, 2, 1]) == {"sw0": (3,), "w0": (0, 1, 2), "w1": (0, 1, 2)}
-    assert cpu_plan(topo, [2, 5, 7]) == {"sw0": (7,), "w0": (2, 5), "w1": (2, 5)}
-    assert "host0" not in cpu_plan(topo, [0, 1])  # hosts stay free
-
-
-def test_cpu_plan_pins_nothing_without_a_core_to_spare() -> None:
-    assert cpu_plan(star(2), [0]) == {}
-    tree = leaf_spine(2, 2)  # three switches
-    assert len(tree.switches) == 3
-    assert cpu_plan(tree, [0, 1, 2]) == {}
-    plan = cpu_plan(tree, range(8))
-    assert sorted(plan[s.name] for s in tree.switches) == [(5,), (6,), (7,)]
-    assert {plan[w.name] for w in tree.workers} == {(0, 1, 2, 3, 4)}
 
 
 def _mpirun() -> str | None:

@@ -26,7 +26,6 @@ IO_LIBS = {"zmq", "socket", "asyncio", "selectors", "subprocess", "threading", "
            "os", "signal", "multiprocessing", "aiohttp", "shutil"}
 #: Driver modules: the core never imports them (they import the core).
 DRIVERS = {"fabric.endpoint", "fabric.transport", "fabric.launcher", "fabric.launch_cli",
-           "fabric.affinity",
            "fabric.node", "fabric.shm", "fabric.doorbell", "fabric.frametrace", "fabric.p2p",
            "fabric.collectives",
            "fabric.cli", "fabric.rendezvous", "fabric.run_cli",
