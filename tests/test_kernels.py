@@ -229,15 +229,22 @@ def test_multicast_numba_size_threshold(dtype: str) -> None:
 
 
 @pytest.mark.parametrize("dtype", ["float32", "int64", "int32", "bfloat16"])
-def test_multicast_numba_serial_bytes(dtype: str) -> None:
+def test_multicast_numba_serial_bytes(dtype: str, monkeypatch: pytest.MonkeyPatch) -> None:
     # serial_bytes keeps a call above PARALLEL_MIN on the calling thread (the
     # 16-bit floats, which need the kernel's widening, keep to the kernel)
+    serial = []
+    native = R.multicast_reduce_native
+    monkeypatch.setattr(numba_cpu.reference, "multicast_reduce_native",
+                        lambda *a: (serial.append(1), native(*a)))
     b = numba_cpu.NumbaCpuBackend()
-    b.serial_bytes = 1 << 21
     rng = np.random.default_rng(11)
     srcs = [C.random_array(rng, numba_cpu.PARALLEL_MIN + 333, dtype) for _ in range(2)]
     C.check_multicast(b, srcs, 2, "sum", alias=True, on_device=False)
+    assert not serial  # by default a call this large takes the kernel
+    b.serial_bytes = 1 << 21
+    C.check_multicast(b, srcs, 2, "sum", alias=True, on_device=False)
     C.check_multicast(b, srcs, 1, "max", alias=False, on_device=False)
+    assert len(serial) == (0 if dtype == "bfloat16" else 2)
 
 
 @pytest.mark.parametrize("name", ["numba-cpu", "xp-numpy"])

@@ -71,11 +71,16 @@ def test_chunks_either_side_of_the_serial_limit(regions, count: int,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     # up to SERIAL_MAX_BYTES on the calling thread, beyond it the kernel's pool:
     # exact either way, for sizes where the plain backend would take the pool
+    from kernels import numba_cpu
     from kernels.backends import get_backend
     from switchd.memplane import SERIAL_MAX_BYTES
 
     kernel = get_backend("numba-cpu")
     monkeypatch.setattr(kernel, "serial_bytes", kernel.serial_bytes)  # restored after
+    serial = []
+    native = numba_cpu.reference.multicast_reduce_native
+    monkeypatch.setattr(numba_cpu.reference, "multicast_reduce_native",
+                        lambda *a: (serial.append(1), native(*a)))
     rng = np.random.default_rng(count)
     a, b = rng.random(count, dtype=np.float32), rng.random(count, dtype=np.float32)
     ra, rb = regions(f"sa{count}", a), regions(f"sb{count}", b)
@@ -86,6 +91,7 @@ def test_chunks_either_side_of_the_serial_limit(regions, count: int,
     plane.attach(2, str(rb.path), rb.size)
     dt = np.dtype(np.float32)
     plane.reduce(dt, "sum", [(1, 0), (2, 0)], count)
+    assert len(serial) == (count * 4 <= SERIAL_MAX_BYTES)
     want = a + b
     for r in (ra, rb):
         np.testing.assert_array_equal(r.array(dt, count), want)
