@@ -52,6 +52,7 @@ class SharedMemoryPlane:
             raise ValueError(f"kernel backend {backend!r}: {exc}") from None
         self.backend_name = backend
         if hasattr(self._kernel, "serial_bytes"):
+            # the process's shared backend: in a switch daemon the plane is its only user
             self._kernel.serial_bytes = SERIAL_MAX_BYTES
 
     def attach(self, key: int, path: str, size: int) -> None:
