@@ -51,7 +51,7 @@ from bench.sweep import (  # noqa: F401  (the names this module always had)
     parse_dtypes,
     parse_ops,
 )
-from fabric.endpoint import PATHS
+from fabric.emulation.endpoint import PATHS
 from fabric.errors import UsageError
 
 log = logging.getLogger("semfab.bench.allreduce")
@@ -338,7 +338,7 @@ def run(args: argparse.Namespace) -> int:
     plan = _parse(args)
     trace = getattr(args, "trace", None)
     if trace:
-        from fabric.launch_cli import check_output_file
+        from fabric.emulation.launch_cli import check_output_file
 
         check_output_file("--trace", trace)
     with _frame_logs(trace) as tracer:
@@ -359,7 +359,7 @@ def _frame_logs(trace: str | None) -> Iterator[Any]:
         yield None
         return
     from bench.frametrace import FrameTracer
-    from fabric.frametrace import ENV
+    from fabric.emulation.frametrace import ENV
 
     folder = Path(tempfile.mkdtemp(prefix="semfab-frames-"))
     before = os.environ.get(ENV)

@@ -3,7 +3,7 @@
 ``all_gather``, ``reduce_scatter``, ``broadcast``, ``reduce``, ``alltoall``
 and ``sendrecv`` (rank r sends to r+1 and receives from r-1, both at once),
 each on every path the fabric has for it
-(:data:`fabric.collective_programs.COLLECTIVES`; sendrecv: ``host-p2p``
+(:data:`fabric.core.collective_programs.COLLECTIVES`; sendrecv: ``host-p2p``
 streams) and through gloo and MPI in the same run, on the same sizes and
 process counts.
 
@@ -66,7 +66,7 @@ SIM_NOTE = "simulated (virtual time)"
 
 def our_paths(kind: str) -> tuple[str, ...]:
     """The fabric's paths of ``kind`` (sendrecv: streams between workers, host-p2p)."""
-    from fabric.collective_programs import COLLECTIVES
+    from fabric.core.collective_programs import COLLECTIVES
 
     return ("host-p2p",) if kind == "sendrecv" else COLLECTIVES[kind]
 
@@ -117,7 +117,7 @@ def collective_workload(ctx: Any, kind: str, path: str, sizes: list[int], dtype:
                         ) -> Generator[Any, Any, list[dict[str, Any]]]:
     """Time ``kind`` on ``path`` at every size (``sizes`` as swept: see :mod:`bench.nccl`).
 
-    A workload (fabric.workload): the same code runs on an emulated worker and
+    A workload (fabric.core.workload): the same code runs on an emulated worker and
     in the simulator. ``data=False`` is timing-only (simulation), unchecked.
     ``place``: nccl-tests' out-of-place (``"out"``) or in-place (``"in"``,
     :data:`INPLACE` kinds only) half.
@@ -196,7 +196,7 @@ def measure_on_worker(ep: Any, kind: str, path: str, size: int, dtype: str, op: 
     """Runs on every emulated worker: one size of ``kind`` on ``path``, with this node's
     semantic-distance counters and fallbacks of that size. ``places``: the halves
     (``"out"``, ``"in"``); a second half's figures are under ``"inplace"``."""
-    from fabric.emulation import run_in_emulation
+    from fabric.emulation.workloads import run_in_emulation
 
     sem0 = ep.sem(path).copy()
     switch0 = ep.switch_stats()["payload_copies"]

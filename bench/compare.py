@@ -325,7 +325,7 @@ def plot_compare(runs: Sequence[SavedRun], path: str | Path) -> Path:
 
 def run(args: argparse.Namespace) -> int:
     """Entry point of `semfab compare`."""
-    from fabric.launch_cli import check_output_file
+    from fabric.emulation.launch_cli import check_output_file
 
     if len(args.files) < 2:
         raise UsageError("compare needs at least two saved runs (the first is the baseline)")

@@ -1,7 +1,7 @@
 """`semfab bench core`: what the protocol itself costs per allreduce, in one process.
 
 The switch core (``switchd.core.SwitchCore``, with the shared-memory plane
-for ``ina-mem``) and one worker program per member (``fabric.programs``) run
+for ``ina-mem``) and one worker program per member (``fabric.core.programs``) run
 in this one process, wired to each other directly: every frame a program
 sends goes straight into the core's ``handle``, every frame the core emits
 straight into the member's ``handle_frame`` (decoded, as an endpoint does).
@@ -37,10 +37,10 @@ from typing import Any
 
 import numpy as np
 
-from fabric import frame as fr
+from fabric.core import frame as fr
+from fabric.core.programs import NodeState, Program, Request, Tensor, allreduce_program
+from fabric.core.topology import star
 from fabric.errors import UsageError
-from fabric.programs import NodeState, Program, Request, Tensor, allreduce_program
-from fabric.topology import star
 
 #: Paths this benchmark drives: the two in-network ones (the host paths' cost is
 #: the hosts' own, measured by `semfab bench allreduce`).
@@ -147,7 +147,7 @@ def measure_row(path: str, workers: int, size: int, dtype: str = "float32", op: 
     """One row: a first call that registers the job, ``warmup`` more untimed calls,
     then ``iters`` timed ones; every call checked. ``profile``: collects the
     timed calls' protocol code (and slows it: its row's times are not the row's)."""
-    from fabric.shm import SharedRegion
+    from fabric.emulation.shm import SharedRegion
     from kernels.checking import expected_allreduce, make_input
     from kernels.dtypes import np_dtype
     from kernels.reference import count_wrong

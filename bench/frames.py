@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 
 import msgpack
 
-from fabric import frame as fr
+from fabric.core import frame as fr
 from fabric.errors import UsageError
 
 DEFAULT_SIZES = (0, 256, 4096, 65536)

@@ -15,7 +15,7 @@ worker count; in it, per node:
   ``<switch> NACKs``: an instant per NACK it sent (a MISSING ask names the
   member it asks).
 
-The frames come from the processes' own logs (:mod:`fabric.frametrace`, on
+The frames come from the processes' own logs (:mod:`fabric.emulation.frametrace`, on
 while the bench runs with ``--trace``); every process of one host reads the
 same monotonic clock, so the tracks line up.
 """
@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.collectives import Tracer
-from fabric.frame import Flag, Op
+from fabric.core.frame import Flag, Op
 
 __all__ = ["FrameTracer"]
 

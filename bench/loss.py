@@ -50,7 +50,7 @@ def _switch_counts(ep: Any, path: str) -> tuple[int, int]:
 def loss_task(ep: Any, path: str, policy: str, size: int, iters: int, seed: int,
               frame_bytes: int) -> dict[str, Any]:
     """Runs on every worker; rank 0 reports for the pair."""
-    from fabric.p2p import stream_recv, stream_send
+    from fabric.emulation.p2p import stream_recv, stream_send
     from kernels.reference import count_wrong, expected_allreduce, make_tensor
 
     count = size // 4
@@ -119,7 +119,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _parse(args: argparse.Namespace) -> tuple[list[float], list[str], list[str], int, int]:
-    from fabric.reliability import POLICIES as registered
+    from fabric.core.reliability import POLICIES as registered
 
     try:
         losses = [float(v) for v in args.loss.split(",") if v.strip()]
@@ -149,8 +149,8 @@ def _parse(args: argparse.Namespace) -> tuple[list[float], list[str], list[str],
 
 def run(args: argparse.Namespace) -> int:
     """Entry point of `semfab bench loss`."""
-    from fabric.launcher import launch
-    from fabric.topology import star
+    from fabric.core.topology import star
+    from fabric.emulation.launcher import launch
 
     losses, policies, paths, size, frame = _parse(args)
     scenarios: list[tuple[str, float, str | None]] = [

@@ -62,7 +62,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _settings(args: argparse.Namespace) -> dict[str, Any]:
-    from fabric.moe import MOE_VARIANTS, parse_routing
+    from fabric.core.moe import MOE_VARIANTS, parse_routing
 
     if args.leaves < 1 or args.per_leaf < 1:
         raise UsageError("--leaves and --per-leaf must be at least 1")
@@ -103,7 +103,7 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _topology(s: dict[str, Any], ratio: float) -> Any:
-    from fabric.topology import leaf_spine, star
+    from fabric.core.topology import leaf_spine, star
 
     if s["leaves"] == 1:
         return star(s["ranks"], bandwidth_gbps=s["bandwidth_gbps"], latency_us=s["latency_us"],
@@ -116,7 +116,7 @@ def _topology(s: dict[str, Any], ratio: float) -> Any:
 def moe_task(ep: Any, variant: str, s: dict[str, Any]) -> dict[str, Any]:
     """On every emulated rank: warm-up and timed dispatch + combine, each output
     checked against NumPy; returns times, rows received and wrong elements."""
-    from fabric.moe import expert_partials, make_inputs, moe_reference
+    from fabric.core.moe import expert_partials, make_inputs, moe_reference
 
     T, H, K, E = s["tokens"], s["hidden"], s["topk"], s["experts"]
     ins = [make_inputs(r, T, H, K, E, s["dtype"], s["seed"], s["routing"])
@@ -142,7 +142,7 @@ def moe_task(ep: Any, variant: str, s: dict[str, Any]) -> dict[str, Any]:
 
 
 def _sim_work(ctx: Any, variant: str, s: dict[str, Any]) -> Any:
-    from fabric.moe import make_inputs
+    from fabric.core.moe import make_inputs
 
     _x, idx, w = make_inputs(ctx.rank, s["tokens"], 1, s["topk"], s["experts"], "float32",
                              s["seed"], s["routing"])
@@ -203,7 +203,7 @@ def run(args: argparse.Namespace) -> int:
                 results.append(_row(s, ratio, v, res.results, _spine_bytes(res.switch_stats)))
                 _print_row(results)
             continue
-        from fabric.launcher import launch
+        from fabric.emulation.launcher import launch
 
         kw: dict[str, Any] = {"timeout_s": args.timeout, "seed": s["seed"],
                               "remove_run_dir": not (args.run_dir or args.keep_runs)}

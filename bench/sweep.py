@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import report
-from fabric.endpoint import DTYPE_NAMES, OPS
+from fabric.emulation.endpoint import DTYPE_NAMES, OPS
 from fabric.errors import FabricTimeout, PeerFailed, UsageError
 
 log = logging.getLogger("semfab.bench.sweep")
@@ -252,9 +252,9 @@ def parse_plan(args: argparse.Namespace, all_paths: Sequence[str], *,
 
 def check_run_inputs(args: argparse.Namespace, workers: list[int], fabric: bool) -> None:
     """Files, folders and links, checked before any process starts (not after a long run)."""
+    from fabric.core.topology import TopologyError, load, star
+    from fabric.emulation.launch_cli import check_dir, check_output_file
     from fabric.errors import check_seconds
-    from fabric.launch_cli import check_dir, check_output_file
-    from fabric.topology import TopologyError, load, star
 
     check_seconds("--timeout", args.timeout)
     try:
@@ -268,7 +268,7 @@ def check_run_inputs(args: argparse.Namespace, workers: list[int], fabric: bool)
     except TopologyError as exc:
         raise UsageError(str(exc).replace("<star>: ", "--link-gbps/--link-latency-us: ")) from None
     if getattr(args, "faults", None):
-        from fabric.faults import FaultSpecError, parse_faults
+        from fabric.core.faults import FaultSpecError, parse_faults
 
         try:
             parse_faults(args.faults)
@@ -288,7 +288,7 @@ def check_run_inputs(args: argparse.Namespace, workers: list[int], fabric: bool)
 
 def topology(args: argparse.Namespace, workers: int) -> Any:
     """The topology of ``workers``: the file, or the default star with the link flags."""
-    from fabric.topology import load, star
+    from fabric.core.topology import load, star
 
     if args.topology:
         return load(args.topology)
@@ -544,7 +544,7 @@ def row_notes(args: argparse.Namespace, above_link: Callable[[Row, float], str]
 
 def _launch(args: argparse.Namespace, w: int) -> Any:
     """A launched fabric of ``w`` workers with the run's topology, faults and timeout."""
-    from fabric.launcher import launch
+    from fabric.emulation.launcher import launch
 
     kw: dict[str, Any] = dict(timeout_s=args.timeout, remove_run_dir=not (
         args.run_dir or getattr(args, "keep_runs", False)))

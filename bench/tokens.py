@@ -795,7 +795,7 @@ def write_trace(runs: list[StrategyRun], path: str | Path, per_level: int) -> Pa
 # ---------------------------------------------------------------------- runs
 def _check_outputs(args: argparse.Namespace) -> None:
     """Refuse unwritable output files before anything runs."""
-    from fabric.launch_cli import check_dir, check_output_file
+    from fabric.emulation.launch_cli import check_dir, check_output_file
 
     for flag in ("json", "markdown", "plot", "trace"):
         if getattr(args, flag, None):

@@ -26,10 +26,10 @@ from typing import Any
 
 import numpy as np
 
-from fabric import doorbell as db
-from fabric import frame as fr
+from fabric.core import frame as fr
+from fabric.core.frame import Flag, Op
+from fabric.emulation import doorbell as db
 from fabric.errors import UsageError
-from fabric.frame import Flag, Op
 
 #: A reader that has not answered within this many seconds failed the row.
 READER_TIMEOUT_S = 60.0

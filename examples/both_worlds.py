@@ -6,10 +6,10 @@ fabric (virtual time) and on launched processes (real time).
 
 import numpy as np
 
-from fabric.emulation import run_in_emulation
-from fabric.launcher import launch
+from fabric.core.topology import leaf_spine, star
+from fabric.emulation.launcher import launch
+from fabric.emulation.workloads import run_in_emulation
 from fabric.sim import Simulation
-from fabric.topology import leaf_spine, star
 
 
 def work(ctx, count):

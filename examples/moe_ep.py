@@ -7,11 +7,11 @@ against NumPy (identity experts: combine(dispatch(x)) = sum_k w_k x).
 
 import numpy as np
 
-from fabric.emulation import run_in_emulation
-from fabric.launcher import launch
-from fabric.moe import expert_partials, make_inputs, moe_reference
+from fabric.core.moe import expert_partials, make_inputs, moe_reference
+from fabric.core.topology import leaf_spine
+from fabric.emulation.launcher import launch
+from fabric.emulation.workloads import run_in_emulation
 from fabric.sim import Simulation
-from fabric.topology import leaf_spine
 
 T, H, K = 32, 256, 4  # tokens per rank, hidden size, top-k
 

@@ -148,18 +148,18 @@ def build_parser() -> argparse.ArgumentParser:
                      "fabric.serving.cli")
 
     _add_lazy_parser(sub, "launch", "start a fabric (switches, host, workers); run a function "
-                     "on every worker or keep it up until Ctrl-C", "fabric.launch_cli")
+                     "on every worker or keep it up until Ctrl-C", "fabric.emulation.launch_cli")
     _add_lazy_parser(sub, "sim", "simulate the fabric in virtual time: allreduce tables, "
                      "the scaling study (workers x oversubscription x path)", "fabric.sim.cli")
     _add_lazy_parser(sub, "run", "one process of a fabric placed by mpirun or srun: takes its "
                      "node from the launcher's rank, joins the rendezvous, runs the workload",
-                     "fabric.run_cli")
+                     "fabric.emulation.run_cli")
     _add_lazy_parser(sub, "switchd", "run one switch daemon (for srun/mpirun/ssh placement)",
                      "switchd.cli")
     _add_lazy_parser(sub, "node", "run one worker or host node (for srun/mpirun/ssh placement)",
-                     "fabric.node")
+                     "fabric.emulation.node")
     _add_lazy_parser(sub, "stats", "show the live counters of a running fabric's switches",
-                     "fabric.launch_cli", adder="add_stats_arguments", runner="run_stats")
+                     "fabric.emulation.launch_cli", adder="add_stats_arguments", runner="run_stats")
     _add_lazy_parser(sub, "compare", "saved allreduce runs side by side: busbw, time and the "
                      "ratio to the first, per path, workers and size", "bench.compare")
 
@@ -169,10 +169,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = tsub.add_parser("check", help="validate a topology file and summarise it",
                         add_help=False)
     p.add_argument("rest", nargs=argparse.REMAINDER)
-    p.set_defaults(func=_passthrough("fabric.topology", "check_main"))
+    p.set_defaults(func=_passthrough("fabric.core.topology", "check_main"))
     p = tsub.add_parser("gen", help="write a star or leaf/spine topology file", add_help=False)
     p.add_argument("rest", nargs=argparse.REMAINDER)
-    p.set_defaults(func=_passthrough("fabric.topology", "gen_main"))
+    p.set_defaults(func=_passthrough("fabric.core.topology", "gen_main"))
     _add_verbose_after_subcommands(parser)
     return parser
 
@@ -219,7 +219,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if len(argv) >= 2 and argv[0] == "topo" and argv[1] in ("check", "gen"):
         # the topology module owns these parsers (flags included)
-        from fabric import topology
+        from fabric.core import topology
 
         return (topology.check_main if argv[1] == "check" else topology.gen_main)(argv[2:])
     # SIGTERM (a job scheduler, `timeout`) unwinds like Ctrl-C, so every

@@ -4,7 +4,7 @@ Public, like ``trio.testing``: semfab's own tests use them, and so do the
 simulated benchmarks (``semfab bench loss``) and anyone trying a new retransmit
 policy. Everything here is pure and deterministic: time is a number the loop
 advances to the next deadline, faults come from a seeded
-:class:`~fabric.faults.FaultInjector`, so a run is reproducible to the bit.
+:class:`~fabric.core.faults.FaultInjector`, so a run is reproducible to the bit.
 
 ::
 
@@ -24,10 +24,10 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from fabric.faults import FaultInjector, FaultSpec, FaultStats, parse_faults
-from fabric.frame import Flag, FrameError, Op, decode, encode
-from fabric.link import LinkPipeline
-from fabric.reliability import (
+from fabric.core.faults import FaultInjector, FaultSpec, FaultStats, parse_faults
+from fabric.core.frame import Flag, FrameError, Op, decode, encode
+from fabric.core.link import LinkPipeline
+from fabric.core.reliability import (
     Ack,
     Receiver,
     ReceiverStats,
@@ -35,7 +35,7 @@ from fabric.reliability import (
     SenderStats,
     Transmit,
 )
-from fabric.topology import LinkParams
+from fabric.core.topology import LinkParams
 
 __all__ = [
     "FakeClock",
@@ -82,7 +82,7 @@ class LinkStats:
 class MemoryLink:
     """A one-way in-memory link: frames go in, come out at their arrival time.
 
-    Built on :class:`fabric.link.LinkPipeline`, the link model of both worlds:
+    Built on :class:`fabric.core.link.LinkPipeline`, the link model of both worlds:
     the injector decides loss, corruption, duplication, reordering and delay
     first; then, with ``bandwidth_gbps``, the link serialises each frame (queued
     behind earlier ones), so extra retransmissions cost time, as on a real link.
@@ -188,7 +188,7 @@ def run_transfer(
     ``clock`` to the next deadline (link arrivals, sender RTO, receiver delayed
     ACK) and handles everything due. Stops when the sender is done, when
     nothing is left to happen, or after ``max_steps``. A
-    :class:`~fabric.reliability.ReliabilityError` propagates.
+    :class:`~fabric.core.reliability.ReliabilityError` propagates.
     """
     flow = sender.flow
     handles: list[Any] = []

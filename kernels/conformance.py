@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from . import reference
-from .backends import Backend
+from .base import Backend
 from .dtypes import FLOAT_DTYPES, np_dtype
 
 

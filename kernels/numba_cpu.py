@@ -18,7 +18,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 from . import _device, reference
-from .backends import Backend
+from .base import Backend
 from .dtypes import BF16, DTYPES, dtype_name, np_dtype, op_code
 from .reference import QUANT_MAX, TENSOR_SPEC, ToyDecoder
 

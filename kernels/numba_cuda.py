@@ -22,7 +22,7 @@ import numpy as np
 from numba import cuda as _numba_cuda
 
 from . import _device, reference
-from .backends import Backend, cuda_simulator_enabled
+from .base import Backend, cuda_simulator_enabled
 from .dtypes import BF16, DTYPES, dtype_name, np_dtype, op_code
 from .reference import QUANT_MAX, TENSOR_SPEC, ToyDecoder
 

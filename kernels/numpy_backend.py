@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from . import reference
-from .backends import Backend
+from .base import Backend
 from .reference import ToyDecoder
 
 

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from . import reference
-from .backends import Backend
+from .base import Backend
 from .dtypes import BF16, DTYPES, FLOAT_DTYPES, dtype_name, np_dtype, op_code
 from .reference import _U1, _U16, GOLDEN, QUANT_MAX, TENSOR_SPEC, ToyDecoder, mix64
 

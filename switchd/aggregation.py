@@ -68,7 +68,7 @@ class AggOp(StrEnum):
 #: Element types the engine reduces: the project's one dtype registry.
 DTYPES: Final[dict[str, np.dtype[Any]]] = _DTYPES
 
-#: NACK codes a :class:`Rejected` may carry (names match ``fabric.frame.NackCode``).
+#: NACK codes a :class:`Rejected` may carry (names match ``fabric.core.frame.NackCode``).
 #: The engine itself emits UNKNOWN_JOB, NO_RESOURCE, PERMISSION, OUT_OF_WINDOW and
 #: MALFORMED; BAD_KEY is for the daemon's region-key checks on the memory plane.
 NACK_CODES: Final[frozenset[str]] = frozenset(

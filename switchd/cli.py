@@ -8,7 +8,7 @@ import os
 import sys
 from pathlib import Path
 
-from fabric.topology import TopologyError, load
+from fabric.core.topology import TopologyError, load
 
 #: More ZeroMQ I/O threads than cores only adds switching; 64 is already absurd.
 MAX_IO_THREADS = 64
@@ -61,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
         except TopologyError as exc:
             raise UsageError(str(exc)) from None
     if args.faults is not None:
-        from fabric.faults import FaultSpecError, parse_faults
+        from fabric.core.faults import FaultSpecError, parse_faults
 
         try:
             parse_faults(args.faults)

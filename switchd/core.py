@@ -41,12 +41,12 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from fabric import control
-from fabric import frame as fr
-from fabric.frame import Flag, FrameError, NackCode, Op
-from fabric.memory import AccessError, RegionInfo, RegionTable
-from fabric.reliability import PSN_MASK, unwrap_psn
-from fabric.topology import Topology
+from fabric.core import control
+from fabric.core import frame as fr
+from fabric.core.frame import Flag, FrameError, NackCode, Op
+from fabric.core.memory import AccessError, RegionInfo, RegionTable
+from fabric.core.reliability import PSN_MASK, unwrap_psn
+from fabric.core.topology import Topology
 from kernels.dtypes import DTYPES, byte_view
 from switchd.aggregation import (
     AggOp,
@@ -78,7 +78,7 @@ MISSING_ASKS = 4
 #: MISSING requests remembered (so each lost contribution is asked for once).
 ASKED_KEPT = 65536
 #: Multicast group ids the tree root hands out (0 is every worker, built in). A
-#: group's jobs take ids ``gid << GROUP_JOB_BITS | n`` (fabric.programs.Group).
+#: group's jobs take ids ``gid << GROUP_JOB_BITS | n`` (fabric.core.programs.Group).
 MAX_GROUPS = 255
 GROUP_JOB_BITS = 8
 #: In-network MoE combine: REDUCE frames on this flow, addressed to a token's home,
@@ -86,7 +86,7 @@ GROUP_JOB_BITS = 8
 COMBINE_FLOW = 24
 #: Finished per-token combine sums a switch keeps for the home to ask again.
 COMBINE_KEPT = 65536
-#: A node's doorbell file ends in this and its node id (fabric.doorbell).
+#: A node's doorbell file ends in this and its node id (fabric.emulation.doorbell).
 DOORBELL_SUFFIX = "-bell-"
 
 
@@ -619,7 +619,7 @@ class SwitchCore:
             # every chunk below this one still waiting for this member (from the
             # oldest incomplete one): lost on its link, or not sent yet (its slot's
             # result came late; the member then ignores the ask, see
-            # fabric.programs.InaAllreduce). A chunk asked before is asked again
+            # fabric.core.programs.InaAllreduce). A chunk asked before is asked again
             # with this newer proof (the ask or the resend may be lost too), a few
             # times at most.
             lo = max(self._done_below.get(f.job, 0), chunk - MISSING_SCAN)

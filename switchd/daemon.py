@@ -7,7 +7,7 @@ a DEALER named after itself to the lower-id switch's ROUTER). This module only
 moves bytes and keeps time: every decision (forwarding, aggregation, barriers,
 regions, control, NACKs) is the core's.
 
-Link emulation: each link direction has one :class:`fabric.link.LinkPipeline`
+Link emulation: each link direction has one :class:`fabric.core.link.LinkPipeline`
 (faults, shaping, hold queue). The switch drives the node->switch direction of
 its node links (nodes send straight into their socket) and the switch->peer
 direction of every link, so a switch-to-switch link is emulated once per
@@ -27,12 +27,13 @@ from typing import Any
 
 import zmq
 
-from fabric import control, transport
-from fabric import doorbell as db
-from fabric.faults import FaultSpec, FaultStats, parse_faults
-from fabric.frametrace import FrameLog
-from fabric.link import LinkPipeline
-from fabric.topology import Topology
+from fabric.core import control
+from fabric.core.faults import FaultSpec, FaultStats, parse_faults
+from fabric.core.link import LinkPipeline
+from fabric.core.topology import Topology
+from fabric.emulation import doorbell as db
+from fabric.emulation import transport
+from fabric.emulation.frametrace import FrameLog
 from switchd.core import SwitchCore, SwitchStats, unwrap_psn
 from switchd.memplane import SharedMemoryPlane
 
@@ -78,7 +79,7 @@ class SwitchDaemon:
         self.node = topo.node(name)
         self.address = topo.endpoint_address(name, sock_dir)
         self.memory = SharedMemoryPlane()
-        # memory-plane descriptors of the workers on this host, by port (fabric.doorbell)
+        # memory-plane descriptors of the workers on this host, by port (fabric.emulation.doorbell)
         self._bells: dict[bytes, db.Doorbell] = {}
         self._bells_changed = False
         self._retired: list[db.Doorbell] = []

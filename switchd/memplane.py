@@ -13,12 +13,12 @@ from typing import Any
 
 import numpy as np
 
-from fabric.shm import SharedRegion
+from fabric.emulation.shm import SharedRegion
 
 #: Chunk views kept (each a few hundred bytes); beyond it they are made anew.
 VIEWS_KEPT = 4096
 #: Chunks up to this size are reduced on the switch's own thread, not the
-#: kernel's pool. Below the workers' spin limit (fabric.doorbell.SPIN_MAX_BYTES)
+#: kernel's pool. Below the workers' spin limit (fabric.emulation.doorbell.SPIN_MAX_BYTES)
 #: they spin on the other cores, and a pool thread there waits behind them: at
 #: 2 workers on 2 cores (4 launches each, medians of 3 rounds of 60 calls in
 #: place), 256 KiB took 193-261 us serial against 238-338 us with the pool and

@@ -1,5 +1,5 @@
-"""Link shaping (kept for imports): see :mod:`fabric.link`."""
+"""Link shaping (kept for imports): see :mod:`fabric.core.link`."""
 
-from fabric.link import LinkShaper
+from fabric.core.link import LinkShaper
 
 __all__ = ["LinkShaper"]

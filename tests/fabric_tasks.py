@@ -93,7 +93,7 @@ def alloc_free_cycle(ep) -> tuple[int, int]:
 
 
 def seeded_sum_workload(ctx, paths, count: int, dtype: str, steps: int = 2):
-    """A workload for both worlds (fabric.workload): allreduce seeded tensors on
+    """A workload for both worlds (fabric.core.workload): allreduce seeded tensors on
     every path; returns each path's last result."""
     out = {}
     for path in paths:
@@ -157,8 +157,8 @@ def hostile_then_exact(ep, n: int, seed: int) -> dict:
     every path must still be exact on every rank."""
     import random
 
-    from fabric import control
-    from fabric import frame as fr
+    from fabric.core import control
+    from fabric.core import frame as fr
 
     if ep.rank == 0:
         rng = random.Random(seed)
@@ -342,8 +342,8 @@ def comm_api(ep, m: int, cycles: int) -> dict:
 # ---------------------------------------------------------------------- MoE
 def moe_inputs(rank: int, T: int, H: int, K: int, E: int, dtype: str, seed: int = 7,
                skew: float = 0.0):
-    """Seeded MoE inputs (fabric.moe.make_inputs): uniform, or Zipf-skewed routing."""
-    from fabric.moe import make_inputs
+    """Seeded MoE inputs (fabric.core.moe.make_inputs): uniform, or Zipf-skewed routing."""
+    from fabric.core.moe import make_inputs
 
     return make_inputs(rank, T, H, K, E, dtype, seed, f"zipf:{skew}" if skew else "uniform")
 
@@ -351,7 +351,7 @@ def moe_inputs(rank: int, T: int, H: int, K: int, E: int, dtype: str, seed: int 
 def moe_workload(ctx, variants, T: int, H: int, K: int, E: int, dtype: str = "float32",
                  skew: float = 0.0):
     """combine(dispatch(x)) with identity experts, per variant; returns outputs."""
-    from fabric.moe import expert_partials
+    from fabric.core.moe import expert_partials
 
     x, idx, w = moe_inputs(ctx.rank, T, H, K, E, dtype, skew=skew)
     out = {}
@@ -382,7 +382,7 @@ def moe_timing_workload(ctx, variant: str, T: int, H: int, K: int, E: int,
 def tenant_topology(per_tenant: int = 2, a_slots: int = 8):
     """A star of two tenants ("a": the first ``per_tenant`` workers, "b": the rest);
     tenant a may hold ``a_slots`` switch slots, b has no limit."""
-    from fabric.topology import Topology, star
+    from fabric.core.topology import Topology, star
 
     d = star(2 * per_tenant).to_dict()
     for n in d["node"]:
@@ -407,7 +407,7 @@ def tenants_workload(ctx, per_tenant: int, n: int):
 
 def tenants_task(ep, per_tenant: int, n: int) -> dict:
     """tenants_workload on an endpoint, with its fallbacks."""
-    from fabric.emulation import run_in_emulation
+    from fabric.emulation.workloads import run_in_emulation
 
     out = run_in_emulation(ep, tenants_workload, per_tenant, n)
     out["fallbacks"] = list(ep.fallbacks)
@@ -417,7 +417,7 @@ def tenants_task(ep, per_tenant: int, n: int) -> dict:
 def in_place_workload(ctx, m: int):
     """NCCL's in-place forms: all_gather's input is its slice of the output,
     reduce_scatter's output its slice of the input, broadcast/reduce one buffer."""
-    from fabric.collective_programs import COLLECTIVES
+    from fabric.core.collective_programs import COLLECTIVES
 
     W, r = ctx.world, ctx.rank
     out = {}

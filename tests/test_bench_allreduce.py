@@ -20,8 +20,8 @@ import pytest
 from bench import allreduce
 from bench.report import AllreduceRow
 from fabric.cli import main
-from fabric.launcher import TaskFailed
-from fabric.topology import Topology
+from fabric.core.topology import Topology
+from fabric.emulation.launcher import TaskFailed
 
 ROW = re.compile(r"^\s+\d+\s+\d+\s+\w+\s+\w+\s+[\w-]+\s+\d+\s")
 TINY = ["bench", "allreduce", "--workers", "2", "-b", "4K", "-e", "16K", "--paths",
@@ -82,7 +82,7 @@ def fake(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
         state["launch_kw"] = kw
         return fab
 
-    monkeypatch.setattr("fabric.launcher.launch", launch)
+    monkeypatch.setattr("fabric.emulation.launcher.launch", launch)
     monkeypatch.setattr(allreduce, "_cores", lambda: 64)  # no oversubscription warning
     return state
 
@@ -389,6 +389,6 @@ def test_real_run_traces_calls_chunks_switch_and_resends(tmp_path: Path,
     chunks = [e for e in events if e.get("cat") == "chunk"]
     assert len(chunks) >= 2 * 2 * (3 + 3) and all(e["dur"] > 0 for e in chunks)
     assert any(e["ph"] == "i" for e in events)  # 5% loss: something was resent or asked
-    from fabric.frametrace import ENV
+    from fabric.emulation.frametrace import ENV
 
     assert ENV not in os.environ  # the processes' logging is off again

@@ -18,7 +18,7 @@ import pytest
 from bench import collectives, nccl, peers
 from bench.report import busbw_factor
 from fabric.cli import main
-from fabric.topology import Topology
+from fabric.core.topology import Topology
 
 ROW = re.compile(r"^\s+\d+\s+\d+\s+\w+\s+\w+\s+")
 TINY = ["--workers", "2", "-b", "4K", "-e", "4K", "-w", "0", "-n", "1"]
@@ -144,7 +144,7 @@ class FakeFabric:
 @pytest.fixture
 def fake(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     state: dict[str, Any] = {"wrong": {}, "times": [10.0]}
-    monkeypatch.setattr("fabric.launcher.launch", lambda topology, **kw: FakeFabric(
+    monkeypatch.setattr("fabric.emulation.launcher.launch", lambda topology, **kw: FakeFabric(
         topology, state["wrong"], state["times"]))
     return state
 

@@ -7,8 +7,8 @@ import json
 import pytest
 
 from bench import wakeup
-from fabric import doorbell as db
 from fabric.cli import main
+from fabric.emulation import doorbell as db
 
 pytestmark = pytest.mark.skipif(not db.available(), reason="doorbells need x86-64 ordering")
 

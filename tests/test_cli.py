@@ -232,7 +232,7 @@ def test_stats_finds_a_fabric_launched_from_python(tmp_path) -> None:
     import subprocess
     import sys
 
-    from fabric.launcher import launch
+    from fabric.emulation.launcher import launch
 
     with launch(workers=2, run_dir=tmp_path, timeout_s=20):
         out = subprocess.run([sys.executable, "-m", "fabric", "stats", str(tmp_path)],

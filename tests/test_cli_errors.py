@@ -20,8 +20,8 @@ from typing import Any
 import pytest
 
 from fabric.cli import main
+from fabric.core.topology import star
 from fabric.errors import UsageError, check_seconds
-from fabric.topology import star
 from tests.processes import kill_groups
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -187,12 +187,13 @@ def test_validation_runs_before_anything_is_created(tmp_path: Path,
     ("switchd", ["--topology", STAR4, "--name", "sw0", "--io-threads", "-1"], "semfab switchd"),
     ("switchd", ["--topology", STAR4, "--name", "sw0", "--sock-dir", "/nonexistent/dir"],
      "semfab switchd"),
-    ("fabric.node", ["--topology", "/nonexistent.toml", "--name", "w0", "--sock-dir", "/tmp"],
+    ("fabric.emulation.node",
+     ["--topology", "/nonexistent.toml", "--name", "w0", "--sock-dir", "/tmp"], "semfab node"),
+    ("fabric.emulation.node", ["--topology", STAR4, "--name", "zz", "--sock-dir", "/tmp"],
      "semfab node"),
-    ("fabric.node", ["--topology", STAR4, "--name", "zz", "--sock-dir", "/tmp"], "semfab node"),
 ])
 def test_process_entry_points_give_one_line(module: str, argv: list[str], prog: str) -> None:
-    """`python -m switchd` / `python -m fabric.node`, as srun or mpirun start them."""
+    """`python -m switchd` / `python -m fabric.emulation.node`, as srun or mpirun start them."""
     proc = subprocess.run([sys.executable, "-m", module, *argv], capture_output=True,
                           text=True, timeout=50, env=ENV, cwd=ROOT)
     assert proc.returncode == 2, proc.stderr
@@ -219,7 +220,7 @@ def test_check_seconds() -> None:
 
 
 def test_launch_refuses_a_zero_timeout_before_starting() -> None:
-    from fabric.launcher import launch
+    from fabric.emulation.launcher import launch
 
     for bad in (0, -1, math.nan):
         with pytest.raises(UsageError, match="timeout_s"):
@@ -228,7 +229,7 @@ def test_launch_refuses_a_zero_timeout_before_starting() -> None:
 
 def test_launch_inside_a_node_is_refused(monkeypatch: pytest.MonkeyPatch,
                                          tmp_path: Path) -> None:
-    from fabric.launcher import NODE_ENV, launch
+    from fabric.emulation.launcher import NODE_ENV, launch
 
     monkeypatch.setenv(NODE_ENV, "w0")
     with pytest.raises(UsageError, match='if __name__ == "__main__":'):
@@ -291,7 +292,7 @@ def _all_gone(pids: list[int], limit: float = 15.0) -> bool:
 
 LIBRARY_LAUNCHER = """\
     import json, sys, time
-    from fabric.launcher import launch
+    from fabric.emulation.launcher import launch
 
     fab = launch(workers=1, run_dir="run", timeout_s=20)
     info = {"sock_dir": str(fab.sock_dir), "pids": [p.popen.pid for p in fab.procs.values()]}
@@ -341,7 +342,7 @@ def test_cli_launcher_cleans_up_on_signals(sig: int, tmp_path: Path,
 
 
 GUARDLESS = """\
-    from fabric.launcher import launch
+    from fabric.emulation.launcher import launch
 
     def work(ep):
         return ep.rank
@@ -366,7 +367,7 @@ def test_a_script_without_main_guard_is_refused(tmp_path: Path,
 
 
 def test_stale_socket_folders_of_dead_launchers_are_swept(tmp_path: Path) -> None:
-    from fabric.launcher import _sweep_stale_socket_dirs
+    from fabric.emulation.launcher import _sweep_stale_socket_dirs
 
     dead = subprocess.Popen(["true"])
     dead.wait()

@@ -1,4 +1,4 @@
-"""The collective set and communicators (fabric.collective_programs), run by the
+"""The collective set and communicators (fabric.core.collective_programs), run by the
 simulator: every collective and path exact against NumPy, under loss, at 64
 ranks, on groups; bad input gets a typed error naming the rank."""
 
@@ -7,10 +7,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fabric.collective_programs import COLLECTIVES
+from fabric.core.collective_programs import COLLECTIVES
+from fabric.core.topology import leaf_spine, star
 from fabric.errors import PeerFailed, UsageError
 from fabric.sim import Simulation, SimulationError
-from fabric.topology import leaf_spine, star
 from tests import fabric_tasks as tasks
 
 CASES = [(k, p) for k, paths in COLLECTIVES.items() for p in paths]

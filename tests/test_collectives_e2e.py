@@ -7,10 +7,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fabric.collective_programs import COLLECTIVES
-from fabric.emulation import run_in_emulation
-from fabric.launcher import launch
-from fabric.topology import leaf_spine, star
+from fabric.core.collective_programs import COLLECTIVES
+from fabric.core.topology import leaf_spine, star
+from fabric.emulation.launcher import launch
+from fabric.emulation.workloads import run_in_emulation
 from tests import fabric_tasks as tasks
 from tests.test_collective_programs import CASES, check
 

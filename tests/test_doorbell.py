@@ -1,4 +1,4 @@
-"""Shared-memory doorbells (fabric.doorbell): the rings as a state machine, the
+"""Shared-memory doorbells (fabric.emulation.doorbell): the rings as a state machine, the
 pipes across processes, the switch core's authorisation, and the memory plane
 over real processes with doorbells on and off."""
 
@@ -15,13 +15,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fabric import control
-from fabric import doorbell as db
-from fabric import frame as fr
-from fabric.frame import Flag, Op
-from fabric.launcher import launch
-from fabric.shm import SHM_DIR
-from fabric.topology import star
+from fabric.core import control
+from fabric.core import frame as fr
+from fabric.core.frame import Flag, Op
+from fabric.core.topology import star
+from fabric.emulation import doorbell as db
+from fabric.emulation.launcher import launch
+from fabric.emulation.shm import SHM_DIR
 from switchd.core import DOORBELL_SUFFIX, SwitchCore
 
 pytestmark = pytest.mark.skipif(not db.available(), reason="doorbells need x86-64 ordering")
@@ -296,7 +296,7 @@ def test_a_peer_that_scribbles_on_the_indices_cannot_make_this_side_raise(bell) 
 
 
 def test_only_semfab_files_in_the_shared_memory_folder_may_be_mapped() -> None:
-    from fabric.shm import SHM_DIR, is_semfab_file
+    from fabric.emulation.shm import SHM_DIR, is_semfab_file
 
     assert is_semfab_file(SHM_DIR / "semfab-1-w0-tokens-2a")
     assert not is_semfab_file(SHM_DIR / "other-file")

@@ -8,9 +8,9 @@ import time
 
 import pytest
 
+from fabric.core.topology import star
+from fabric.emulation.launcher import Fabric, TaskFailed, launch
 from fabric.errors import FabricTimeout, PeerFailed
-from fabric.launcher import Fabric, TaskFailed, launch
-from fabric.topology import star
 from tests import fabric_tasks as tasks
 
 pytestmark = pytest.mark.timeout(180)
@@ -193,7 +193,7 @@ def test_leaf_spine_fabric_forwards_and_aggregates_in_a_tree(tmp_path) -> None:
     leaf sends its partial up, the spine's result comes back down), and a
     memory-plane job spanning switches refused and run on the host ring instead,
     with the fallback reported."""
-    from fabric.topology import loads
+    from fabric.core.topology import loads
 
     with launch(topology=loads(TWO_LEAVES), run_dir=tmp_path, timeout_s=20) as fab:
         ring = fab.run(tasks.allreduce_check, "host-ring", 5003, "float32", "sum", 1024)
@@ -211,7 +211,7 @@ def test_leaf_spine_fabric_forwards_and_aggregates_in_a_tree(tmp_path) -> None:
 
 @pytest.mark.parametrize("faults", ["loss=0.03", "loss=0.02,dup=0.02,corrupt=0.02"])
 def test_tree_aggregation_exact_under_faults(tmp_path, faults: str) -> None:
-    from fabric.topology import loads
+    from fabric.core.topology import loads
 
     with launch(topology=loads(TWO_LEAVES), run_dir=tmp_path, timeout_s=20,
                 faults=faults, seed=3) as fab:

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from fabric.faults import (
+from fabric.core.faults import (
     NO_FAULTS,
     FaultInjector,
     FaultSpec,
@@ -14,7 +14,7 @@ from fabric.faults import (
     GilbertElliott,
     parse_faults,
 )
-from fabric.frame import FrameError, NackCode, Op, decode, encode
+from fabric.core.frame import FrameError, NackCode, Op, decode, encode
 from fabric.testing import FakeClock, MemoryLink
 
 # ---------------------------------------------------------------------------

@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fabric import frame as fr
-from fabric.frame import DTYPE_SIZES, DType, Flag, FrameError, LocalFrameError, NackCode, Op
+from fabric.core import frame as fr
+from fabric.core.frame import DTYPE_SIZES, DType, Flag, FrameError, LocalFrameError, NackCode, Op
 
 VECTORS = Path(__file__).parent / "vectors"
 
@@ -234,9 +234,9 @@ def test_golden_vectors(path: Path) -> None:
 
 def test_frame_module_is_pure() -> None:
     """The codec must not import I/O libraries (DESIGN.md: sans-IO core)."""
-    import fabric.frame
+    import fabric.core.frame
 
-    tree = ast.parse(Path(fabric.frame.__file__).read_text())
+    tree = ast.parse(Path(fabric.core.frame.__file__).read_text())
     names = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):

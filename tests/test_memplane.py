@@ -7,7 +7,7 @@ import os
 import numpy as np
 import pytest
 
-from fabric.shm import SharedRegion
+from fabric.emulation.shm import SharedRegion
 from switchd.memplane import SharedMemoryPlane
 
 

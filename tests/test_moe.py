@@ -1,4 +1,4 @@
-"""MoE dispatch and combine (fabric.moe): flat and hierarchical, exact in both
+"""MoE dispatch and combine (fabric.core.moe): flat and hierarchical, exact in both
 worlds against NumPy (identity experts), the hierarchical variant's saving of
 cross-spine bytes counted by the switches, and bad routing refused."""
 
@@ -7,12 +7,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fabric.emulation import run_in_emulation
+from fabric.core.moe import MOE_VARIANTS, moe_reference
+from fabric.core.topology import leaf_spine, star
+from fabric.emulation.launcher import launch
+from fabric.emulation.workloads import run_in_emulation
 from fabric.errors import UsageError
-from fabric.launcher import launch
-from fabric.moe import MOE_VARIANTS, moe_reference
 from fabric.sim import Simulation, SimulationError
-from fabric.topology import leaf_spine, star
 from tests import fabric_tasks as tasks
 
 
@@ -96,7 +96,7 @@ def test_moe_exact_in_emulation(tmp_path, topo) -> None:
 
 
 def _on_endpoint(ep, T, H, K, E):
-    from fabric.moe import expert_partials
+    from fabric.core.moe import expert_partials
 
     x, idx, w = tasks.moe_inputs(ep.rank, T, H, K, E, "float32")
     d = ep.moe_dispatch(x, idx, w, E, variant="hierarchical")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from fabric.placement import (
+from fabric.core.placement import (
     Member,
     PlacementError,
     assign,
@@ -21,8 +21,8 @@ from fabric.placement import (
     clock_sample,
     launcher_rank,
 )
-from fabric.topology import loads, star
-from fabric.transport import free_tcp_port
+from fabric.core.topology import loads, star
+from fabric.emulation.transport import free_tcp_port
 from tests.processes import kill_groups
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -251,7 +251,7 @@ def test_exact_across_three_namespaces_and_same_counts_as_one_host(netns: Namesp
         assert abs(p["mono_offset_s"]) <= p["mono_error_s"] + 1e-3
     # the same workload and topology shape on one host through the local launcher:
     # the frame plane's counters (taken before the memory-plane part) are the same
-    from fabric.launcher import launch
+    from fabric.emulation.launcher import launch
 
     with launch(topology=star(2), timeout_s=20, run_dir=tmp_path / "local") as fab:
         local = fab.run(placed_collectives_task)
@@ -300,7 +300,7 @@ def test_a_token_stream_across_three_namespaces(netns: Namespaces, tmp_path: Pat
     to rank 0's, is a sane positive figure."""
     import json
 
-    from fabric.topology import star as make_star
+    from fabric.core.topology import star as make_star
 
     text = make_star(1, hosts=1, transport="tcp", base_port=26300).to_toml()
     placed = {"sw0": netns.addrs[0], "w0": netns.addrs[1], "host0": netns.addrs[2]}

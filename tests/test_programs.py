@@ -5,11 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fabric import control
-from fabric import frame as fr
-from fabric.errors import FabricTimeout, PeerFailed
-from fabric.frame import Flag, NackCode, Op
-from fabric.programs import (
+from fabric.core import control
+from fabric.core import frame as fr
+from fabric.core.frame import Flag, NackCode, Op
+from fabric.core.programs import (
     CTRL_RETRY_MIN_S,
     CTRL_RETRY_S,
     STREAM_SPAN,
@@ -23,7 +22,8 @@ from fabric.programs import (
     StreamSend,
     Tensor,
 )
-from fabric.topology import star
+from fabric.core.topology import star
+from fabric.errors import FabricTimeout, PeerFailed
 
 
 def _state(name: str = "w0", world: int = 3) -> NodeState:

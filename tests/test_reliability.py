@@ -13,10 +13,9 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from fabric.errors import FabricTimeout, PeerFailed
-from fabric.faults import FaultInjector
-from fabric.frame import Flag, NackCode, Op, decode
-from fabric.reliability import (
+from fabric.core.faults import FaultInjector
+from fabric.core.frame import Flag, NackCode, Op, decode
+from fabric.core.reliability import (
     GAP_NACK_CODE,
     PACKET_THRESHOLD,
     POLICIES,
@@ -39,6 +38,7 @@ from fabric.reliability import (
     psn_lt,
     register_policy,
 )
+from fabric.errors import FabricTimeout, PeerFailed
 from fabric.testing import (
     FakeClock,
     MemoryLink,

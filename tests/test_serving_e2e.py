@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from fabric.launcher import Fabric
+from fabric.emulation.launcher import Fabric
 from fabric.serving import api, assets, metrics
 from fabric.serving.client import stream_request
 from fabric.serving.config import ServeConfig

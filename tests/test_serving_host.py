@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import zmq
 
-from fabric import control
-from fabric import frame as fr
-from fabric.frame import Op
+from fabric.core import control
+from fabric.core import frame as fr
+from fabric.core.frame import Op
 from fabric.serving import assets
 from fabric.serving import records as rec
 from fabric.serving.config import ServeConfig

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fabric.frame import FrameError
+from fabric.core.frame import FrameError
 from fabric.serving import api, assets, detok, metrics, prom, records, trace
 from fabric.serving.metrics import ClientResult
 

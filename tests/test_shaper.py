@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from fabric.topology import LinkParams
+from fabric.core.topology import LinkParams
 from switchd.shaper import LinkShaper
 
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from fabric.core.topology import leaf_spine, star
 from fabric.errors import UsageError
 from fabric.sim import Simulation, SimulationError
-from fabric.topology import leaf_spine, star
 from kernels.reference import expected_allreduce
 from tests import fabric_tasks as tasks
 
@@ -118,7 +118,7 @@ def test_bidirectional_streams_between_every_pair_under_loss(policy: str) -> Non
 def test_frames_of_a_later_step_that_came_early_are_not_lost() -> None:
     """w1's ring frames reach w0 while w0 still waits for its (slow) job reply: the
     refused ina-mem job falls back to host-ring, whose frames were stashed early."""
-    from fabric.topology import loads
+    from fabric.core.topology import loads
     from tests.test_fabric_e2e import TWO_LEAVES
 
     slow = TWO_LEAVES.replace('a = "w0"\nb = "leaf0"\nclass = "scaleup"',
@@ -170,7 +170,7 @@ def test_the_switch_asks_only_the_member_that_lost_a_contribution() -> None:
 def test_tree_job_registration_and_aggregation_survive_loss(seed: int) -> None:
     """A leaf asks its parent again on every member retry: a lost upward job request
     (or its answer) once left the job waiting forever."""
-    from fabric.topology import loads
+    from fabric.core.topology import loads
     from tests.test_fabric_e2e import TWO_LEAVES
 
     res = Simulation(loads(TWO_LEAVES), seed=seed, faults="loss=0.03", timeout_s=5).run(

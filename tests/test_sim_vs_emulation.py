@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from fabric.emulation import run_in_emulation
-from fabric.launcher import launch
+from fabric.core.topology import leaf_spine, star
+from fabric.emulation.launcher import launch
+from fabric.emulation.workloads import run_in_emulation
 from fabric.sim import Simulation
-from fabric.topology import leaf_spine, star
 from tests import fabric_tasks as tasks
 
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fabric import control
-from fabric import frame as fr
-from fabric.frame import NackCode, Op
-from fabric.topology import leaf_spine, star
+from fabric.core import control
+from fabric.core import frame as fr
+from fabric.core.frame import NackCode, Op
+from fabric.core.topology import leaf_spine, star
 from switchd.core import JOB_TRANSITIONS, JobPhase, SwitchCore
 
 

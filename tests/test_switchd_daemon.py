@@ -8,10 +8,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fabric import control
-from fabric.frame import FrameError, NackCode
-from fabric.hostnode import HostAggregator
-from fabric.memory import AccessError, RegionInfo, RegionTable
+from fabric.core import control
+from fabric.core.frame import FrameError, NackCode
+from fabric.core.hostnode import HostAggregator
+from fabric.core.memory import AccessError, RegionInfo, RegionTable
 from switchd.daemon import unwrap_psn
 
 

@@ -7,12 +7,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fabric import control
-from fabric import frame as fr
-from fabric.frame import NackCode, Op
-from fabric.launcher import launch
+from fabric.core import control
+from fabric.core import frame as fr
+from fabric.core.frame import NackCode, Op
+from fabric.core.topology import TopologyError, loads
+from fabric.emulation.launcher import launch
 from fabric.sim import Simulation
-from fabric.topology import TopologyError, loads
 from tests import fabric_tasks as tasks
 from tests.test_switch_core import Net, _group
 

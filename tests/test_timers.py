@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from fabric.timers import ChunkTimers, RttEstimator
+from fabric.core.timers import ChunkTimers, RttEstimator
 
 
 def test_first_sample_then_smoothing() -> None:

@@ -1,4 +1,4 @@
-"""Tests for fabric.topology: builders, loading, validation errors, queries, CLI."""
+"""Tests for fabric.core.topology: builders, loading, validation errors, queries, CLI."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fabric.topology import (
+from fabric.core.topology import (
     BUILTIN_DEFAULTS,
     DEFAULT_BASE_PORT,
     LinkParams,

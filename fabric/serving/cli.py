@@ -63,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
     ).check()
     check_listen(cfg.host, cfg.port)  # a busy port, now rather than after the launch
     if args.run_dir:
-        from fabric.launch_cli import check_dir
+        from fabric.emulation.launch_cli import check_dir
 
         check_dir("--run-dir", args.run_dir)
     chain = ServingChain(cfg, workers=args.workers, run_dir=args.run_dir)

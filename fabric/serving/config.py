@@ -71,7 +71,7 @@ class ServeConfig:
     relay: str = "host1"  # relay node of host-staged
     # direct on one host, no shaping or faults on the way (set by the runner): the
     # generator writes its records into host0's ring in shared memory and posts
-    # the WRITE's header to host0 through a doorbell (fabric.doorbell), no socket
+    # the WRITE's header to host0 through a doorbell (fabric.emulation.doorbell), no socket
     bells: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 

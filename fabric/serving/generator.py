@@ -30,15 +30,15 @@ from typing import Any
 import numpy as np
 import zmq
 
-from fabric import control
-from fabric import doorbell as db
-from fabric import frame as fr
-from fabric.frame import Flag, FrameError, NackCode, Op
-from fabric.semantic import SemanticCounts
+from fabric.core import control
+from fabric.core import frame as fr
+from fabric.core.frame import Flag, FrameError, NackCode, Op
+from fabric.core.semantic import SemanticCounts
+from fabric.emulation import doorbell as db
+from fabric.emulation.shm import SharedRegion, is_semfab_file
 from fabric.serving import records as rec
 from fabric.serving.clock import now_ns
 from fabric.serving.config import ServeConfig
-from fabric.shm import SharedRegion, is_semfab_file
 
 log = logging.getLogger("semfab.serving.generator")
 

@@ -24,30 +24,26 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import itertools
-import json
 import logging
-import os
 import secrets
-import signal
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import zmq
 
-from fabric import control, transport
-from fabric import doorbell as db
-from fabric import frame as fr
-from fabric.frame import FrameError, Op
-from fabric.memory import AccessError, RegionInfo, RegionTable
-from fabric.semantic import SemanticCounts
-from fabric.serving import api, eventloop, prom
+from fabric.core import control
+from fabric.core import frame as fr
+from fabric.core.frame import FrameError, Op
+from fabric.core.memory import AccessError, RegionInfo, RegionTable
+from fabric.core.semantic import SemanticCounts
+from fabric.emulation import doorbell as db
+from fabric.emulation import transport
+from fabric.serving import api, prom
 from fabric.serving import records as rec
 from fabric.serving.clock import now_ns
 from fabric.serving.config import ServeConfig
@@ -899,72 +895,3 @@ class TokenHost:
                 "sem": {k: v.__dict__.copy() for k, v in self.sem.items()},
                 "timelines": self.timelines,
                 "detok_samples": np.array(self.detok_samples, dtype=np.int64).reshape(-1, 2)}
-
-
-def _write_ready(cfg: ServeConfig, info: dict[str, Any]) -> None:
-    if cfg.ready_file:
-        tmp = Path(cfg.ready_file + ".tmp")
-        tmp.write_text(json.dumps(info))
-        os.replace(tmp, cfg.ready_file)  # atomic: the launcher never reads half a file
-
-
-async def _serve(ep: Any, cfg: ServeConfig) -> dict[str, Any]:
-    from aiohttp import web
-
-    from fabric.serving.http import make_app, port_in_use
-
-    host = TokenHost(ep, cfg)
-    loop = host.loop
-    with contextlib.suppress(NotImplementedError, RuntimeError):
-        loop.add_signal_handler(signal.SIGTERM, host.request_stop)
-    parent = os.getppid()
-
-    async def watchdog() -> None:
-        while not host.stopped.done():
-            await asyncio.sleep(0.5)
-            if os.getppid() != parent:
-                log.warning("host0: launcher went away")
-                host.request_stop()
-
-    dog = loop.create_task(watchdog())
-    url = ""
-    runner = web.AppRunner(make_app(host), access_log=None, handle_signals=False,
-                           shutdown_timeout=1.0)
-    try:
-        await host.start()
-        await runner.setup()
-        site = web.TCPSite(runner, cfg.host, cfg.port, reuse_address=True)
-        try:
-            await site.start()
-        except OSError as exc:  # the launcher reports it in one line
-            error = port_in_use(cfg.host, cfg.port) if exc.errno == errno.EADDRINUSE else \
-                f"cannot listen on {cfg.host}:{cfg.port} ({exc.strerror or exc})"
-            _write_ready(cfg, {"error": error})
-            await host.shutdown()
-            return {**host.result(), "url": "", "error": error}
-        addr = runner.addresses[0]
-        url = f"http://{addr[0]}:{addr[1]}"
-        _write_ready(cfg, {"url": url, "pid": os.getpid()})
-        log.info("host0: serving %s at %s", cfg.label(), url)
-        await host.stopped
-        await host.shutdown()
-    finally:
-        dog.cancel()
-        await runner.cleanup()
-        with contextlib.suppress(Exception):
-            loop.remove_reader(ep.sock.getsockopt(zmq.FD))
-        host._close_bells()
-        with contextlib.suppress(Exception):
-            loop.remove_signal_handler(signal.SIGTERM)
-    out = host.result()
-    out["url"] = url
-    return out
-
-
-def serve(ep: Any, cfg: ServeConfig) -> dict[str, Any]:
-    """Host task: run the chain's host side until shut down; return counters and timelines."""
-    previous = signal.getsignal(signal.SIGTERM)
-    try:
-        return eventloop.run(_serve(ep, cfg))
-    finally:
-        signal.signal(signal.SIGTERM, previous)  # the node's own handler, for after the task

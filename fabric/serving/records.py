@@ -10,7 +10,7 @@
   ``{"s": session, "q": message number, "w": origin node, "r": [[rid, index,
   token, flags, t_gen, t_sent], ...]}``; the relay adds ``"ri"``/``"ro"``, its
   receive and send times.
-* **Control messages** (CTRL frames, :mod:`fabric.control` maps) named ``sv_*``.
+* **Control messages** (CTRL frames, :mod:`fabric.core.control` maps) named ``sv_*``.
 
 Times are :func:`fabric.serving.clock.now_ns` values: CLOCK_MONOTONIC, shared by
 every process of one host, and on rank 0's timeline on a placed fabric, so they
@@ -26,7 +26,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from fabric.frame import FrameError, NackCode
+from fabric.core.frame import FrameError, NackCode
 
 RECORD = struct.Struct("<IIIHHqq")
 RECORD_SIZE = RECORD.size

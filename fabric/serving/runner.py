@@ -10,7 +10,7 @@
 
 A chain is three kinds of fabric task: :func:`~fabric.serving.generator.generate`
 on every worker, :func:`~fabric.serving.generator.relay` on ``host1`` (only
-for ``host-staged``), and :func:`~fabric.serving.host.serve` on ``host0``.
+for ``host-staged``), and :func:`~fabric.serving.http.serve` on ``host0``.
 The chain launches its own fabric (a star with one or two hosts) unless given
 one, so a benchmark can run strategy after strategy on the same processes.
 """
@@ -26,11 +26,11 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from fabric.core.topology import star
+from fabric.emulation.launcher import Fabric, Task, launch
 from fabric.errors import FabricTimeout, PeerFailed, UsageError
-from fabric.launcher import Fabric, Task, launch
 from fabric.serving.assets import ensure_assets
 from fabric.serving.config import ServeConfig
-from fabric.topology import star
 
 log = logging.getLogger("semfab.serving.runner")
 
@@ -88,16 +88,16 @@ class ServingChain:
             if shared:
                 cfg.ready_file = str(ready.resolve())
             else:  # host0 on another host: it listens on its address, and is asked
-                placed: Any = fab  # a fabric.rendezvous.PlacedFabric
+                placed: Any = fab  # a fabric.emulation.rendezvous.PlacedFabric
                 cfg.host, cfg.port = placed.serve_address
                 cfg.ready_file = ""
-            from fabric.serving import generator, host
+            from fabric.serving import generator, http
 
             cfg.bells = _bells_fit(fab, cfg)
             if cfg.transport == "host-staged":
                 self.tasks["relay"] = fab.submit(generator.relay, cfg, nodes=[cfg.relay])
             self.tasks["workers"] = fab.submit(generator.generate, cfg)
-            self.tasks["host"] = fab.submit(host.serve, cfg, nodes=["host0"])
+            self.tasks["host"] = fab.submit(http.serve, cfg, nodes=["host0"])
             self.url = self._wait_ready(ready if shared else None)
         except BaseException:
             self.close()
@@ -215,10 +215,10 @@ def _answers(url: str) -> bool:
 
 
 def _bells_fit(fab: Any, cfg: ServeConfig) -> bool:
-    """``direct`` may skip the sockets (fabric.doorbell) when every generator shares
+    """``direct`` may skip the sockets (fabric.emulation.doorbell) when every generator shares
     host0's host and no link on the way is shaped, delays or drops: the doorbell
     has no switch on it to shape or fault its frames."""
-    from fabric import doorbell as db
+    from fabric.emulation import doorbell as db
 
     if cfg.transport != "direct" or not db.enabled() or bool(getattr(fab, "faults", "")):
         return False

@@ -1,7 +1,7 @@
 """Simulation: the protocol core driven by a discrete-event loop in virtual time.
 
 See :mod:`fabric.sim.engine`. The same :class:`switchd.core.SwitchCore`,
-:class:`fabric.link.LinkPipeline` and :mod:`fabric.programs` that emulation
+:class:`fabric.core.link.LinkPipeline` and :mod:`fabric.core.programs` that emulation
 runs, at scales no machine can emulate.
 """
 

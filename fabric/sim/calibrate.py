@@ -59,9 +59,9 @@ def _ina_workload(ctx: Any, nbytes: int, n: int) -> Generator[Any, Any, list[flo
 
 def measure(workers: tuple[int, ...] = (2, 4), iters: int = 20) -> dict[str, Any]:
     """Run the emulator and fit a TimingModel; returns the fit and its inputs."""
-    from fabric.emulation import run_in_emulation
-    from fabric.launcher import launch
-    from fabric.topology import star
+    from fabric.core.topology import star
+    from fabric.emulation.launcher import launch
+    from fabric.emulation.workloads import run_in_emulation
 
     rows = []
     for w in workers:
@@ -103,7 +103,7 @@ def load(path: str) -> TimingModel:
 
 def run(args: argparse.Namespace) -> int:
     """`semfab sim calibrate`."""
-    from fabric.launch_cli import check_output_file
+    from fabric.emulation.launch_cli import check_output_file
 
     if args.json:
         check_output_file("--json", args.json)

@@ -31,7 +31,7 @@ NOTE = "simulated (virtual time)"
 def allreduce_workload(ctx: Any, path: str, sizes: list[int], dtype: str, op: str,
                        warmup: int, iters: int, check: bool, seed: int,
                        data: bool = True) -> Generator[Any, Any, list[dict[str, Any]]]:
-    """Time ``path`` at every size (the same loop in both worlds; see fabric.workload)."""
+    """Time ``path`` at every size (the same loop in both worlds; see fabric.core.workload)."""
     from kernels.checking import expected_allreduce, make_input
     from kernels.dtypes import np_dtype
     from kernels.reference import count_wrong
@@ -201,8 +201,8 @@ def _positive(flag: str, value: float, zero_ok: bool = False) -> float:
 
 def run_allreduce(args: argparse.Namespace) -> int:
     """`semfab sim allreduce` (also `semfab bench allreduce --sim`)."""
-    from fabric.launch_cli import check_output_file
-    from fabric.topology import TopologyError, load, star
+    from fabric.core.topology import TopologyError, load, star
+    from fabric.emulation.launch_cli import check_output_file
 
     try:
         sizes = report.size_range(args.begin, args.end, args.factor)
@@ -237,7 +237,7 @@ def run_allreduce(args: argparse.Namespace) -> int:
         timing = dataclasses.replace(calibrate.load(args.calibration),
                                      cut_through_bytes=args.cut_through)
     if args.faults:
-        from fabric.faults import FaultSpecError, parse_faults
+        from fabric.core.faults import FaultSpecError, parse_faults
 
         try:
             parse_faults(args.faults)
@@ -302,7 +302,7 @@ def _gb(v: float | None) -> str:
 def scale_topology(workers: int, per_leaf: int, ratio: float, gbps: float, latency_us: float,
                    mtu: int) -> Any:
     """Leaf/spine of ``workers`` (at least two leaves) at ``ratio`` oversubscription."""
-    from fabric.topology import leaf_spine
+    from fabric.core.topology import leaf_spine
 
     k = min(per_leaf, max(workers // 2, 1))
     if workers % k:
@@ -327,7 +327,7 @@ def _scale_workload(ctx: Any, path: str, count: int) -> Generator[Any, Any, floa
 
 def run_scale(args: argparse.Namespace) -> int:
     """`semfab sim scale`."""
-    from fabric.launch_cli import check_output_file
+    from fabric.emulation.launch_cli import check_output_file
 
     workers = _ints(args.workers, "--workers", 2, 65536)
     try:

@@ -2,8 +2,8 @@
 
 One :class:`Simulation` holds, for a topology, one
 :class:`~switchd.core.SwitchCore` per switch, one
-:class:`~fabric.link.LinkPipeline` per link direction, and per node its
-:class:`~fabric.programs.NodeState` and the program it runs. A heap of events
+:class:`~fabric.core.link.LinkPipeline` per link direction, and per node its
+:class:`~fabric.core.programs.NodeState` and the program it runs. A heap of events
 (link deliveries, timers, workload resumptions) advances a virtual clock. No
 sockets, no processes, no wall clock: the same seed gives the same run.
 
@@ -25,13 +25,12 @@ from typing import Any
 
 import numpy as np
 
-from fabric import frame as fr
-from fabric.errors import FabricTimeout, SemfabError, UsageError
-from fabric.faults import FaultSpec, parse_faults
-from fabric.frame import Flag, FrameError, Op
-from fabric.hostnode import HostAggregator
-from fabric.link import LinkPipeline, wire_bytes
-from fabric.programs import (
+from fabric.core import frame as fr
+from fabric.core.faults import FaultSpec, parse_faults
+from fabric.core.frame import Flag, FrameError, Op
+from fabric.core.hostnode import HostAggregator
+from fabric.core.link import LinkPipeline, wire_bytes
+from fabric.core.programs import (
     HOST_PS_FLOW,
     Chain,
     NodeState,
@@ -42,8 +41,8 @@ from fabric.programs import (
     barrier_program,
     fixed_program,
 )
-from fabric.topology import Topology
-from fabric.workload import (
+from fabric.core.topology import Topology
+from fabric.core.workload import (
     Allreduce,
     Barrier,
     Clock,
@@ -61,6 +60,7 @@ from fabric.workload import (
     program_of,
     stream_program,
 )
+from fabric.errors import FabricTimeout, SemfabError, UsageError
 from kernels.dtypes import UFUNCS
 from switchd.core import SwitchCore
 

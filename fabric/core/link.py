@@ -2,7 +2,7 @@
 
 A frame pushed into the pipeline goes through, in this order:
 
-1. **faults** (:class:`fabric.faults.FaultInjector`, seeded): loss, bursts,
+1. **faults** (:class:`fabric.core.faults.FaultInjector`, seeded): loss, bursts,
    duplication, reordering, corruption, delay;
 2. **shaping** (:class:`LinkShaper`): it waits for the link to be free, occupies
    it for its serialisation time at the link's bandwidth, then travels
@@ -25,10 +25,10 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
-from fabric import frame as fr
-from fabric.faults import FaultInjector, FaultSpec, FaultStats
-from fabric.frame import Flag, FrameError
-from fabric.topology import LinkParams
+from fabric.core import frame as fr
+from fabric.core.faults import FaultInjector, FaultSpec, FaultStats
+from fabric.core.frame import Flag, FrameError
+from fabric.core.topology import LinkParams
 
 __all__ = ["LinkPipeline", "LinkShaper", "PipelineStats", "wire_bytes"]
 

@@ -1,7 +1,7 @@
 """The collective set beyond allreduce, and communicators: pure programs.
 
 Every collective of the nccl-tests set is a program over one node's
-:class:`~fabric.programs.NodeState`, run by either driver (emulation:
+:class:`~fabric.core.programs.NodeState`, run by either driver (emulation:
 ``Endpoint.run``; simulation: ``fabric.sim``). Paths:
 
 ``ina``
@@ -34,10 +34,9 @@ from typing import Any
 
 import numpy as np
 
-from fabric import frame as fr
-from fabric.errors import PeerFailed, UsageError
-from fabric.frame import Flag, Op
-from fabric.programs import (
+from fabric.core import frame as fr
+from fabric.core.frame import Flag, Op
+from fabric.core.programs import (
     STREAM_FRAME_BYTES,
     STREAM_MAX_RETRIES,
     STREAM_RTO_MAX_S,
@@ -58,6 +57,7 @@ from fabric.programs import (
     _zero_bytes,
     barrier_program,
 )
+from fabric.errors import PeerFailed, UsageError
 from kernels.dtypes import UFUNCS, byte_view, np_dtype
 
 __all__ = [
@@ -104,7 +104,7 @@ def stream_id(msg: int, slot: int) -> int:
 # ---------------------------------------------------------------------- groups
 def group_program(st: NodeState, ranks: Sequence[int]) -> Program:
     """Create a communicator of world ``ranks`` (in group-rank order); its result is
-    the :class:`~fabric.programs.Group`. Every member calls it with the same ranks;
+    the :class:`~fabric.core.programs.Group`. Every member calls it with the same ranks;
     the group is usable once every member's switch knows it (a group barrier)."""
     rk = tuple(int(r) for r in ranks)
     if not rk or len(set(rk)) != len(rk) or any(not 0 <= r < st.world for r in rk):
@@ -163,8 +163,8 @@ class McastSend(Program):
     """A reliable stream from this member to every other member of ``group``, sent
     once with ``Flag.MCAST`` (the switches replicate it).
 
-    Each receiver is an ordinary :class:`~fabric.programs.StreamRecv`. The sender
-    keeps one :class:`fabric.reliability.Sender` per receiver, all fed the same
+    Each receiver is an ordinary :class:`~fabric.core.programs.StreamRecv`. The sender
+    keeps one :class:`fabric.core.reliability.Sender` per receiver, all fed the same
     frames: a frame goes out (multicast, once) when every receiver's window has
     let it out, and a loss one receiver reports is repaired for it alone (unicast).
     """
@@ -173,7 +173,7 @@ class McastSend(Program):
                  *, sid: int, msg: int, policy: str = "selective",
                  frame_bytes: int = STREAM_FRAME_BYTES,
                  window_frames: int = STREAM_WINDOW) -> None:
-        from fabric.reliability import Sender
+        from fabric.core.reliability import Sender
 
         self.st, self.g = st, group
         self.buf = byte_view(data) if data is not None else None

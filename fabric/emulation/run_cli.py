@@ -66,10 +66,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """One process of a placed run; rank 0 prints the report."""
-    from fabric.launch_cli import _split_ref, check_output_file
-    from fabric.placement import launcher_rank
-    from fabric.rendezvous import PlacedRun, format_report, rendezvous_of
-    from fabric.topology import TopologyError, load
+    from fabric.core.placement import launcher_rank
+    from fabric.core.topology import TopologyError, load
+    from fabric.emulation.launch_cli import _split_ref, check_output_file
+    from fabric.emulation.rendezvous import PlacedRun, format_report, rendezvous_of
 
     check_seconds("--timeout", args.timeout)
     check_seconds("--join-timeout", args.join_timeout)

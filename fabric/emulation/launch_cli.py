@@ -14,7 +14,6 @@ from typing import Any
 from fabric.errors import UsageError, check_seconds
 
 #: A client that is not a node of the topology uses this id in frame headers.
-OUTSIDE_ID = 0xFFFF
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -85,8 +84,8 @@ def _split_ref(ref: str) -> tuple[str, str, str | None]:
 
 def run(args: argparse.Namespace) -> int:
     """Start the fabric, run the function or wait, and shut everything down."""
-    from fabric.launcher import launch
-    from fabric.topology import TopologyError
+    from fabric.core.topology import TopologyError
+    from fabric.emulation.launcher import launch
 
     try:
         extra = json.loads(args.args)
@@ -105,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError("--loss must be in [0, 1)")
         faults = f"loss={args.loss}" + (f",{faults}" if faults else "")
     if faults:
-        from fabric.faults import FaultSpecError, parse_faults
+        from fabric.core.faults import FaultSpecError, parse_faults
 
         try:
             parse_faults(faults)
@@ -161,31 +160,10 @@ def add_stats_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for each switch")
 
 
-def query_switch(address: str, switch_id: int, timeout_s: float) -> dict[str, Any]:
-    """Ask one switch for its counters."""
-    from fabric import control, transport
-    from fabric import frame as fr
-    from fabric.errors import FabricTimeout
-
-    ctx = transport.context()
-    sock = transport.dealer(ctx, address, f"stats-{os.getpid()}")
-    try:
-        sock.send(fr.encode(fr.Op.CTRL, src=OUTSIDE_ID, dst=switch_id,
-                            payload=control.pack("stats")))
-        if not sock.poll(int(timeout_s * 1000)):
-            raise FabricTimeout(f"switch at {address} did not answer within {timeout_s:g}s")
-        parts = sock.recv_multipart()
-        f = fr.decode(parts[0], parts[1] if len(parts) > 1 else None)
-        msg = control.parse(f.payload)
-        msg.pop("t", None)
-        return msg
-    finally:
-        sock.close(0)
-        ctx.term()
-
-
 def run_stats(args: argparse.Namespace) -> int:
     """Print each switch's live counters (of the newest running fabric by default)."""
+    from fabric.emulation.launcher import query_switch
+
 
     def running(info_path: Path) -> bool:
         """True while the launcher that wrote ``info_path`` is alive and its sockets exist."""

@@ -31,14 +31,14 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from fabric import control
-from fabric import frame as fr
+from fabric.core import control
+from fabric.core import frame as fr
+from fabric.core.frame import Flag, NackCode, Op
+from fabric.core.reliability import PSN_MASK, SACK_BITS, get_policy
+from fabric.core.semantic import SemanticCounts
+from fabric.core.timers import ChunkTimers, RttEstimator
+from fabric.core.topology import Topology
 from fabric.errors import FabricTimeout, PeerFailed, UsageError
-from fabric.frame import Flag, NackCode, Op
-from fabric.reliability import PSN_MASK, SACK_BITS, get_policy
-from fabric.semantic import SemanticCounts
-from fabric.timers import ChunkTimers, RttEstimator
-from fabric.topology import Topology
 from kernels.dtypes import UFUNCS, byte_view, np_dtype
 
 __all__ = [
@@ -287,7 +287,7 @@ class NodeState:
         leave the estimator without samples. The first RTO covers
         STREAMS_IN_FLIGHT windows at the bottleneck rate, the floor one window.
         """
-        from fabric.reliability import DEFAULT_RTO_INITIAL, DEFAULT_RTO_MIN
+        from fabric.core.reliability import DEFAULT_RTO_INITIAL, DEFAULT_RTO_MIN
 
         gbps = self._bottleneck_gbps(dst)
         if gbps is None:
@@ -1044,7 +1044,7 @@ class HostPsAllreduce(Program):
         self.hops, self.crossings = st.route_cost(st.host_id)
         self.result = t.out
         # a lost message or reply is sent again: the host answers a chunk it already
-        # completed from its kept replies (fabric.hostnode), so a resend counts once
+        # completed from its kept replies (fabric.core.hostnode), so a resend counts once
         rtt = st.__dict__.setdefault("host_rtt", RttEstimator(rto_min=AGG_RTO_MIN_S))
         self.timers = ChunkTimers(rtt, st.timeout_s)
 
@@ -1287,13 +1287,13 @@ def _stream_id(st: NodeState, direction: str, peer: int) -> int:
 
 class StreamSend(Program):
     """Send bytes reliably to another worker as WRITEs (selective repeat or go-back-N
-    by name), under the pure :class:`fabric.reliability.Sender`."""
+    by name), under the pure :class:`fabric.core.reliability.Sender`."""
 
     def __init__(self, st: NodeState, dst_rank: int, data: np.ndarray | None, nbytes: int = 0,
                  *, policy: str = "selective", frame_bytes: int = STREAM_FRAME_BYTES,
                  window_frames: int = STREAM_WINDOW, sid: int | None = None,
                  flow: int = P2P_FLOW, msg: int = 0) -> None:
-        from fabric.reliability import Sender
+        from fabric.core.reliability import Sender
 
         if not 0 <= dst_rank < st.world or dst_rank == st.rank:
             raise UsageError(f"{st.name}: send to rank {dst_rank}: not another worker's rank "
@@ -1373,7 +1373,7 @@ class StreamRecv(Program):
                  *, policy: str = "selective", frame_bytes: int = STREAM_FRAME_BYTES,
                  window_frames: int = STREAM_WINDOW, sid: int | None = None,
                  flow: int = P2P_FLOW, msg: int = 0) -> None:
-        from fabric.reliability import Receiver
+        from fabric.core.reliability import Receiver
 
         if not 0 <= src_rank < st.world or src_rank == st.rank:
             raise UsageError(f"{st.name}: receive from rank {src_rank}: not another worker's "

@@ -1,7 +1,7 @@
 """The host node's services: the host-staged parameter server (host-ps).
 
 ``HostAggregator`` is pure: it takes decoded host-ps messages and returns the
-replies to send. The node process (fabric.node) feeds it from its socket.
+replies to send. The node process (fabric.emulation.node) feeds it from its socket.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from fabric.frame import FrameError, NackCode
+from fabric.core.frame import FrameError, NackCode
 
 
 @dataclass

@@ -5,14 +5,14 @@ a chunk's result does not come back in time, the worker sends its
 contribution again (flagged RETX); the switch's contributor bitmap makes the
 copy count once and answers a finished chunk with the kept result
 (docs/AGGREGATION.md). The timeout is the one RFC 6298 estimator of
-fabric.reliability (SRTT, RTTVAR, Karn's rule, exponential backoff).
+fabric.core.reliability (SRTT, RTTVAR, Karn's rule, exponential backoff).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fabric.reliability import PACKET_THRESHOLD, RttEstimator
+from fabric.core.reliability import PACKET_THRESHOLD, RttEstimator
 
 __all__ = ["ChunkTimers", "RttEstimator"]
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from fabric.frame import NackCode
+from fabric.core.frame import NackCode
 
 
 class AccessError(Exception):

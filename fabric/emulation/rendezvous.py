@@ -2,11 +2,11 @@
 
 ``mpirun -np N semfab run --topology T --workload F.py:FUNC`` (or ``srun``)
 starts N copies of this. Each takes its launcher rank from the environment
-(:func:`fabric.placement.launcher_rank`) and joins a rendezvous, as torchrun
+(:func:`fabric.core.placement.launcher_rank`) and joins a rendezvous, as torchrun
 does: rank 0 binds it (``--rendezvous HOST:PORT``, or MASTER_ADDR and
 MASTER_PORT) and coordinates; every process (rank 0 included) says which of
 the topology's host addresses are its own, is told which node to play
-(:func:`fabric.placement.assign`), measures its clock's offset from rank 0's
+(:func:`fabric.core.placement.assign`), measures its clock's offset from rank 0's
 (NTP's exchange over the same socket), then runs that node: a switch daemon,
 a host, or a worker. The coordinator then runs the workload on the workers,
 gathers their results, the switches' counters and the clock offsets into one
@@ -34,9 +34,8 @@ from typing import Any
 
 import zmq
 
-from fabric import control, transport
-from fabric.errors import FabricTimeout, PeerFailed, UsageError
-from fabric.placement import (
+from fabric.core import control
+from fabric.core.placement import (
     ClockSample,
     Member,
     PlacementError,
@@ -44,7 +43,9 @@ from fabric.placement import (
     best_offset,
     clock_sample,
 )
-from fabric.topology import Topology
+from fabric.core.topology import Topology
+from fabric.emulation import transport
+from fabric.errors import FabricTimeout, PeerFailed, UsageError
 
 __all__ = ["CLOCK_ROUNDS", "Coordinator", "PlacedFabric", "PlacedRun", "local_addresses",
            "parse_rendezvous", "rendezvous_of"]
@@ -380,7 +381,7 @@ class Coordinator(threading.Thread):
 
 class PlacedFabric:
     """What a driver run by the coordinator (`semfab run --bench-tokens`) sees: the
-    placed fabric as :class:`fabric.launcher.Fabric` offers it (``submit``,
+    placed fabric as :class:`fabric.emulation.launcher.Fabric` offers it (``submit``,
     ``wait``, ``topo``, ``run_dir``), its tasks sent to the nodes on other hosts.
 
     No file is shared between hosts, so ``shared_files`` is False: the serving
@@ -407,7 +408,7 @@ class PlacedFabric:
     def submit(self, fn: Callable[..., Any], *args: Any, nodes: list[str] | None = None,
                **kwargs: Any) -> Any:
         """Start ``fn(ep, *args, **kwargs)`` on ``nodes`` (default: every worker)."""
-        from fabric.launcher import Task, _function_ref, _portable
+        from fabric.emulation.launcher import Task, _function_ref, _portable
 
         module, file = _function_ref(fn)
         names = list(nodes) if nodes is not None else [w.name for w in self.topo.workers]
@@ -558,7 +559,7 @@ class PlacedRun:
             return daemon.exit_code, None
         import argparse
 
-        from fabric import node as node_main
+        from fabric.emulation import node as node_main
 
         ns = argparse.Namespace(name=name, topology=self.topology_path, sock_dir=sock_dir,
                                 ctl=addr, run_id=run_id, timeout=self.timeout_s, crc=False,

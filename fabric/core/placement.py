@@ -4,7 +4,7 @@ Pure: which launcher rank a process has (from the environment it is given),
 which node of the topology each process plays (from the topology's host
 addresses and the addresses local to each process), and the clock offset
 between two hosts from one request/reply exchange (NTP's on-wire
-calculation, RFC 5905 section 8). The driver is :mod:`fabric.rendezvous`.
+calculation, RFC 5905 section 8). The driver is :mod:`fabric.emulation.rendezvous`.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from fabric.core.topology import Node, Topology
 from fabric.errors import UsageError
-from fabric.topology import Node, Topology
 
 __all__ = ["RANK_VARIABLES", "ClockSample", "Member", "PlacementError", "assign",
            "best_offset", "clock_sample", "launcher_rank", "start_order"]

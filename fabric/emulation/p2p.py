@@ -1,8 +1,8 @@
 """Point-to-point bulk WRITE streams between two workers, through the switch.
 
-The streams are pure programs (:class:`fabric.programs.StreamSend` and
-:class:`~fabric.programs.StreamRecv`, over the Sender/Receiver state machines
-of :mod:`fabric.reliability`): frames are WRITEs carrying a slice of the
+The streams are pure programs (:class:`fabric.core.programs.StreamSend` and
+:class:`~fabric.core.programs.StreamRecv`, over the Sender/Receiver state machines
+of :mod:`fabric.core.reliability`): frames are WRITEs carrying a slice of the
 source buffer at its byte offset; the receiver stores each slice at that
 offset on first arrival (unordered delivery, as RDMA WRITEs to distinct
 addresses) and answers with ACK (cumulative PSN + SACK bitmap) and gap NACKs.
@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from fabric.programs import (
+from fabric.core.programs import (
     P2P_FLOW,
     STREAM_MAX_RETRIES,
     STREAM_RTO_MAX_S,
@@ -26,7 +26,7 @@ from fabric.programs import (
 )
 
 if TYPE_CHECKING:
-    from fabric.endpoint import Endpoint
+    from fabric.emulation.endpoint import Endpoint
 
 __all__ = ["P2P_FLOW", "STREAM_MAX_RETRIES", "STREAM_RTO_MAX_S", "STREAM_WINDOW",
            "stream_recv", "stream_send"]

@@ -1,6 +1,6 @@
 """Bring a fabric up on this machine, run functions on its workers, tear it down.
 
-    from fabric.launcher import launch
+    from fabric.emulation.launcher import launch
 
     def work(ep):
         x = ep.alloc(1000, "float32"); x[:] = ep.rank + 1
@@ -42,10 +42,15 @@ from typing import Any
 
 import zmq
 
-from fabric import control, transport
+from fabric.core import control
+from fabric.core import frame as fr
+from fabric.core.topology import Topology, load, star
+from fabric.emulation import transport
+from fabric.emulation.shm import SHM_DIR
 from fabric.errors import FabricTimeout, PeerFailed, UsageError, check_seconds
-from fabric.shm import SHM_DIR
-from fabric.topology import Topology, load, star
+
+#: Source id of a client outside the fabric (``semfab stats``) asking a switch.
+OUTSIDE_ID = 0xFFFF
 
 log = logging.getLogger("semfab.launcher")
 
@@ -86,7 +91,7 @@ def _function_ref(fn: Callable[..., Any]) -> tuple[str, str | None]:
 @dataclass(frozen=True)
 class FunctionRef:
     """A function argument from a script (``__main__``) as a name the workers can
-    import: pickle would look it up in *their* ``__main__`` (fabric.node) and fail."""
+    import: pickle would look it up in *their* ``__main__`` (fabric.emulation.node) and fail."""
 
     module: str
     func: str
@@ -199,7 +204,7 @@ class Fabric:
             self._wait_ready()
             for node in [*self.topo.hosts, *self.topo.workers]:
                 self._spawn(node.name, node.kind, [
-                    sys.executable, "-m", "fabric.node", "--name", node.name,
+                    sys.executable, "-m", "fabric.emulation.node", "--name", node.name,
                     "--topology", str(topo_path), "--sock-dir", str(self.sock_dir),
                     "--ctl", ctl_addr, "--run-id", self.run_id,
                     "--timeout", str(self.timeout_s), *(["--crc"] if self.crc else []),
@@ -274,8 +279,6 @@ class Fabric:
 
     def switch_stats(self, timeout_s: float = 5.0) -> dict[str, dict[str, Any]]:
         """Every switch's live counters, by name (what ``semfab stats`` shows)."""
-        from fabric.launch_cli import query_switch
-
         assert self.sock_dir is not None, "the fabric is not started"
         return {sw.name: query_switch(self.topo.endpoint_address(sw.name, self.sock_dir),
                                       sw.id, timeout_s) for sw in self.topo.switches}
@@ -533,3 +536,22 @@ def launch(workers: int | None = None, topology: str | Path | Topology | None = 
     else:
         topo = load(topology)
     return Fabric(topo, **kwargs).start()
+
+
+def query_switch(address: str, switch_id: int, timeout_s: float) -> dict[str, Any]:
+    """Ask one switch for its counters."""
+    ctx = transport.context()
+    sock = transport.dealer(ctx, address, f"stats-{os.getpid()}")
+    try:
+        sock.send(fr.encode(fr.Op.CTRL, src=OUTSIDE_ID, dst=switch_id,
+                            payload=control.pack("stats")))
+        if not sock.poll(int(timeout_s * 1000)):
+            raise FabricTimeout(f"switch at {address} did not answer within {timeout_s:g}s")
+        parts = sock.recv_multipart()
+        f = fr.decode(parts[0], parts[1] if len(parts) > 1 else None)
+        msg = control.parse(f.payload)
+        msg.pop("t", None)
+        return msg
+    finally:
+        sock.close(0)
+        ctx.term()

@@ -1,6 +1,6 @@
 """Communicators on an emulated worker: a group of workers with its own rank,
 size, in-network jobs and barriers (the emulation side of
-:class:`fabric.programs.Group`)::
+:class:`fabric.core.programs.Group`)::
 
     def work(ep):
         tp = ep.group([ep.rank - ep.rank % 2, ep.rank - ep.rank % 2 + 1])  # pairs
@@ -15,21 +15,39 @@ the switches (a long run never exhausts their memory).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from fabric.endpoint import Endpoint
-    from fabric.programs import Group
+from fabric.core.programs import Group, NodeState
 
-__all__ = ["Communicator"]
+__all__ = ["Communicator", "GroupHost"]
+
+
+class GroupHost(Protocol):
+    """What a communicator needs of its worker's endpoint
+    (:class:`fabric.emulation.endpoint.Endpoint` is one)."""
+
+    state: NodeState
+
+    def allreduce(self, x: np.ndarray, op: str = ..., path: str = ...,
+                  out: np.ndarray | None = ..., numerics: str = ...,
+                  group: Any = ...) -> np.ndarray: ...
+
+    def barrier(self, group: Any = ...) -> None: ...
+
+    def collective(self, kind: str, x: np.ndarray, out: np.ndarray | None = ..., *,
+                   path: str | None = ..., op: str = ..., root: int = ...,
+                   group: Any = ..., send_counts: Any = ...,
+                   recv_counts: Any = ...) -> Any: ...
+
+    def run(self, prog: Any, what: str) -> Any: ...
 
 
 class Communicator:
     """A group of workers seen from one member (made by :meth:`Endpoint.group`)."""
 
-    def __init__(self, ep: Endpoint, group: Group) -> None:
+    def __init__(self, ep: GroupHost, group: Group) -> None:
         self.ep = ep
         self.group = group
 
@@ -101,7 +119,7 @@ class Communicator:
     def close(self) -> None:
         """Wait for every member, release the group's in-network jobs and its
         multicast group at the switches. Idempotent."""
-        from fabric.collective_programs import close_group_program
+        from fabric.core.collective_programs import close_group_program
 
         if not self.group.closed:
             self.ep.run(close_group_program(self.ep.state, self.group),

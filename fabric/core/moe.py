@@ -29,7 +29,7 @@ Variants, side by side:
     the first switch (its leaf) sums the partials of that token from every
     rank below it, sending one vector on (``switchd.core`` ``_on_combine``).
 
-Each phase is an alltoallv of (metadata, rows) of :mod:`fabric.collective_programs`;
+Each phase is an alltoallv of (metadata, rows) of :mod:`fabric.core.collective_programs`;
 the receive counts of dispatch are exchanged first (an alltoall of counts),
 combine needs none (it mirrors dispatch).
 """
@@ -42,11 +42,11 @@ from typing import Any
 
 import numpy as np
 
-from fabric import frame as fr
-from fabric.collective_programs import collective_program
+from fabric.core import frame as fr
+from fabric.core.collective_programs import collective_program
+from fabric.core.frame import Flag, NackCode, Op
+from fabric.core.programs import Chain, Group, NodeState, Program, Send
 from fabric.errors import UsageError
-from fabric.frame import Flag, NackCode, Op
-from fabric.programs import Chain, Group, NodeState, Program, Send
 from kernels.dtypes import np_dtype
 
 __all__ = ["MOE_VARIANTS", "Dispatched", "expert_partials", "make_inputs", "moe_combine_program",
@@ -453,7 +453,7 @@ class _AckedFrames(Program):
     role = "frames"
 
     def __init__(self, st: NodeState, count: int, *, rto_min: float = 0.02) -> None:
-        from fabric.reliability import RttEstimator
+        from fabric.core.reliability import RttEstimator
 
         self.st, self.count = st, count
         self.pending: dict[int, set[int]] = {}  # frame -> node ids still to ACK it
@@ -624,8 +624,8 @@ class RowsRecv(Program):
 def _innet_dispatch(st: NodeState, g: Group, x: np.ndarray | None, idx: np.ndarray,
                     wbits: np.ndarray, ranks_of: list[list[int]], T: int, H: int, K: int,
                     dtype: str, E: int) -> Generator[Program, Any, Dispatched]:
-    from fabric.collective_programs import stream_id
-    from fabric.programs import Parallel
+    from fabric.core.collective_programs import stream_id
+    from fabric.core.programs import Parallel
 
     W, r = g.size, g.rank
     if W > MASK_MEMBERS:
@@ -721,7 +721,7 @@ class CombineRecv(Program):
 
     def __init__(self, st: NodeState, expect: dict[tuple[int, int], None], T: int, H: int,
                  *, sid: int, msg: int, data: bool) -> None:
-        from fabric.reliability import RttEstimator
+        from fabric.core.reliability import RttEstimator
 
         self.st, self.sid, self.msg = st, sid, msg
         self.expect = expect  # (token, switch id) still to come
@@ -791,8 +791,8 @@ class CombineRecv(Program):
 
 def _innet_combine(st: NodeState, g: Group, d: Dispatched,
                    partials: np.ndarray | None) -> Generator[Program, Any, Any]:
-    from fabric.collective_programs import stream_id
-    from fabric.programs import Parallel
+    from fabric.core.collective_programs import stream_id
+    from fabric.core.programs import Parallel
 
     W, r = g.size, g.rank
     topo = st.topo

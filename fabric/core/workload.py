@@ -10,7 +10,7 @@ A workload is a generator function that takes a context (rank, world) and
         t = yield ctx.clock()          # seconds: virtual in simulation, real in emulation
         return float(y[0])
 
-:func:`fabric.emulation.run_in_emulation` runs it on a launched fabric's
+:func:`fabric.emulation.workloads.run_in_emulation` runs it on a launched fabric's
 worker (each operation is the endpoint's blocking call);
 ``fabric.sim.Simulation.run`` runs the same function in virtual time.
 Because the workload only yields, it never blocks the simulator.
@@ -51,7 +51,7 @@ class Allreduce:
 class Collective:
     """One collective of the nccl-tests set (``kind``: all_gather, reduce_scatter,
     broadcast, reduce, alltoall, alltoallv, gather, scatter); see
-    :func:`fabric.collective_programs.collective_program` for shapes and paths."""
+    :func:`fabric.core.collective_programs.collective_program` for shapes and paths."""
 
     kind: str
     x: np.ndarray | None
@@ -68,8 +68,8 @@ class Collective:
 
 @dataclass(frozen=True)
 class MoeDispatch:
-    """MoE dispatch (see :func:`fabric.moe.moe_dispatch_program`); yields a
-    :class:`fabric.moe.Dispatched`."""
+    """MoE dispatch (see :func:`fabric.core.moe.moe_dispatch_program`); yields a
+    :class:`fabric.core.moe.Dispatched`."""
 
     x: np.ndarray | None
     topk_idx: np.ndarray
@@ -266,7 +266,7 @@ def check_workload(fn: Callable[..., Any]) -> None:
 
 def stream_program(st: Any, op: Send | Recv | Together) -> Any:
     """The program of a stream operation over node state ``st`` (both worlds)."""
-    from fabric.programs import Parallel, StreamRecv, StreamSend
+    from fabric.core.programs import Parallel, StreamRecv, StreamSend
 
     if isinstance(op, Together):
         return Parallel([stream_program(st, o) for o in op.ops])
@@ -282,20 +282,20 @@ def stream_program(st: Any, op: Send | Recv | Together) -> Any:
 def program_of(st: Any, op: Collective | MakeGroup | CloseGroup | MoeDispatch | MoeCombine
                ) -> Any:
     """The program of a collective, MoE or communicator operation (both worlds)."""
-    from fabric.collective_programs import (
+    from fabric.core.collective_programs import (
         close_group_program,
         collective_program,
         group_program,
     )
 
     if isinstance(op, MoeDispatch):
-        from fabric.moe import moe_dispatch_program
+        from fabric.core.moe import moe_dispatch_program
 
         return moe_dispatch_program(st, op.x, op.topk_idx, op.topk_weights, op.num_experts,
                                     variant=op.variant, group=op.group, hidden=op.hidden,
                                     dtype=op.dtype)
     if isinstance(op, MoeCombine):
-        from fabric.moe import moe_combine_program
+        from fabric.core.moe import moe_combine_program
 
         return moe_combine_program(st, op.dispatched, op.partials, group=op.group)
     if isinstance(op, MakeGroup):

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from fabric import frame as fr
+from fabric.core import frame as fr
 
 __all__ = ["ENV", "MAX_RECORDS", "FrameLog"]
 

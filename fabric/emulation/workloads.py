@@ -1,4 +1,4 @@
-"""The emulation driver of workloads (see :mod:`fabric.workload`).
+"""The emulation driver of workloads (see :mod:`fabric.core.workload`).
 
 ``fab.run(run_in_emulation, work, *args)`` runs the generator workload
 ``work`` on every worker of a launched fabric: each operation it yields is the
@@ -11,8 +11,7 @@ import time
 from collections.abc import Callable, Generator
 from typing import Any
 
-from fabric.errors import UsageError
-from fabric.workload import (
+from fabric.core.workload import (
     Allreduce,
     Barrier,
     Clock,
@@ -30,6 +29,7 @@ from fabric.workload import (
     program_of,
     stream_program,
 )
+from fabric.errors import UsageError
 
 __all__ = ["run_in_emulation"]
 

@@ -1,6 +1,6 @@
 """A fabric node process: a worker (stands in for a GPU) or a host node.
 
-Started by the launcher (``python -m fabric.node``) or by any other launcher
+Started by the launcher (``python -m fabric.emulation.node``) or by any other launcher
 (Slurm ``srun``, ``mpirun``, ssh) as ``semfab node --name NAME --topology FILE``.
 It attaches to its switch, reports ready on the control socket, then runs the
 tasks it is sent (workers) or serves host-staged traffic (hosts) until told to
@@ -25,14 +25,15 @@ from typing import Any
 
 import zmq
 
-from fabric import control, transport
-from fabric import frame as fr
-from fabric.endpoint import Endpoint
+from fabric.core import control
+from fabric.core import frame as fr
+from fabric.core.frame import Flag, FrameError, Op
+from fabric.core.hostnode import HostAggregator
+from fabric.core.topology import Node, Topology, TopologyError, load
+from fabric.emulation import transport
+from fabric.emulation.endpoint import Endpoint
+from fabric.emulation.launcher import NODE_ENV
 from fabric.errors import UsageError, check_seconds
-from fabric.frame import Flag, FrameError, Op
-from fabric.hostnode import HostAggregator
-from fabric.launcher import NODE_ENV
-from fabric.topology import Node, Topology, TopologyError, load
 
 log = logging.getLogger("semfab.node")
 
@@ -60,7 +61,7 @@ def resolve_function(module: str, name: str, file: str | None) -> Callable[..., 
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """Flags shared by `semfab node` and `python -m fabric.node`."""
+    """Flags shared by `semfab node` and `python -m fabric.emulation.node`."""
     p.add_argument("--name", required=True, help="this node's name in the topology")
     p.add_argument("--topology", required=True, help="the topology TOML file")
     p.add_argument("--sock-dir", required=True,
@@ -162,7 +163,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _resolved(value: Any) -> Any:
-    from fabric.launcher import FunctionRef
+    from fabric.emulation.launcher import FunctionRef
 
     if isinstance(value, FunctionRef):
         return resolve_function(value.module, value.func, value.file)
@@ -187,7 +188,7 @@ def _run_task(ep: Endpoint, msg: dict[str, Any]) -> bytes:
 
 def _serve_host(ep: Endpoint, aggregator: HostAggregator) -> None:
     """Handle every frame waiting on the host's data socket."""
-    from fabric.collectives import HOST_PS_FLOW
+    from fabric.core.programs import HOST_PS_FLOW
 
     while True:
         try:
@@ -211,7 +212,7 @@ def _serve_host(ep: Endpoint, aggregator: HostAggregator) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m fabric.node ...`."""
+    """`python -m fabric.emulation.node ...`."""
     p = argparse.ArgumentParser(prog="semfab node", description=__doc__)
     add_arguments(p)
     p.add_argument("-v", "--verbose", action="count", default=0)

@@ -2,7 +2,7 @@
 memory, control requests, and the receive side shared by every collective.
 
 User code gets an :class:`Endpoint` as the first argument of a function run on
-every worker (see :mod:`fabric.launcher`)::
+every worker (see :mod:`fabric.emulation.launcher`)::
 
     def work(ep):
         x = ep.alloc(1 << 20, "float32")      # registered "device memory"
@@ -29,16 +29,17 @@ from typing import Any
 import numpy as np
 import zmq
 
-from fabric import collectives, control, transport
-from fabric import doorbell as db
-from fabric import frame as fr
+from fabric.core import control
+from fabric.core import frame as fr
+from fabric.core.frame import NackCode, Op
+from fabric.core.programs import Chain, InaAllreduce, Tensor, allreduce_program
+from fabric.core.semantic import SemanticCounts
+from fabric.core.topology import Topology
+from fabric.emulation import doorbell as db
+from fabric.emulation import transport
+from fabric.emulation.frametrace import FrameLog
+from fabric.emulation.shm import SharedRegion
 from fabric.errors import FabricTimeout, PeerFailed, UsageError
-from fabric.frame import NackCode, Op
-from fabric.frametrace import FrameLog
-from fabric.programs import Chain, InaAllreduce, Tensor, allreduce_program
-from fabric.semantic import SemanticCounts
-from fabric.shm import SharedRegion
-from fabric.topology import Topology
 from kernels.dtypes import DTYPES as _REGISTRY_DTYPES
 from kernels.dtypes import OPS as _REGISTRY_OPS
 
@@ -93,7 +94,7 @@ LOCATIONS_KEPT = 256
 
 class Endpoint:
     """One worker's (or host's) attachment to the fabric: the ZeroMQ driver of
-    the node's pure protocol state (:class:`fabric.programs.NodeState`) and of
+    the node's pure protocol state (:class:`fabric.core.programs.NodeState`) and of
     the collective programs it runs (:meth:`run`)."""
 
     def __init__(
@@ -106,7 +107,7 @@ class Endpoint:
         timeout_s: float = DEFAULT_TIMEOUT_S,
         ctx: zmq.Context | None = None,
     ) -> None:
-        from fabric.programs import NodeState
+        from fabric.core.programs import NodeState
 
         self.topo = topo
         self.name = name
@@ -259,7 +260,7 @@ class Endpoint:
 
     # ------------------------------------------------------------------ programs
     def run(self, prog: Any, what: str) -> Any:
-        """Run a pure program (fabric.programs) over this node's socket; its result.
+        """Run a pure program (fabric.core.programs) over this node's socket; its result.
 
         Frames it wants go to it, others to :meth:`defer`; its timers fire on
         time; a silence of ``timeout_s`` while it waits raises FabricTimeout
@@ -451,7 +452,7 @@ class Endpoint:
         Control requests are idempotent, so a lost request or reply is simply
         sent again (with backoff) until the reply comes or ``timeout_s`` ends.
         """
-        from fabric.programs import Request
+        from fabric.core.programs import Request
 
         prog = Request(self.state, t, reply, dst=dst, match=match, **fields)
         result: dict[str, Any] = self.run(prog, f"control request {t!r} to node {prog.dst}")
@@ -531,17 +532,17 @@ class Endpoint:
     def barrier(self, group: Any = None) -> None:
         """Wait until every worker (or every member of ``group``) reached this barrier
         (counted by the tree root)."""
-        from fabric.programs import barrier_program
+        from fabric.core.programs import barrier_program
 
         self.run(barrier_program(self.state, _group_of(group)), "barrier")
 
     def group(self, ranks: Any) -> Any:
         """A communicator of world ``ranks`` (in its rank order): a
-        :class:`fabric.communicator.Communicator` with its own rank, size, jobs and
+        :class:`fabric.emulation.communicator.Communicator` with its own rank, size, jobs and
         barriers. Every member calls it with the same ranks in the same order;
         ``close()`` it (or use ``with``) to release its switch resources."""
-        from fabric.collective_programs import group_program
-        from fabric.communicator import Communicator
+        from fabric.core.collective_programs import group_program
+        from fabric.emulation.communicator import Communicator
 
         g = self.run(group_program(self.state, ranks), f"create group {list(ranks)}")
         return Communicator(self, g)
@@ -550,9 +551,9 @@ class Endpoint:
                    path: str | None = None, op: str = "sum", root: int = 0,
                    group: Any = None, send_counts: Any = None,
                    recv_counts: Any = None) -> Any:
-        """Run collective ``kind`` (see :data:`fabric.collective_programs.COLLECTIVES`)
+        """Run collective ``kind`` (see :data:`fabric.core.collective_programs.COLLECTIVES`)
         over every worker (or ``group``); returns its output array."""
-        from fabric.workload import Collective, program_of
+        from fabric.core.workload import Collective, program_of
 
         if self.rank < 0:
             raise UsageError(f"{self.name} is not a worker; only workers join collectives")
@@ -603,18 +604,18 @@ class Endpoint:
     def moe_dispatch(self, x: np.ndarray, topk_idx: np.ndarray, topk_weights: np.ndarray,
                      num_experts: int, *, variant: str = "flat", group: Any = None) -> Any:
         """MoE dispatch: each token (a row of ``x``) to the ranks holding its top-k
-        experts; returns a :class:`fabric.moe.Dispatched` (``variant``: flat or
+        experts; returns a :class:`fabric.core.moe.Dispatched` (``variant``: flat or
         hierarchical)."""
-        from fabric.workload import MoeDispatch, program_of
+        from fabric.core.workload import MoeDispatch, program_of
 
         return self.run(program_of(self.state, MoeDispatch(
             x, topk_idx, topk_weights, num_experts, variant, _group_of(group))),
             f"moe_dispatch {variant}")
 
     def moe_combine(self, dispatched: Any, partials: np.ndarray, group: Any = None) -> Any:
-        """MoE combine: each row's partial (see :func:`fabric.moe.expert_partials`) back
+        """MoE combine: each row's partial (see :func:`fabric.core.moe.expert_partials`) back
         to its token's home; returns (tokens, hidden) summed there."""
-        from fabric.workload import MoeCombine, program_of
+        from fabric.core.workload import MoeCombine, program_of
 
         return self.run(program_of(self.state, MoeCombine(dispatched, partials,
                                                           _group_of(group))),
@@ -623,7 +624,7 @@ class Endpoint:
     def send(self, x: np.ndarray, dst: int, *, policy: str = "selective") -> dict[str, Any]:
         """Send ``x``'s bytes reliably to worker ``dst`` (a world rank); the sender's
         statistics. Any number of streams may run between any pairs."""
-        from fabric.programs import StreamSend
+        from fabric.core.programs import StreamSend
 
         result: dict[str, Any] = self.run(StreamSend(self.state, dst, x, policy=policy),
                                           f"send to rank {dst}")
@@ -631,7 +632,7 @@ class Endpoint:
 
     def recv(self, out: np.ndarray, src: int, *, policy: str = "selective") -> np.ndarray:
         """Receive worker ``src``'s next stream into ``out``; returns ``out``."""
-        from fabric.programs import StreamRecv
+        from fabric.core.programs import StreamRecv
 
         self.run(StreamRecv(self.state, src, out, policy=policy), f"recv from rank {src}")
         return out
@@ -640,7 +641,7 @@ class Endpoint:
                  policy: str = "selective") -> np.ndarray:
         """Send to ``dst`` and receive from ``src`` at the same time (both directions of
         one pair may run at once); returns ``out``."""
-        from fabric.programs import Parallel, StreamRecv, StreamSend
+        from fabric.core.programs import Parallel, StreamRecv, StreamSend
 
         self.run(Parallel([StreamSend(self.state, dst, x, policy=policy),
                            StreamRecv(self.state, src, out, policy=policy)]),
@@ -677,7 +678,7 @@ class Endpoint:
             return out
         g = _group_of(group)
         if numerics == "fixed" and op == "sum":
-            collectives.allreduce_fixed(self, x, out, path, group=g)
+            self._allreduce_fixed(x, out, path, g)
             return out
         what = f"allreduce {path}"
         if path == "ina-mem" and not self.shares_host:
@@ -699,7 +700,7 @@ class Endpoint:
             np.copyto(out, x)
             copies = 1
         elif loc is None:
-            work = collectives.scratch_region(self, x.nbytes).view(x.dtype)
+            work = self._scratch_bytes(x.nbytes).view(x.dtype)
             np.copyto(work, x)
             loc = self.region_of(work)
             assert loc is not None
@@ -717,6 +718,43 @@ class Endpoint:
             self.sem(path).copies += copies * -(-x.size // max(self.state.mem_chunk_elems(
                 self.state.chunk_elems("ina-mem", x.itemsize), x.size, x.itemsize), 1))
         return out
+
+    def _scratch_bytes(self, nbytes: int) -> np.ndarray:
+        """A registered byte region of at least ``nbytes``, reused across calls
+        (the memory plane's staging area for tensors outside registered memory)."""
+        if self.scratch is None or self.scratch.nbytes < nbytes:
+            self.scratch = self.alloc(-(-nbytes // 8), "int64").view(np.uint8)
+        return self.scratch[:nbytes]
+
+    def _allreduce_fixed(self, x: np.ndarray, out: np.ndarray, path: str, group: Any) -> None:
+        """Sum float32 ``x`` as fixed-point int32 (see :func:`fabric.core.programs.fixed_program`).
+
+        The memory plane's integers must live in a registered region, so that path
+        is composed here; every other path runs the pure program.
+        """
+        from fabric.core.programs import (
+            fixed_dequantize,
+            fixed_maxima,
+            fixed_program,
+            fixed_quantize,
+        )
+
+        if x.dtype != np.float32:
+            raise UsageError("fixed-point numerics take float32 tensors")
+        if path != "ina-mem":
+            self.run(fixed_program(self.state, Tensor(x.size, "float32", x, out), path, group),
+                     f"allreduce {path} (fixed point)")
+            return
+        maxima = fixed_maxima(x)
+        # the scalar agreement travels in-network too (ina: a few bytes are not worth a region)
+        self.allreduce(maxima, op="max", path="ina", out=maxima, group=group)
+        if self.fixed_scratch is None or self.fixed_scratch.size < x.size:
+            self.fixed_scratch = self.alloc(x.size, "int32")
+        q = self.fixed_scratch[:x.size]
+        size = group.size if group is not None else self.world
+        scales = fixed_quantize(x, maxima, size, q)
+        self.allreduce(q, op="sum", path=path, out=q, group=group)
+        fixed_dequantize(q, scales, out)
 
     def switch_stats(self) -> dict[str, Any]:
         """The switch's live counters."""

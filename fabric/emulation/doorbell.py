@@ -41,8 +41,8 @@ import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from fabric.frame import Flag, Op
-from fabric.shm import SHM_DIR, SharedRegion, is_semfab_file
+from fabric.core.frame import Flag, Op
+from fabric.emulation.shm import SHM_DIR, SharedRegion, is_semfab_file
 
 __all__ = ["SLOT", "SLOTS", "SPIN_S", "Ring", "Doorbell", "available", "carries", "enabled",
            "fence", "sleep_all", "spin_until", "wake_all"]

@@ -42,8 +42,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import ClassVar, Final, Generic, TypeVar
 
+from fabric.core.frame import Flag, NackCode, Op, encode_header
 from fabric.errors import FabricTimeout, PeerFailed, SemfabError
-from fabric.frame import Flag, NackCode, Op, encode_header
 
 __all__ = [
     "PSN_BITS",
@@ -504,7 +504,7 @@ class RttEstimator:
     """RFC 6298 §2: smoothed RTT, its variation and the retransmit timeout.
 
     The project's one RTO estimator: streams (:class:`Sender`) and the
-    aggregation windows (:class:`fabric.timers.ChunkTimers`) both use it.
+    aggregation windows (:class:`fabric.core.timers.ChunkTimers`) both use it.
     """
 
     def __init__(self, rto_initial: float = DEFAULT_RTO_INITIAL,

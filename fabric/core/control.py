@@ -11,7 +11,7 @@ from typing import Any
 
 import msgpack
 
-from fabric.frame import FrameError, NackCode
+from fabric.core.frame import FrameError, NackCode
 
 
 def pack(t: str, **fields: Any) -> bytes:
