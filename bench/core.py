@@ -332,12 +332,14 @@ def _parse(args: argparse.Namespace) -> tuple[list[str], list[int], list[int], l
 def run(args: argparse.Namespace) -> int:
     """Entry point for `semfab bench core`."""
     from bench import report
+    from fabric.info import build
 
     paths, workers, sizes, dtypes = _parse(args)
     settings = {"paths": paths, "workers": workers, "sizes": sizes, "dtypes": dtypes,
                 "op": args.op, "iters": args.iters, "warmup": args.warmup, "crc": args.crc,
-                "seed": args.seed, "profile": args.profile}
-    print(f"# semfab bench core: switch core and member programs in one process, no IPC; "
+                "seed": args.seed, "profile": args.profile, "build": build()}
+    print(f"# semfab bench core ({build()} build): switch core and member programs in one "
+          f"process, no IPC; "
           f"{','.join(dtypes)} {args.op}, {args.warmup} warm-up + {args.iters} timed calls "
           f"per row, every result checked; crc {'on' if args.crc else 'off'}; seed {args.seed}")
     print(format_header(), flush=True)

@@ -177,6 +177,12 @@ def _git_info(root: Path) -> dict[str, Any]:
     return info
 
 
+def _build() -> str:
+    from fabric.info import build
+
+    return build()
+
+
 def environment() -> dict[str, Any]:
     """Describe the machine and software a result was measured with.
 
@@ -191,6 +197,7 @@ def environment() -> dict[str, Any]:
         "cpu": _cpu_model(),
         "logical_cores": os.cpu_count(),
         "python": f"{platform.python_implementation()} {platform.python_version()}",
+        "build": _build(),
     }
     versions: dict[str, str | None] = {
         key: _dist_version(dist) for key, dist in _VERSIONED.items()

@@ -428,7 +428,7 @@ def header_lines(args: argparse.Namespace, plan: Plan, name: str, n_cores: int,
     """The parameter header printed before any row (nccl-tests' ``# nThread ...`` lines);
     ``extra`` lines (the bench's own) come after the workers and paths.
     ``processes=False`` (simulation): no warning about busy cores."""
-    from fabric.info import semfab_version
+    from fabric.info import build, semfab_version
 
     sizes = plan.sizes
     repeat = getattr(args, "repeat", 1)
@@ -444,7 +444,7 @@ def header_lines(args: argparse.Namespace, plan: Plan, name: str, n_cores: int,
         topo_text = (f"a star per worker count ({len(topo0.switches)} switch, "
                      f"{len(topo0.hosts)} host)")
     lines = [
-        f"# semfab bench {name} (semfab {semfab_version()})",
+        f"# semfab bench {name} (semfab {semfab_version()}, {build()} build)",
         "#",
         f"# minBytes {sizes[0]} maxBytes {sizes[-1]} step: {args.factor:g}(factor) sizes: "
         f"{len(sizes)} ({' '.join(report.format_size(s) for s in sizes)})",

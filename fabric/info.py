@@ -33,6 +33,25 @@ def semfab_version() -> str:
         return "unknown"
 
 
+#: One module of each compiled part stands for it (setup.py compiles them all or none).
+BUILD_PROBES = ("fabric.core.frame", "fabric.core.programs", "switchd.core.switch",
+                "switchd.core.engine", "fabric.sim.engine")
+
+
+def build() -> str:
+    """Which build of the core runs: ``compiled (mypyc)``, ``plain`` (interpreted),
+    or ``mixed`` naming the compiled modules (a stale or partial build)."""
+    import importlib
+
+    compiled = [m for m in BUILD_PROBES
+                if not str(importlib.import_module(m).__file__ or "").endswith(".py")]
+    if not compiled:
+        return "plain"
+    if len(compiled) == len(BUILD_PROBES):
+        return "compiled (mypyc)"
+    return f"mixed (compiled: {', '.join(compiled)})"
+
+
 def collect() -> dict[str, object]:
     """Backends (available or why not), GPU and versions, as plain data."""
     import zmq
@@ -42,6 +61,7 @@ def collect() -> dict[str, object]:
     return {
         "python": sys.version.split()[0],
         "platform": platform.platform(),
+        "build": build(),
         "versions": {
             "semfab": semfab_version(),
             "numpy": _version("numpy"),
@@ -70,6 +90,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     print(f"semfab {info['versions']['semfab']}  python {info['python']}  "  # type: ignore[index]
           f"{info['platform']}")
+    print(f"build: {info['build']} (SEMFAB_COMPILE=1 pip install . compiles the core)")
     print(f"GPU: {info['gpu'] or 'none found'}")
     print("kernel backends:")
     for b in info["backends"]:  # type: ignore[attr-defined]

@@ -28,6 +28,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="inject faults on every link, e.g. 'loss=0.01,reorder=0.05:3,"
                    "corrupt=1e-4' (see docs/RELIABILITY.md); default: each link's `loss`")
     p.add_argument("--seed", type=int, default=0, help="seed of the fault injectors")
+    p.add_argument("--service", action="append", default=[], metavar="MODULE:CLASS",
+                   help="add an in-network service (a switchd.core.Service subclass, "
+                   "module:Class or file.py:Class); repeatable")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -67,9 +70,12 @@ def run(args: argparse.Namespace) -> int:
             parse_faults(args.faults)
         except FaultSpecError as exc:
             raise UsageError(f"--faults: {exc}") from None
+    from switchd.plugins import load_services
+
+    load_services(args.service)  # a bad name is one line here, not a daemon's traceback
     daemon = SwitchDaemon(topo, args.name, Path(args.sock_dir), ctl_addr=args.ctl,
                           memory_budget=args.memory_mb * 2**20, io_threads=args.io_threads,
-                          faults=args.faults, seed=args.seed)
+                          faults=args.faults, seed=args.seed, services=args.service)
     daemon.serve()
     return 0
 

@@ -21,6 +21,7 @@ import math
 import os
 import signal
 import time
+from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -34,10 +35,11 @@ from fabric.core.topology import Topology
 from fabric.emulation import doorbell as db
 from fabric.emulation import transport
 from fabric.emulation.frametrace import FrameLog
-from switchd.core import SwitchCore, SwitchStats, unwrap_psn
+from switchd.core import SwitchCore, SwitchStats
 from switchd.memplane import SharedMemoryPlane
+from switchd.plugins import load_services
 
-__all__ = ["SwitchDaemon", "unwrap_psn"]
+__all__ = ["SwitchDaemon"]
 
 log = logging.getLogger("semfab.switchd")
 
@@ -69,6 +71,7 @@ class SwitchDaemon:
         faults: str | None = None,
         seed: int = 0,
         ctl_silence_s: float | None = None,
+        services: Sequence[str] = (),
     ) -> None:
         self.topo = topo
         # a placed run's coordinator pings; silence this long ends the daemon
@@ -87,7 +90,8 @@ class SwitchDaemon:
         self.bell_frames_out = 0
         self.core = SwitchCore(topo, name, memory_budget=memory_budget, memory=self.memory,
                                extra_stats=self._driver_stats,
-                               attach_doorbell=self._attach_bell if db.enabled() else None)
+                               attach_doorbell=self._attach_bell if db.enabled() else None,
+                               services=load_services(services))
         self.ctx = transport.context(io_threads)
         self.sock = transport.router(self.ctx, topo.bind_address(name, sock_dir))
         self.ctl = transport.dealer(self.ctx, ctl_addr, name) if ctl_addr else None

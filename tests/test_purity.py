@@ -22,14 +22,15 @@ TOP = ("fabric", "switchd", "kernels", "bench")
 #: The pure protocol core, by package: frames, control, reliability, regions,
 #: topology, link pipelines, the collective programs, workloads; the switch's
 #: forwarding core and its in-network services.
-PURE_PACKAGES = ("fabric.core", "switchd.core", "switchd.aggregation", "switchd.shaper")
+PURE_PACKAGES = ("fabric.core", "switchd.core")
 #: Pure modules outside those packages: the shared error types, the public
 #: testing helpers (fake clock, in-memory links), the dtype and op registry, the
 #: NumPy reference kernels.
 PURE_MODULES = ("fabric.errors", "fabric.testing", "kernels.dtypes", "kernels.reference")
 #: Driver packages: they import the core, never the other way round.
 DRIVER_PACKAGES = ("fabric.emulation", "fabric.sim", "fabric.serving", "fabric.cli",
-                   "fabric.info", "switchd.daemon", "switchd.memplane", "switchd.cli", "bench")
+                   "fabric.info", "switchd.daemon", "switchd.memplane", "switchd.cli",
+                   "switchd.plugins", "bench")
 IO_LIBS = {"zmq", "socket", "asyncio", "selectors", "subprocess", "threading", "time", "mmap",
            "os", "signal", "multiprocessing", "aiohttp", "shutil"}
 #: The core's allowed third-party imports.

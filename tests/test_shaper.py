@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from fabric.core.link import LinkShaper
 from fabric.core.topology import LinkParams
-from switchd.shaper import LinkShaper
 
 
 def test_serialisation_then_latency() -> None:

@@ -220,7 +220,7 @@ def test_group_ids_are_reused_after_release_and_a_stale_release_is_harmless() ->
     net.ctrl(names[0], "group_release", members=ids, nth=0)  # the old group, again
     net.take(names[0])
     root = net.cores["spine0"]
-    assert root._groups[g2] == tuple(ids[:2])
+    assert root.multicast.groups[g2] == tuple(ids[:2])
 
 
 @pytest.mark.parametrize("topo", [star(3), leaf_spine(2, 2)], ids=["star", "leaf-spine"])

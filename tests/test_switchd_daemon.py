@@ -12,7 +12,7 @@ from fabric.core import control
 from fabric.core.frame import FrameError, NackCode
 from fabric.core.hostnode import HostAggregator
 from fabric.core.memory import AccessError, RegionInfo, RegionTable
-from switchd.daemon import unwrap_psn
+from fabric.core.reliability import unwrap_psn
 
 
 @given(st.integers(0, 2**40), st.integers(-(2**20), 2**20))

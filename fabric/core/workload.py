@@ -28,6 +28,7 @@ import numpy as np
 from fabric.errors import UsageError
 
 __all__ = ["Allreduce", "Barrier", "Clock", "CloseGroup", "Collective", "Compute", "Context",
+           "Control",
            "MakeGroup", "MoeCombine", "MoeDispatch", "Operation", "Recv", "Send", "Together",
            "check_workload",
            "program_of", "stream_program"]
@@ -151,8 +152,19 @@ class Clock:
     """Yields the current time in seconds (virtual in simulation)."""
 
 
+@dataclass(frozen=True)
+class Control:
+    """A control request to this worker's switch, answered by one of its services
+    (an added one included, see docs/ARCHITECTURE.md); yields the reply's fields.
+    Resent until answered: the service must answer a repeat alike."""
+
+    t: str
+    reply: str
+    fields: tuple[tuple[str, Any], ...] = ()
+
+
 Operation = (Allreduce | Collective | MoeDispatch | MoeCombine | MakeGroup | CloseGroup | Send
-             | Recv | Together | Barrier | Compute | Clock)
+             | Recv | Together | Barrier | Compute | Clock | Control)
 
 
 class Context:
@@ -255,6 +267,10 @@ class Context:
         """The current time."""
         return Clock()
 
+    def control(self, t: str, reply: str, **fields: Any) -> Control:
+        """Control message ``t`` to this worker's switch; yields its ``reply``."""
+        return Control(t, reply, tuple(sorted(fields.items())))
+
 
 def check_workload(fn: Callable[..., Any]) -> None:
     """UsageError unless ``fn`` is a generator function (it must yield, never block)."""
@@ -280,13 +296,18 @@ def stream_program(st: Any, op: Send | Recv | Together) -> Any:
 
 
 def program_of(st: Any, op: Collective | MakeGroup | CloseGroup | MoeDispatch | MoeCombine
-               ) -> Any:
-    """The program of a collective, MoE or communicator operation (both worlds)."""
+               | Control) -> Any:
+    """The program of a collective, MoE, communicator or control operation (both worlds)."""
     from fabric.core.collective_programs import (
         close_group_program,
         collective_program,
         group_program,
     )
+
+    if isinstance(op, Control):
+        from fabric.core.programs import Request
+
+        return Request(st, op.t, op.reply, **dict(op.fields))
 
     if isinstance(op, MoeDispatch):
         from fabric.core.moe import moe_dispatch_program

@@ -33,6 +33,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="faults on every link, e.g. 'loss=0.01,reorder=0.05:2,dup=0.001,"
                    "corrupt=1e-4,delay=50us:10us' (docs/RELIABILITY.md)")
     p.add_argument("--seed", type=int, default=0, help="seed of the fault injectors")
+    p.add_argument("--switch-service", action="append", default=[], metavar="FILE.py:CLASS",
+                   help="add an in-network service to every switch (a switchd.core.Service "
+                   "subclass, FILE.py:CLASS or MODULE:CLASS); repeatable")
     p.add_argument("--duration", type=float, default=0,
                    help="without --run: stay up this many seconds (0 = until Ctrl-C)")
 
@@ -110,7 +113,12 @@ def run(args: argparse.Namespace) -> int:
             parse_faults(faults)
         except FaultSpecError as exc:
             raise UsageError(f"--faults: {exc}") from None
-    kw: dict[str, Any] = dict(timeout_s=args.timeout, faults=faults, seed=args.seed)
+    if args.switch_service:
+        from switchd.plugins import load_services
+
+        load_services(args.switch_service)  # a bad name: one line now, not a dead switch
+    kw: dict[str, Any] = dict(timeout_s=args.timeout, faults=faults, seed=args.seed,
+                              switch_services=args.switch_service)
     if args.run_dir:
         # before any process starts: a bad folder is a usage error, not a traceback
         kw["run_dir"] = check_dir("--run-dir", args.run_dir)

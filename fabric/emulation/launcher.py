@@ -147,6 +147,7 @@ class Fabric:
         crc: bool | None = None,
         verbose: bool = False,
         remove_run_dir: bool = False,
+        switch_services: Sequence[str] = (),
     ) -> None:
         self.topo = topo
         self.run_dir = Path(run_dir) if run_dir else default_run_dir()
@@ -158,6 +159,12 @@ class Fabric:
         self.faults = faults or ""  # the switches inject them (--faults)
         if faults:
             self.switch_args += ["--faults", faults, "--seed", str(seed)]
+        # in-network services every switch adds (module:Class or file.py:Class)
+        for spec in switch_services:
+            if ":" in spec and spec.rpartition(":")[0].endswith(".py"):
+                where, _, attr = spec.rpartition(":")
+                spec = f"{Path(where).resolve()}:{attr}"  # the daemons' cwd may differ
+            self.switch_args += ["--service", spec]
         # CRC on data frames by default wherever frames may be corrupted
         self.crc = crc if crc is not None else bool(faults and "corrupt" in faults)
         self.verbose = verbose

@@ -19,6 +19,7 @@ from fabric.core.workload import (
     Collective,
     Compute,
     Context,
+    Control,
     MakeGroup,
     MoeCombine,
     MoeDispatch,
@@ -51,7 +52,8 @@ def run_in_emulation(ep: Any, fn: Callable[..., Generator[Any, Any, Any]], *args
                 raise UsageError("timing-only allreduce (x=None) runs in simulation only")
             value = ep.allreduce(op.x, op=op.op, path=op.path, out=op.out,
                                  numerics=op.numerics, group=op.group)
-        elif isinstance(op, (Collective, MakeGroup, CloseGroup, MoeDispatch, MoeCombine)):
+        elif isinstance(op, (Collective, MakeGroup, CloseGroup, MoeDispatch, MoeCombine,
+                           Control)):
             if isinstance(op, (Collective, MoeDispatch)) and op.x is None:
                 raise UsageError(f"timing-only {type(op).__name__} (x=None) runs in "
                                  "simulation only")

@@ -357,7 +357,10 @@ def run_scale(args: argparse.Namespace) -> int:
     for flag in ("json", "markdown", "plot"):
         if getattr(args, flag):
             check_output_file(f"--{flag}", getattr(args, flag))
-    print(f"# semfab sim scale (virtual time): {report.format_size(size)} float32 per worker, "
+    from fabric.info import build
+
+    print(f"# semfab sim scale (virtual time, {build()} build): "
+          f"{report.format_size(size)} float32 per worker, "
           f"{args.link_gbps:g} Gbit/s worker links, {args.latency_us:g} us per link, "
           f"mtu {args.mtu}, " + (f"cut-through {args.cut_through} B packets" if args.cut_through
                                    else "store and forward") + ", timing-only payloads")

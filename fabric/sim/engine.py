@@ -19,7 +19,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import deque
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,6 +50,7 @@ from fabric.core.workload import (
     Collective,
     Compute,
     Context,
+    Control,
     MakeGroup,
     MoeCombine,
     MoeDispatch,
@@ -63,6 +64,8 @@ from fabric.core.workload import (
 from fabric.errors import FabricTimeout, SemfabError, UsageError
 from kernels.dtypes import UFUNCS
 from switchd.core import SwitchCore
+from switchd.core.switch import ServiceFactory
+from switchd.plugins import load_services
 
 __all__ = ["SimResult", "Simulation", "SimulationError", "TimingModel"]
 
@@ -174,7 +177,8 @@ class Simulation:
 
     def __init__(self, topo: Topology, *, seed: int = 0, faults: str | FaultSpec | None = None,
                  timing: TimingModel | None = None, timeout_s: float = 30.0,
-                 memory_budget: int = 256 * 2**20, crc: bool = False) -> None:
+                 memory_budget: int = 256 * 2**20, crc: bool = False,
+                 services: Sequence[str | ServiceFactory] = ()) -> None:
         self.topo = topo
         self.timing = timing or TimingModel()
         self.now = 0.0
@@ -183,8 +187,10 @@ class Simulation:
         self.events = 0
         self.frames = 0
         self.regions: dict[str, np.ndarray] = {}  # simulated "device memory", by path
+        added = load_services(services)  # in-network services of the user's, every switch
         self.switches = {s.name: SwitchCore(topo, s.name, memory_budget=memory_budget,
-                                            memory=ArrayMemoryPlane(self.regions))
+                                            memory=ArrayMemoryPlane(self.regions),
+                                            services=added)
                          for s in topo.switches}
         self._keys = itertools.count(1)
         self._sw_busy = dict.fromkeys(self.switches, 0.0)
@@ -494,7 +500,8 @@ class Simulation:
                                      group=op.group)
         if isinstance(op, (Send, Recv, Together)):
             return stream_program(st, op)
-        if isinstance(op, (Collective, MakeGroup, CloseGroup, MoeDispatch, MoeCombine)):
+        if isinstance(op, (Collective, MakeGroup, CloseGroup, MoeDispatch, MoeCombine,
+                               Control)):
             return program_of(st, op)
         if isinstance(op, Barrier):
             return barrier_program(st, op.group)

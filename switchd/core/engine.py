@@ -1,10 +1,8 @@
 """In-network aggregation engine: SwitchML-style slot pool with shadow copies.
 
-This module is *sans-IO*: it imports only the standard library, NumPy and
-ml_dtypes, never reads a clock and never touches a socket. The switch daemon
-decodes a REDUCE frame, calls :meth:`AggregationEngine.contribute`, and turns
-the returned events into RESULT / NACK frames. The same engine serves both
-data planes:
+Sans-IO. The aggregation service decodes a REDUCE frame, calls
+:meth:`AggregationEngine.contribute`, and turns the returned events
+(:mod:`switchd.core.events`) into RESULT / NACK frames. Both data planes:
 
 * frame plane: the contribution's data travels in the frame and the engine
   reduces it into its own preallocated slot memory;
@@ -30,187 +28,30 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable
-from dataclasses import dataclass
-from enum import StrEnum
-from typing import Any, Final, TypeAlias
+from typing import Any, Final
 
 import numpy as np
 
-from kernels.dtypes import DTYPES as _DTYPES
 from kernels.dtypes import UFUNCS as _OP_UFUNCS
-
-__all__ = [
-    "DTYPES",
-    "NACK_CODES",
-    "AggOp",
-    "AggregationEngine",
-    "Completed",
-    "DuplicateIgnored",
-    "EngineStats",
-    "Event",
-    "Granted",
-    "JobSpec",
-    "Refused",
-    "Rejected",
-    "ResendResult",
-    "Stale",
-]
-
-
-class AggOp(StrEnum):
-    """Reduction operator applied element-wise across members."""
-
-    SUM = "sum"
-    MAX = "max"
-    MIN = "min"
-
-
-#: Element types the engine reduces: the project's one dtype registry.
-DTYPES: Final[dict[str, np.dtype[Any]]] = _DTYPES
-
-#: NACK codes a :class:`Rejected` may carry (names match ``fabric.core.frame.NackCode``).
-#: The engine itself emits UNKNOWN_JOB, NO_RESOURCE, PERMISSION, OUT_OF_WINDOW and
-#: MALFORMED; BAD_KEY is for the daemon's region-key checks on the memory plane.
-NACK_CODES: Final[frozenset[str]] = frozenset(
-    {"BAD_KEY", "PERMISSION", "OUT_OF_WINDOW", "NO_RESOURCE", "MALFORMED", "UNKNOWN_JOB"}
+from switchd.core.events import (
+    DEFAULT_MAX_SLOTS,
+    DTYPES,
+    AggOp,
+    Completed,
+    DuplicateIgnored,
+    EngineStats,
+    Event,
+    Granted,
+    JobSpec,
+    Refused,
+    Rejected,
+    ResendResult,
+    Stale,
+    normalise,
+    spec_error,
 )
 
-#: Members of one job at one switch (bitmaps are Python ints: no word limit).
-MAX_MEMBERS: Final = 4096
-MAX_JOB_ID: Final = 0xFFFF
-DEFAULT_MAX_SLOTS: Final = 1 << 16
-
-
-@dataclass(frozen=True)
-class JobSpec:
-    """What a job asks of the switch.
-
-    ``members`` are the contributor node ids (workers, or child switches in a
-    tree); their order fixes the bitmap bit of each and the order of
-    ``Completed.recipients``. ``slots`` is the window S, ``slot_elems`` the
-    elements of one chunk (one frame's payload). ``referenced`` selects the
-    memory plane: the engine holds no data, only bitmaps.
-    """
-
-    job: int
-    members: tuple[int, ...]
-    dtype: str
-    op: AggOp
-    slots: int
-    slot_elems: int
-    referenced: bool = False
-
-
-# --------------------------------------------------------------------- events
-# slots=True: events are created on the hot path, keep them small and fast.
-
-
-@dataclass(frozen=True, slots=True)
-class Granted:
-    """Registration accepted: the job owns ``slots`` slots of ``slot_elems`` elements."""
-
-    job: int
-    slots: int
-    slot_elems: int
-
-
-@dataclass(frozen=True, slots=True)
-class Refused:
-    """Registration refused; the job must fall back to the host path (and report it).
-
-    ``slots_free`` is how many slots of the asked shape would fit right now
-    (0 when the refusal is not about resources), so a caller may retry smaller.
-    """
-
-    job: int
-    reason: str
-    slots_free: int
-
-
-@dataclass(frozen=True, slots=True)
-class Completed:
-    """All members contributed to ``chunk``: send ``result`` to every recipient.
-
-    ``result`` is a read-only view of engine memory, valid until this slot
-    version is reused (at chunk ``chunk + 2*slots``); ``None`` when the job is
-    referenced (the daemon reduces from shared memory itself).
-    """
-
-    job: int
-    chunk: int
-    slot: int
-    result: np.ndarray | None
-    recipients: tuple[int, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class ResendResult:
-    """A contribution for an already-completed chunk: resend the kept result to ``member``.
-
-    The member lost the RESULT and retransmitted; ``result`` is the kept view
-    (``None`` when referenced).
-    """
-
-    job: int
-    chunk: int
-    member: int
-    result: np.ndarray | None
-
-
-@dataclass(frozen=True, slots=True)
-class DuplicateIgnored:
-    """A retransmission already in the bitmap of an incomplete chunk; nothing to send."""
-
-    job: int
-    chunk: int
-    member: int
-
-
-@dataclass(frozen=True, slots=True)
-class Stale:
-    """A late duplicate for a chunk whose slot version was already reused; nothing to send."""
-
-    job: int
-    chunk: int
-    member: int
-
-
-@dataclass(frozen=True, slots=True)
-class Rejected:
-    """A contribution refused with a NACK ``code``; no slot state was changed."""
-
-    job: int
-    chunk: int
-    member: int
-    code: str
-    reason: str
-
-
-Event: TypeAlias = (
-    Granted | Refused | Completed | ResendResult | DuplicateIgnored | Stale | Rejected
-)
-
-
-@dataclass(frozen=True, slots=True)
-class EngineStats:
-    """Counters and resource use of an :class:`AggregationEngine`.
-
-    Every ``contribute`` call lands in exactly one of ``contributions``
-    (counted into a slot), ``duplicates``, ``resends``, ``stale`` or
-    ``rejected``. ``completions`` counts chunks completed.
-    """
-
-    jobs: int
-    slots_total: int
-    slots_in_use: int
-    bytes_reserved: int
-    budget_bytes: int
-    contributions: int
-    completions: int
-    duplicates: int
-    resends: int
-    stale: int
-    rejected: int
+__all__ = ["AggregationEngine"]
 
 
 # ------------------------------------------------------------------ internals
@@ -316,41 +157,6 @@ class _Job:
         return None
 
 
-def _spec_error(spec: JobSpec) -> str | None:
-    """Why a spec is unusable, or None."""
-    if not isinstance(spec.job, int) or not 0 <= spec.job <= MAX_JOB_ID:
-        return f"job id {spec.job!r} is not a u16"
-    members = spec.members
-    if not 1 <= len(members) <= MAX_MEMBERS:
-        return f"{len(members)} members; 1..{MAX_MEMBERS} allowed"
-    if any(not isinstance(m, int) or m < 0 for m in members):
-        return f"members must be non-negative node ids, got {members!r}"
-    if len(set(members)) != len(members):
-        return f"duplicate members in {members!r}"
-    if spec.dtype not in DTYPES:
-        return f"dtype {spec.dtype!r} not one of {sorted(DTYPES)}"
-    if spec.op not in tuple(AggOp):
-        return f"op {spec.op!r} not one of {[o.value for o in AggOp]}"
-    if not isinstance(spec.slots, int) or spec.slots < 1:
-        return f"slots must be >= 1, got {spec.slots!r}"
-    if not isinstance(spec.slot_elems, int) or spec.slot_elems < 1:
-        return f"slot_elems must be >= 1, got {spec.slot_elems!r}"
-    return None
-
-
-def _normalise(spec: JobSpec) -> JobSpec:
-    # A list of members or a plain "sum" string must compare equal on re-register.
-    return JobSpec(
-        job=spec.job,
-        members=tuple(spec.members),
-        dtype=spec.dtype,
-        op=AggOp(spec.op),
-        slots=spec.slots,
-        slot_elems=spec.slot_elems,
-        referenced=bool(spec.referenced),
-    )
-
-
 # --------------------------------------------------------------------- engine
 
 
@@ -393,12 +199,12 @@ class AggregationEngine:
         reserved twice); with a different spec it is refused.
         """
         try:
-            err = _spec_error(spec)
+            err = spec_error(spec)
         except (TypeError, ValueError) as exc:  # e.g. members not a sequence
             err = f"{type(exc).__name__}: {exc}"
         if err is not None:
             return Refused(getattr(spec, "job", -1), f"invalid job spec: {err}", 0)
-        spec = _normalise(spec)
+        spec = normalise(spec)
         old = self._jobs.get(spec.job)
         if old is not None:
             if old.spec == spec:

@@ -1,0 +1,356 @@
+"""In-network aggregation at a switch: the data path of granted jobs.
+
+REDUCE frames addressed to the switch are contributions; the engine
+(:mod:`switchd.core.engine`) counts each exactly once and says when a chunk
+is complete. Then the result goes to every member (frame plane: in the
+frame; memory plane: reduced from the members' regions and stored into each,
+the RESULT frame a header only), or, below the tree's root, the switch's
+partial goes up to its parent and the parent's RESULT comes down. Lost
+contributions are detected here and asked for from the one member that lost
+one (NACK MISSING); a RESULT carries a completion mark so a member can tell
+"lost" from "not complete yet".
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from fabric.core import frame as fr
+from fabric.core.frame import Flag, NackCode, Op
+from fabric.core.memory import AccessError
+from fabric.core.reliability import PSN_MASK, unwrap_psn
+from kernels.dtypes import DTYPES, byte_view
+from switchd.core.context import SwitchContext
+from switchd.core.engine import AggregationEngine
+from switchd.core.events import Completed, JobSpec, Rejected, ResendResult
+from switchd.core.jobs import JobPhase, JobTable
+from switchd.core.regions import Regions
+from switchd.core.service import Service
+
+__all__ = ["ASKED_KEPT", "MISSING_ASKS", "MISSING_FEW", "MISSING_SCAN", "Aggregation"]
+
+#: Chunks a switch checks behind a member's newest one for a lost contribution.
+MISSING_SCAN = 64
+#: A chunk missing at most this many members checks whether they already sent
+#: later chunks (then theirs was lost).
+MISSING_FEW = 2
+#: Times one contribution is asked for (each ask with another proof).
+MISSING_ASKS = 4
+#: MISSING requests remembered (so each lost contribution is asked for once).
+ASKED_KEPT = 65536
+
+
+class Aggregation(Service):
+    """REDUCE and RESULT frames of granted jobs, and a parent's MISSING asks."""
+
+    name = "aggregation"
+    ops = (Op.REDUCE, Op.RESULT, Op.NACK)
+
+    def __init__(self, ctx: SwitchContext, table: JobTable, engine: AggregationEngine,
+                 regions: Regions) -> None:
+        super().__init__(ctx)
+        self.table = table
+        self.engine = engine
+        self.regions = regions
+        # per job: every chunk below ``_done_below`` has had its results sent, and
+        # the chunks above it that have too (see _mark_for)
+        self._done_below: dict[int, int] = {}
+        self._done_above: dict[int, set[int]] = {}
+        # memory plane: per (job, chunk) each member's (region key, offset)
+        self._refs: dict[tuple[int, int], dict[int, tuple[int, int]]] = {}
+        # tree: chunks whose partial went up and whose result has not come down,
+        # with the owner each awaits (owner-delivered jobs)
+        self._awaiting: set[tuple[int, int]] = set()
+        self._await_owner: dict[tuple[int, int], int] = {}
+        # loss detection: per (job, member) the highest chunk seen, and the
+        # (job, chunk, member, proof) already asked to resend
+        self._high: dict[tuple[int, int], int] = {}
+        self._asked: set[tuple[int, int, int, int]] = set()
+        self._asked_n: dict[tuple[int, int, int], int] = {}
+        regions.users.append(self.names_region)
+
+    def claims(self, f: fr.Frame, port: bytes, speaker: int | None) -> bool:
+        if f.dst != self.ctx.id:
+            return False
+        return f.op is not Op.NACK or f.offset == NackCode.MISSING
+
+    def handle(self, f: fr.Frame, port: bytes, header: Any, payload: Any, now: float) -> None:
+        if f.op is Op.REDUCE:
+            self.ctx.counters.reduce_frames += 1
+            self._on_reduce(f, port)
+        elif f.op is Op.RESULT:
+            self._on_parent_result(f)
+        else:
+            # never answer a NACK with a NACK (two switches would ping-pong)
+            self.ctx.counters.nacks_received += 1
+            self._resend_partial(f)
+
+    def names_region(self, key: int) -> bool:
+        """True while a chunk in progress names region ``key``."""
+        return any(key == k for refs in self._refs.values() for k, _ in refs.values())
+
+    def forget(self, job: int) -> None:
+        """``job`` was released: drop its chunks' state."""
+        self._refs = {k: v for k, v in self._refs.items() if k[0] != job}
+        self._awaiting = {k for k in self._awaiting if k[0] != job}
+        self._await_owner = {k: v for k, v in self._await_owner.items() if k[0] != job}
+        self._high = {k: v for k, v in self._high.items() if k[0] != job}
+        self._done_below.pop(job, None)
+        self._done_above.pop(job, None)
+
+    def _on_reduce(self, f: fr.Frame, port: bytes) -> None:
+        ctx, table = self.ctx, self.table
+        spec = table.specs.get(f.job)
+        if spec is None:
+            code = NackCode.NO_RESOURCE if table.phase.get(f.job) is JobPhase.REFUSED \
+                else NackCode.UNKNOWN_JOB
+            ctx.nack(port, f.src, f.job, f.psn, f.msg, code, f"job {f.job} is not registered")
+            return
+        if fr.DTYPE_NAMES[f.dtype] != spec.dtype:
+            ctx.nack(port, f.src, f.job, f.psn, f.msg, NackCode.MALFORMED,
+                     f"frame dtype {fr.DTYPE_NAMES[f.dtype]} but job {f.job} is {spec.dtype}")
+            return
+        if f.job in table.owned and f.key not in table.members.get(f.job, ()):
+            ctx.nack(port, f.src, f.job, f.psn, f.msg, NackCode.MALFORMED,
+                     f"job {f.job} delivers to an owner: key {f.key} is not a member")
+            return
+        chunk = unwrap_psn(f.psn, table.last.get(f.job, 0))
+        pending: dict[int, tuple[int, int]] | None = None
+        had_ref = False
+        if spec.referenced:
+            if not f.referenced:
+                ctx.nack(port, f.src, f.job, f.psn, f.msg, NackCode.MALFORMED,
+                         "memory-plane job needs REF frames")
+                return
+            try:
+                info = self.regions.table.check(f.key, f.offset, f.length, f.src)
+            except AccessError as exc:
+                ctx.nack(port, f.src, f.job, f.psn, f.msg, exc.code, str(exc))
+                return
+            if info.owner != f.src:
+                ctx.nack(port, f.src, f.job, f.psn, f.msg, NackCode.PERMISSION,
+                         f"node {f.src} contributes from region {f.key:#x} of node "
+                         f"{info.owner}")
+                return
+            pending = self._refs.setdefault((f.job, chunk), {})
+            had_ref = f.src in pending
+            pending[f.src] = (f.key, f.offset)
+            data = None
+        else:
+            if f.referenced:
+                ctx.nack(port, f.src, f.job, f.psn, f.msg, NackCode.MALFORMED,
+                         "frame-plane job needs inline payloads")
+                return
+            data = np.frombuffer(f.payload, dtype=DTYPES[spec.dtype])
+        events = self.engine.contribute(f.job, chunk, f.src, data, length=f.elements)
+        completed = False
+        for ev in events:
+            if isinstance(ev, Completed):
+                completed = True
+                table.last[f.job] = max(table.last.get(f.job, 0), ev.chunk)
+                if spec.referenced:
+                    self._reduce_regions(spec, ev.chunk, f.elements)
+                if f.job in table.parent:  # a partial: up first, results come down
+                    self._awaiting.add((f.job, ev.chunk))
+                    if f.job in table.owned:
+                        self._await_owner[(f.job, ev.chunk)] = f.key
+                    self._send_up(spec, ev.chunk, ev.result, f, retx=False)
+                else:
+                    self._mark_done(f.job, ev.chunk)
+                    self._send_results(spec, ev.chunk, ev.recipients, ev.result, f)
+            elif isinstance(ev, ResendResult):
+                if (f.job, ev.chunk) in self._awaiting:
+                    # we only hold our partial: ask the parent again instead
+                    self._send_up(spec, ev.chunk, ev.result, f, retx=True)
+                else:
+                    self._send_results(spec, ev.chunk, (ev.member,), ev.result, f)
+            elif isinstance(ev, Rejected):
+                ctx.nack(port, f.src, f.job, f.psn, f.msg, NackCode[ev.code], ev.reason)
+            # DuplicateIgnored, Stale: counted by the engine; nothing to send
+        counted = completed or not events
+        if counted:
+            self._ask_missing(f, chunk)
+        if pending is not None and not counted and not had_ref:
+            # refused, stale or answered from the kept result: forget the address
+            pending.pop(f.src, None)
+            if not pending:
+                self._refs.pop((f.job, chunk), None)
+        if data is not None and counted:
+            ctx.counters.payload_copies += 1
+
+    def _ask_missing(self, f: fr.Frame, chunk: int) -> None:
+        """A member's chunk ``chunk`` came, skipping chunks still waiting for it: those
+        were lost on its link. Ask that member alone, once per chunk (the others'
+        contributions are in: they need not resend, as they would on a timeout)."""
+        key = (f.job, f.src)
+        high = self._high.get(key)
+        self._high[key] = chunk if high is None else max(high, chunk)
+        if high is not None and chunk > high:
+            # every chunk below this one still waiting for this member (from the
+            # oldest incomplete one): lost on its link, or not sent yet (its slot's
+            # result came late; the member then ignores the ask, see
+            # fabric.core.programs.InaAllreduce). A chunk asked before is asked again
+            # with this newer proof (the ask or the resend may be lost too), a few
+            # times at most.
+            lo = max(self._done_below.get(f.job, 0), chunk - MISSING_SCAN)
+            for c in range(lo, chunk):
+                if self.engine.pending(f.job, c, f.src):
+                    self._ask(f.job, c, f.src, f.msg, chunk)
+        # this chunk now waits only for members that already sent later chunks:
+        # their contribution to it was lost
+        out = self.engine.missing(f.job, chunk)
+        if 0 < len(out) <= MISSING_FEW:
+            for m in out:
+                proof = self._high.get((f.job, m), -1)
+                if proof > chunk:
+                    self._ask(f.job, chunk, m, f.msg, proof)
+
+    def _ask(self, job: int, chunk: int, member: int, msg: int, proof: int) -> None:
+        """NACK MISSING to ``member`` for ``chunk``; ``proof`` is a later chunk of its
+        that arrived (the member resends only if it sent ``chunk`` before ``proof``)."""
+        ctx = self.ctx
+        # the member ignores an ask about a chunk it sent after the proof: a later
+        # proof may ask again (a few times)
+        ask = (job, chunk, member, proof)
+        port = ctx.ident.get(member)
+        times = self._asked_n.get((job, chunk, member), 0)
+        if ask in self._asked or port is None or times >= MISSING_ASKS:
+            return
+        self._asked.add(ask)
+        self._asked_n[(job, chunk, member)] = times + 1
+        if len(self._asked) > ASKED_KEPT:  # old asks: their chunks are long complete
+            self._asked.clear()
+            self._asked_n.clear()
+        ctx.counters.missing_asked += 1
+        ctx.count_nack("MISSING")
+        ctx.send(port, fr.encode_nack(src=ctx.id, dst=member, flow=0, psn=chunk & PSN_MASK,
+                                      code=NackCode.MISSING, job=job, msg=msg,
+                                      key=proof & PSN_MASK))
+
+    def _reduce_regions(self, spec: JobSpec, chunk: int, count: int) -> None:
+        """Memory plane: ld_reduce from every member's region, st into every one."""
+        refs = self._refs.pop((spec.job, chunk))
+        memory = self.regions.memory
+        assert memory is not None  # a referenced job is refused without one
+        memory.reduce(DTYPES[spec.dtype], spec.op.value, [refs[m] for m in spec.members], count)
+        self.ctx.counters.mem_stores += len(refs)
+        self.ctx.counters.payload_copies += len(refs)
+
+    def _mark_done(self, job: int, chunk: int) -> None:
+        """Chunk ``chunk`` of ``job`` is complete here: its results go out now."""
+        low = self._done_below.get(job, 0)
+        if chunk < low:
+            return
+        above = self._done_above.setdefault(job, set())
+        above.add(chunk)
+        while low in above:
+            above.discard(low)
+            low += 1
+        self._done_below[job] = low
+
+    def _mark_for(self, spec: JobSpec, member: int) -> int:
+        """The completion mark a RESULT to ``member`` carries: every chunk below it is
+        complete, or still lacks ``member``'s contribution (which was then lost, or
+        is on its way). Either way a missing result below it calls for a resend,
+        and one above it waits for another member. Per member, it passes the
+        chunks that wait only for others, which a mark common to all cannot."""
+        job = spec.job
+        low = self._done_below.get(job, 0)
+        top = min(self.table.last.get(job, -1) + 1, low + 2 * spec.slots)  # chunks held
+        if low >= top:
+            return low
+        above = self._done_above.get(job, ())
+        engine, awaiting = self.engine, self._awaiting
+        for c in range(low, top):
+            # member's contribution is in and the chunk waits for others: for
+            # another member here, or (complete here) for the parent's result
+            if c not in above and ((job, c) in awaiting or engine.contributed(job, c, member)):
+                return c
+        return top
+
+    def _send_results(self, spec: JobSpec, chunk: int, recipients: tuple[int, ...],
+                      result: np.ndarray | None, f: fr.Frame) -> None:
+        ctx = self.ctx
+        crc = bool(f.flags & Flag.CRC)  # answer in kind: a sender that checks gets checked
+        owner = f.key if spec.job in self.table.owned else None
+        for member in recipients:
+            port = ctx.ident[member]
+            done = self._mark_for(spec, member) & PSN_MASK
+            if owner is not None and member != owner and owner not in \
+                    ctx.child_below.get(member, ()):
+                # not the owner's side: a header-only completion (self-clocks its window)
+                ctx.send(port, fr.encode_header(
+                    Op.RESULT, src=ctx.id, dst=member, job=spec.job, psn=chunk & PSN_MASK,
+                    dtype=f.dtype, msg=f.msg, key=owner, offset=done, crc=crc))
+                ctx.counters.results_sent += 1
+                continue
+            if result is None:
+                header = fr.encode_header(Op.RESULT, src=ctx.id, dst=member, job=spec.job,
+                                          psn=chunk & PSN_MASK, dtype=f.dtype, msg=f.msg,
+                                          flags=Flag.REF, length=f.length, offset=done,
+                                          crc=crc)
+                ctx.send(port, header)
+            else:
+                body = byte_view(result)
+                header = fr.encode_header(Op.RESULT, src=ctx.id, dst=member, job=spec.job,
+                                          psn=chunk & PSN_MASK, dtype=f.dtype, msg=f.msg,
+                                          payload=body, key=owner or 0, offset=done, crc=crc)
+                ctx.send(port, header, body)
+            ctx.counters.results_sent += 1
+
+    def _on_parent_result(self, f: fr.Frame) -> None:
+        """The final result of a chunk we sent up as a partial: keep it, pass it down."""
+        ctx, table = self.ctx, self.table
+        spec = table.specs.get(f.job)
+        parent = table.parent.get(f.job)
+        if spec is None or parent is None or f.src != parent:
+            # only our parent switch sends us results
+            ctx.counters.unauthorised += 1
+            return
+        chunk = unwrap_psn(f.psn, table.last.get(f.job, 0))
+        if (f.job, chunk) not in self._awaiting:
+            return  # a late copy: the chunk's result was already passed down
+        data = np.frombuffer(f.payload, dtype=DTYPES[spec.dtype])
+        owned = f.job in table.owned
+        if owned and f.key != self._await_owner.get((f.job, chunk)):
+            ctx.counters.malformed += 1
+            return
+        if owned and f.length == 0:
+            pass  # the owner is elsewhere: completions only (our partial stays kept)
+        elif not self.engine.install_result(f.job, chunk, data):
+            ctx.counters.malformed += 1
+            return
+        self._awaiting.discard((f.job, chunk))
+        self._await_owner.pop((f.job, chunk), None)
+        self._mark_done(f.job, chunk)
+        self._send_results(spec, chunk, spec.members, data, f)
+
+    def _resend_partial(self, f: fr.Frame) -> None:
+        """Our parent lost our partial of a chunk: send it again (we keep it)."""
+        spec = self.table.specs.get(f.job)
+        if spec is None or self.table.parent.get(f.job) != f.src:
+            return
+        chunk = unwrap_psn(f.psn, self.table.last.get(f.job, 0))
+        partial = self.engine.kept_result(f.job, chunk)
+        if (f.job, chunk) in self._awaiting and partial is not None:
+            # checked where the fabric checks
+            flags = Flag.CRC if self.ctx.ctrl_crc else Flag.NONE
+            self._send_up(spec, chunk, partial, f._replace(dtype=fr.dtype_from_name(
+                spec.dtype), flags=flags, key=self._await_owner.get((f.job, chunk), 0)),
+                retx=True)
+
+    def _send_up(self, spec: JobSpec, chunk: int, partial: np.ndarray | None,
+                 f: fr.Frame, retx: bool) -> None:
+        """Our subtree's partial sum of ``chunk``, as our contribution to the parent."""
+        ctx = self.ctx
+        parent = self.table.parent[spec.job]
+        assert partial is not None
+        body = byte_view(partial)
+        header = fr.encode_header(Op.REDUCE, src=ctx.id, dst=parent, job=spec.job,
+                                  psn=chunk & PSN_MASK, dtype=f.dtype, msg=f.msg,
+                                  key=f.key if spec.job in self.table.owned else 0,
+                                  payload=body, flags=Flag.RETX if retx else Flag.NONE,
+                                  crc=bool(f.flags & Flag.CRC))
+        ctx.send(ctx.next_hop[parent], header, body)

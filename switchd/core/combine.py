@@ -1,0 +1,138 @@
+"""In-network MoE combine: the first switch sums one token's expert outputs.
+
+REDUCE frames on :data:`COMBINE_FLOW`, addressed to a token's home worker,
+carry ``offset`` tokens (int32 ids, then one vector each) from one rank, with
+``key`` contributions expected below this switch for each. The contributors'
+leaf sums them; a token whose contributions are all in goes on to its home,
+those a frame completed in one frame; the sender gets one ACK per frame.
+Finished sums are kept (bounded) for a home that lost one and asks again by
+NACK. See fabric.core.moe for the workers' side.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from fabric.core import frame as fr
+from fabric.core.frame import FrameError, NackCode, Op
+from kernels.dtypes import DTYPES, byte_view
+from switchd.core.context import SwitchContext
+from switchd.core.service import Service
+
+__all__ = ["COMBINE_FLOW", "COMBINE_KEPT", "Combine", "CombineStats"]
+
+#: In-network MoE combine: REDUCE frames on this flow, addressed to a token's
+#: home, are summed by the first switch (the contributors' leaf).
+COMBINE_FLOW = 24
+#: Finished per-token combine sums a switch keeps for the home to ask again.
+COMBINE_KEPT = 65536
+
+_FLOAT_CODES = frozenset({fr.DType.F32, fr.DType.F16, fr.DType.BF16})
+
+#: (home, msg, stream, token)
+SumKey = tuple[int, int, int, int]
+
+
+@dataclass
+class _Sum:
+    """One token's partial sum at one switch."""
+
+    total: np.ndarray  # float32
+    seen: set[int]
+    expected: int
+    dtype: int
+    result: np.ndarray | None = None
+
+
+@dataclass(frozen=True)
+class CombineStats:
+    """Token sums open here, and finished ones kept for a home to ask again."""
+
+    open_sums: int
+    done_kept: int
+
+
+class Combine(Service):
+    """Per-token sums of MoE expert outputs, at the contributors' switch."""
+
+    name = "combine"
+    ops = (Op.REDUCE, Op.NACK)
+
+    def __init__(self, ctx: SwitchContext) -> None:
+        super().__init__(ctx)
+        self._open: dict[SumKey, _Sum] = {}
+        self._done: OrderedDict[SumKey, _Sum] = OrderedDict()
+
+    def claims(self, f: fr.Frame, port: bytes, speaker: int | None) -> bool:
+        if f.flow != COMBINE_FLOW:
+            return False
+        if f.op is Op.REDUCE:
+            return bool(f.key) and speaker is not None
+        return f.dst == self.ctx.id  # a home asks for a sum again
+
+    def handle(self, f: fr.Frame, port: bytes, header: Any, payload: Any, now: float) -> None:
+        if f.op is Op.NACK:
+            acc = self._done.get((f.src, f.msg, f.job, f.psn))
+            if acc is not None:
+                self._send(f.src, f.msg, f.job, [(f.psn, acc)])
+            return
+        ctx = self.ctx
+        home, n = f.dst, f.offset
+        if home not in ctx.worker_ids:
+            raise FrameError(NackCode.MALFORMED, f"combine for node {home}: not a worker")
+        if f.dtype not in _FLOAT_CODES or not 0 < f.key <= len(ctx.attached_ids) or n <= 0:
+            raise FrameError(NackCode.MALFORMED,
+                             f"combine frame: dtype {f.dtype}, {f.key} contributions, {n} tokens")
+        dt = DTYPES[fr.DTYPE_NAMES[f.dtype]]
+        vec_bytes, rest = divmod(f.length - 4 * n, n)
+        if f.length <= 4 * n or rest or vec_bytes % dt.itemsize:
+            raise FrameError(NackCode.MALFORMED, f"combine frame of {f.length} B for {n} tokens")
+        raw = np.frombuffer(f.payload, np.uint8)
+        tokens = raw[:4 * n].view(np.int32)
+        vecs = raw[4 * n:].view(dt).reshape(n, -1)
+        done_now: list[tuple[int, _Sum]] = []
+        for t, v in zip(tokens.tolist(), vecs, strict=True):
+            k = (home, f.msg, f.job, t)
+            if k in self._done:
+                continue  # a resent frame: this token is summed already
+            acc = self._open.get(k)
+            if acc is None:
+                acc = self._open[k] = _Sum(np.zeros(v.size, np.float32), set(), f.key, f.dtype)
+            if v.size != acc.total.size or f.key != acc.expected or f.dtype != acc.dtype:
+                raise FrameError(NackCode.MALFORMED, f"combine of token {t}: contributions "
+                                 "of different sizes or counts")
+            if f.src not in acc.seen:
+                acc.seen.add(f.src)
+                acc.total += v
+                ctx.counters.payload_copies += 1
+            if len(acc.seen) >= acc.expected:
+                del self._open[k]
+                acc.result = acc.total.astype(dt)
+                self._done[k] = acc
+                done_now.append((t, acc))
+        while len(self._done) > COMBINE_KEPT:
+            self._done.popitem(last=False)
+        ctx.send(ctx.ident[f.src], fr.encode_header(  # key: the tokens' home
+            Op.ACK, src=ctx.id, dst=f.src, flow=COMBINE_FLOW + 1, job=f.job, psn=f.psn,
+            key=home, msg=f.msg))
+        if done_now:
+            self._send(home, f.msg, f.job, done_now)
+
+    def statistics(self) -> CombineStats:
+        return CombineStats(open_sums=len(self._open), done_kept=len(self._done))
+
+    def _send(self, home: int, msg: int, stream: int, items: list[tuple[int, _Sum]]) -> None:
+        """Finished sums of tokens of ``home``, in one frame."""
+        ctx = self.ctx
+        ids = np.array([t for t, _ in items], np.int32)
+        vecs = [acc.result for _, acc in items if acc.result is not None]
+        body = np.concatenate([ids.view(np.uint8), *(byte_view(v) for v in vecs)])
+        ctx.counters.results_sent += 1
+        ctx.send(ctx.next_hop[home], fr.encode_header(
+            Op.REDUCE, src=ctx.id, dst=home, flow=COMBINE_FLOW, job=stream, psn=int(ids[0]),
+            offset=len(items), msg=msg, dtype=items[0][1].dtype, payload=body,
+            crc=ctx.ctrl_crc), body)

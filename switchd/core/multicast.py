@@ -1,0 +1,161 @@
+"""In-network multicast: groups of workers, and frames replicated to them.
+
+A frame with Flag.MCAST names a group id as ``dst``; each switch sends one
+copy to every port that leads to a member on its side (never back where it
+came from), so every member gets one copy and the sender none. Group 0 is
+every worker. The tree root hands out the other ids for (members, nth
+creation); a switch below it asks its parent and learns the answer as it
+passes down.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from fabric.core import control
+from fabric.core import frame as fr
+from fabric.core.frame import Flag, FrameError, NackCode
+from fabric.core.memory import AccessError
+from switchd.core.context import SwitchContext
+from switchd.core.service import Service
+
+__all__ = ["MAX_GROUPS", "Multicast", "MulticastStats"]
+
+#: Multicast group ids the tree root hands out (0 is every worker, built in). A
+#: group's jobs take ids ``gid << GROUP_JOB_BITS | n`` (fabric.core.programs.Group).
+MAX_GROUPS = 255
+
+GroupKey = tuple[tuple[int, ...], int]
+
+
+@dataclass(frozen=True)
+class MulticastStats:
+    """Groups known at this switch (group 0, every worker, included)."""
+
+    groups: int
+
+
+class Multicast(Service):
+    """Flag.MCAST frames, and the ``group`` / ``group_release`` control messages."""
+
+    name = "multicast"
+    flag = Flag.MCAST
+    ctrl_types = ("group", "group_reply", "group_release")
+
+    def __init__(self, ctx: SwitchContext) -> None:
+        super().__init__(ctx)
+        #: gid -> member ids, in id order
+        self.groups: dict[int, tuple[int, ...]] = {
+            0: tuple(sorted(w.id for w in ctx.topo.workers))}
+        self._ids: dict[GroupKey, int] = {}
+        self._wait: dict[GroupKey, dict[int, bytes]] = {}
+
+    def claims(self, f: fr.Frame, port: bytes, speaker: int | None) -> bool:
+        return True
+
+    def handle(self, f: fr.Frame, port: bytes, header: Any, payload: Any, now: float) -> None:
+        """Replicate to every port that leads to a member, except the one it came on."""
+        ctx, c = self.ctx, self.ctx.counters
+        members = self.groups.get(f.dst)
+        if members is None:
+            c.unroutable += 1
+            ctx.nack(port, f.src, f.job, f.psn, f.msg, NackCode.UNKNOWN_JOB,
+                     f"no multicast group {f.dst}")
+            return
+        if f.src not in members:
+            c.unauthorised += 1
+            ctx.nack(port, f.src, f.job, f.psn, f.msg, NackCode.PERMISSION,
+                     f"node {f.src} is not in multicast group {f.dst}")
+            return
+        c.mcast_frames += 1
+        ports: list[bytes] = []
+        mask = f.key  # a member mask (bit i: the i-th member by id); 0: every member
+        for i, m in enumerate(members):
+            out = ctx.next_hop.get(m)
+            if mask and not mask >> i & 1:
+                continue
+            if m != f.src and out is not None and out != port and out not in ports:
+                ports.append(out)
+        head = bytes(header)
+        for out in ports:  # one header, one payload buffer: zero-copy replicas
+            ctx.send(out, head, payload)
+        c.mcast_copies += len(ports)
+        c.forwarded += len(ports)
+
+    def on_ctrl(self, f: fr.Frame, port: bytes, msg: dict[str, Any], now: float) -> None:
+        t = msg["t"]
+        if t == "group":
+            self._on_group(f, port, msg)
+        elif t == "group_reply":
+            self._on_reply(f, msg)
+        else:
+            self._on_release(f, port, msg)
+
+    def statistics(self) -> MulticastStats:
+        return MulticastStats(groups=len(self.groups))
+
+    def _key(self, f: fr.Frame, port: bytes, msg: dict[str, Any]) -> GroupKey:
+        members = control.need(msg, "members", list)
+        nth = control.need(msg, "nth", int)
+        workers = self.ctx.worker_ids
+        if not members or any(not isinstance(m, int) or m not in workers for m in members) \
+                or len(set(members)) != len(members) or nth < 0:
+            raise FrameError(NackCode.MALFORMED, "group members must be distinct worker ids")
+        if port not in self.ctx.switch_ports and f.src not in members:
+            raise AccessError(NackCode.PERMISSION, f"node {f.src} is not in the group it names")
+        return tuple(sorted(members)), nth
+
+    def _on_group(self, f: fr.Frame, port: bytes, msg: dict[str, Any]) -> None:
+        """A member creates a multicast group (idempotent): the tree root allocates its
+        id for (members, nth); other switches ask their parent and learn the answer."""
+        ctx = self.ctx
+        key = self._key(f, port, msg)
+        gid = self._ids.get(key)
+        if gid is None and ctx.parent_name is None:
+            used = set(self.groups)
+            gid = next((g for g in range(1, MAX_GROUPS + 1) if g not in used), None)
+            if gid is None:
+                ctx.ctrl(port, f.src, "group_reply", members=list(key[0]), nth=key[1],
+                         gid=-1, reason=f"all {MAX_GROUPS} multicast groups are in use; "
+                         "close communicators you no longer need")
+                return
+            self._ids[key] = gid
+            self.groups[gid] = key[0]
+        if gid is not None:
+            ctx.ctrl(port, f.src, "group_reply", members=list(key[0]), nth=key[1], gid=gid,
+                     reason="")
+            return
+        # ask the parent on every retry (our request or its answer may be lost)
+        self._wait.setdefault(key, {})[f.src] = port
+        parent = ctx.parent_id()
+        ctx.ctrl(ctx.next_hop[parent], parent, "group", members=list(key[0]), nth=key[1])
+
+    def _on_reply(self, f: fr.Frame, msg: dict[str, Any]) -> None:
+        ctx = self.ctx
+        if ctx.parent_name is None or f.src != ctx.parent_id():
+            ctx.counters.unauthorised += 1  # only our parent allocates for us
+            return
+        key = (tuple(sorted(control.need(msg, "members", list))), control.need(msg, "nth", int))
+        gid = control.need(msg, "gid", int)
+        if 0 < gid <= MAX_GROUPS:
+            self._ids[key] = gid
+            self.groups[gid] = key[0]
+        for src, who in self._wait.pop(key, {}).items():
+            ctx.ctrl(who, src, "group_reply", members=list(key[0]), nth=key[1], gid=gid,
+                     reason=str(msg.get("reason", "")))
+
+    def _on_release(self, f: fr.Frame, port: bytes, msg: dict[str, Any]) -> None:
+        """A member closed its communicator: forget the group (idempotent; a release
+        naming an older group with the same id is ignored)."""
+        ctx = self.ctx
+        key = self._key(f, port, msg)
+        gid = self._ids.pop(key, None)
+        if gid is not None and self.groups.get(gid) == key[0]:
+            del self.groups[gid]
+        if ctx.parent_name is not None and gid is not None:
+            parent = ctx.parent_id()
+            ctx.ctrl(ctx.next_hop[parent], parent, "group_release", members=list(key[0]),
+                     nth=key[1])
+        if port not in ctx.switch_ports:
+            ctx.ctrl(port, f.src, "group_released", members=list(key[0]), nth=key[1])
