@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import logging
 import os
 import shutil
@@ -244,7 +245,7 @@ def sim_half_workload(ctx: Any, path: str, size: int, dtype: str, op: str, warmu
     """:func:`_time_half` as a workload, for ``--sim``: ``warmup`` + ``iters``
     barrier-separated calls (the last checked, every element), then ``iters`` back
     to back. ``place``: ``"out"`` (into a buffer of its own) or ``"in"`` (out is x)."""
-    from kernels.checking import expected_allreduce, make_input
+    from kernels.checking import make_input
     from kernels.dtypes import np_dtype
     from kernels.reference import count_wrong
 
@@ -263,7 +264,7 @@ def sim_half_workload(ctx: Any, path: str, size: int, dtype: str, op: str, warmu
         if it >= warmup:
             times.append((t1 - t0) * 1e6)
             spans.append((float(t0), float(t1)))
-    wrong = count_wrong(got, expected_allreduce(ctx.world, last, count, dtype, op, seed)) \
+    wrong = count_wrong(got, _expected(ctx.world, last, count, dtype, op, seed)) \
         if check and got is not None else 0
     yield ctx.barrier()
     t0 = yield ctx.clock()
@@ -274,60 +275,105 @@ def sim_half_workload(ctx: Any, path: str, size: int, dtype: str, op: str, warmu
             "spans": spans, "b2b": (float(t0), float(t1))}
 
 
+@functools.lru_cache(maxsize=2)
+def _expected(world: int, step: int, count: int, dtype: str, op: str, seed: int
+              ) -> np.ndarray:
+    """The exact result every rank of one simulation checks against, computed once, not
+    once per rank (each costs ``world`` inputs: at 1024 ranks, per rank is W^2 inputs)."""
+    from kernels.checking import expected_allreduce
+
+    want = expected_allreduce(world, step, count, dtype, op, seed)
+    want.flags.writeable = False  # shared by every rank
+    return want
+
+
 #: Rows simulated in virtual time say so.
 SIM_NOTE = "simulated (virtual time)"
 
 
+def sim_point(topo_text: str, topo_source: str, path: str, size: int, dtype: str, op: str,
+              warmup: int, iters: int, check: bool, seed: int, faults: str | None,
+              timeout_s: float, places: tuple[str, ...]) -> dict[str, Any]:
+    """One point of `semfab bench allreduce --sim` (picklable work: plain arguments in,
+    plain data out): a simulation of :func:`sim_half_workload` per half, each from an
+    idle fabric, as after a barrier. Returns every rank's figures per half, the first
+    half's counters per chunk and the resends; ``{"error": ...}`` when it failed."""
+    from fabric.sim.cli import topology_from_text
+    from fabric.sim.engine import Simulation, SimulationError
+
+    topo = topology_from_text(topo_text, topo_source)
+    halves = []
+    sem = None
+    retransmits = 0
+    for place in places:
+        sim = Simulation(topo, seed=seed, faults=faults, timeout_s=timeout_s,
+                         crc=bool(faults and "corrupt" in faults))
+        try:
+            res = sim.run(sim_half_workload, path, size, dtype, op, warmup, iters, check,
+                          seed, place)
+        except SimulationError as exc:
+            return {"error": str(exc)}
+        retransmits += res.retransmits
+        halves.append((place, res.results))
+        if sem is None:
+            sem = next(iter(res.nodes.values())).sem(path)
+    assert sem is not None
+    counters = {k: getattr(sem, k) / max(sem.chunks, 1)
+                for k in ("copies", "encodes", "crossings", "hops")}
+    return {"halves": halves, "chunks": sem.chunks, "counters": counters,
+            "retransmits": retransmits}
+
+
 class SimFabric(sweep.SimStandIn):
-    """Stands for a launched fabric under ``--sim``: each size and half is a
-    simulation of :func:`sim_half_workload` on ``topo`` in virtual time."""
+    """Stands for a launched fabric under ``--sim``: each size of a path is a point,
+    :func:`sim_point`, in virtual time."""
 
-    def per_rank(self, path: str, size: int, dtype: str, op: str) -> list[list[dict[str, Any]]]:
+    def work(self, path: str, size: int, dtype: str, op: str
+             ) -> tuple[Any, tuple[Any, ...]]:
+        a = self.args
+        return sim_point, (*self.topo_text(), path, size, dtype, op, a.warmup, a.iters,
+                           bool(a.check), a.seed, a.faults, a.timeout, sweep.places(a))
+
+    def per_rank(self, size: int, result: dict[str, Any]) -> list[list[dict[str, Any]]]:
         """What :func:`measure_on_worker` returns, per rank, for one size."""
-        from fabric.sim.engine import Simulation
-
-        args = self.args
-        halves = []
-        sem = None
-        retransmits = 0
-        for place in sweep.places(args):
-            # a simulation per half: each starts from an idle fabric, as after a barrier
-            sim = Simulation(self.topo, seed=args.seed, faults=args.faults,
-                             timeout_s=args.timeout,
-                             crc=bool(args.faults and "corrupt" in args.faults))
-            res = sim.run(sim_half_workload, path, size, dtype, op, args.warmup, args.iters,
-                          bool(args.check), args.seed, place)
-            retransmits += res.retransmits
-            halves.append((place, res.results))
-            if sem is None:
-                sem = next(iter(res.nodes.values())).sem(path)
-        assert sem is not None
-        calls = max(args.warmup + 2 * args.iters, 1)  # of the first half's simulation
-        counters = {k: getattr(sem, k) / max(sem.chunks, 1)
-                    for k in ("copies", "encodes", "crossings", "hops")}
+        calls = max(self.args.warmup + 2 * self.args.iters, 1)  # of the first half's run
+        retransmits = result["retransmits"]
         note = [SIM_NOTE + (f"; {retransmits} retransmissions" if retransmits else "")]
+        halves = result["halves"]
         out = []
         for k in range(len(self.topo.workers)):
             first = {"size": size, **halves[0][1][k], "place": halves[0][0],
-                     "chunks": sem.chunks / calls, **counters, "fallbacks": note}
+                     "chunks": result["chunks"] / calls, **result["counters"],
+                     "fallbacks": note}
             if len(halves) > 1:
                 first["inplace"] = halves[1][1][k]
             out.append([first])
         return out
 
+    def row(self, path: str, size: int, dtype: str, op: str, result: dict[str, Any]
+            ) -> report.AllreduceRow:
+        w = len(self.topo.workers)
+        if "error" in result:
+            return report.AllreduceRow.unavailable(path, w, size, dtype,
+                                                   f"failed: {result['error']}", op)
+        return _rows(self.args, self.topo, path, w, size, dtype, op,
+                     self.per_rank(size, result))
+
+
+def _rows(args: argparse.Namespace, topo: Any, path: str, workers: int, size: int, dtype: str,
+          op: str, per_rank: list[list[dict[str, Any]]]) -> report.AllreduceRow:
+    tracer = getattr(args, "_tracer", None)
+    if tracer is not None:
+        tracer.add(workers, [w.name for w in topo.workers], path, size,
+                   [r[0] for r in per_rank])
+    return combine(path, workers, dtype, op, per_rank, bool(args.check))[0]
+
 
 def _measure(fab: Any, path: str, workers: int, size: int, dtype: str, op: str,
              args: argparse.Namespace) -> report.AllreduceRow:
-    if isinstance(fab, SimFabric):
-        per_rank = fab.per_rank(path, size, dtype, op)
-    else:
-        per_rank = fab.run(measure_on_worker, path, [size], dtype, op, args.warmup,
-                           args.iters, bool(args.check), args.seed, places=sweep.places(args))
-    tracer = getattr(args, "_tracer", None)
-    if tracer is not None:
-        tracer.add(workers, [w.name for w in fab.topo.workers], path, size,
-                   [r[0] for r in per_rank])
-    return combine(path, workers, dtype, op, per_rank, bool(args.check))[0]
+    per_rank = fab.run(measure_on_worker, path, [size], dtype, op, args.warmup,
+                       args.iters, bool(args.check), args.seed, places=sweep.places(args))
+    return _rows(args, fab.topo, path, workers, size, dtype, op, per_rank)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -400,8 +400,6 @@ def _measure(kind: str, root: int, tracer: Tracer | None = None) -> sweep.Measur
     def measure(fab: Any, path: str, workers: int, size: int, dtype: str, op: str,
                 args: argparse.Namespace) -> report.AllreduceRow:
         run_op = "sum" if op == "none" else op  # a collective that does not reduce ignores it
-        if isinstance(fab, SimFabric):
-            return fab.measure(kind, path, size, dtype, run_op, root, args, tracer)
         per_rank = fab.run(measure_on_worker, kind, path, size, dtype, run_op, root,
                            args.warmup, args.iters, bool(args.check), args.seed,
                            places=sweep.places(args))
@@ -439,48 +437,79 @@ def _fix_row(kind: str, root: int) -> Any:
     return fix
 
 
+def sim_point(topo_text: str, topo_source: str, kind: str, path: str, size: int, dtype: str,
+              op: str, root: int, warmup: int, iters: int, check: bool, seed: int,
+              faults: str | None, timeout_s: float, places: tuple[str, ...]
+              ) -> dict[str, Any]:
+    """One point of `semfab bench <kind> --sim` (picklable work: plain arguments in, plain
+    data out): a simulation of :func:`collective_workload` per half, each from an idle
+    fabric, as after a barrier. Returns every rank's figures per half, the first half's
+    counters and the resends; ``{"error": ...}`` when it failed."""
+    from fabric.sim.cli import topology_from_text
+    from fabric.sim.engine import Simulation, SimulationError
+
+    topo = topology_from_text(topo_text, topo_source)
+    per_place, retransmits = [], 0
+    sem: dict[str, Any] = {}
+    for place in places:
+        sim = Simulation(topo, seed=seed, faults=faults, timeout_s=timeout_s,
+                         crc=bool(faults and "corrupt" in faults))
+        try:
+            res = sim.run(collective_workload, kind, path, [size], dtype, op, root, warmup,
+                          iters, check, seed, True, place)
+        except SimulationError as exc:
+            return {"error": str(exc)}
+        per_place.append([r[0] for r in res.results])
+        retransmits += res.retransmits
+        if len(per_place) == 1:
+            first = [n.sem(path) for n in res.nodes.values()][0]
+            sem = {"chunks": first.chunks, "per_chunk": first.per_chunk()}
+    return {"per_place": per_place, "sem": sem, "retransmits": retransmits}
+
+
 class SimFabric(sweep.SimStandIn):
-    """Stands for a launched fabric under ``--sim``: each size is a simulation of the
-    same workload on ``topo`` in virtual time."""
+    """Stands for a launched fabric under ``--sim``: each size of a path is a point,
+    :func:`sim_point`, of the same workload in virtual time."""
 
-    def measure(self, kind: str, path: str, size: int, dtype: str, op: str, root: int,
-                args: argparse.Namespace, tracer: Tracer | None = None
-                ) -> report.AllreduceRow:
-        from fabric.sim.engine import Simulation, SimulationError
+    def __init__(self, topo: Any, args: argparse.Namespace, kind: str, root: int,
+                 tracer: Tracer | None = None) -> None:
+        super().__init__(topo, args)
+        self.kind, self.root, self.tracer = kind, root, tracer
 
+    def work(self, path: str, size: int, dtype: str, op: str
+             ) -> tuple[Any, tuple[Any, ...]]:
+        a = self.args
+        run_op = "sum" if op == "none" else op  # a collective that does not reduce ignores it
+        return sim_point, (*self.topo_text(), self.kind, path, size, dtype, run_op, self.root,
+                           a.warmup, a.iters, bool(a.check), a.seed, a.faults, a.timeout,
+                           halves(self.kind, sweep.places(a)))
+
+    def row(self, path: str, size: int, dtype: str, op: str, result: dict[str, Any]
+            ) -> report.AllreduceRow:
+        kind, root, args = self.kind, self.root, self.args
         w = len(self.topo.workers)
+        run_op = "sum" if op == "none" else op
+        if "error" in result:
+            return _fix_row(kind, root)(report.AllreduceRow.unavailable(
+                path, w, size, dtype, f"failed: {result['error']}", run_op))
         places = halves(kind, sweep.places(args))
-        per_place, retransmits = [], 0
-        for place in places:
-            # a simulation per half: each starts from an idle fabric, as after a barrier
-            sim = Simulation(self.topo, seed=args.seed, faults=args.faults,
-                             timeout_s=args.timeout,
-                             crc=bool(args.faults and "corrupt" in args.faults))
-            try:
-                res = sim.run(collective_workload, kind, path, [size], dtype, op, root,
-                              args.warmup, args.iters, bool(args.check), args.seed, True,
-                              place)
-            except SimulationError as exc:
-                return _fix_row(kind, root)(report.AllreduceRow.unavailable(
-                    path, w, size, dtype, f"failed: {exc}", op))
-            per_place.append([r[0] for r in res.results])
-            retransmits += res.retransmits
-            if len(per_place) == 1:
-                sem = [n.sem(path) for n in res.nodes.values()][0]
+        per_place = result["per_place"]
         per_rank = per_place[0]
         for k, r in enumerate(per_rank):
             r["place"] = places[0]
             if len(per_place) > 1:
                 r["inplace"] = per_place[1][k]
-        if tracer is not None:
-            tracer.add(w, [n.name for n in self.topo.workers], path, size, per_rank,
-                       virtual=True)
-        if sem.chunks:
-            per_rank[0]["counters"] = {**sem.per_chunk(),
-                                       "chunks": sem.chunks / max(args.warmup + 2 * args.iters,
-                                                                  1)}
+        if self.tracer is not None:
+            self.tracer.add(w, [n.name for n in self.topo.workers], path, size, per_rank,
+                            virtual=True)
+        sem = result["sem"]
+        if sem["chunks"]:
+            per_rank[0]["counters"] = {**sem["per_chunk"],
+                                       "chunks": sem["chunks"] / max(args.warmup
+                                                                     + 2 * args.iters, 1)}
+        retransmits = result["retransmits"]
         note = SIM_NOTE + (f"; {retransmits} retransmissions" if retransmits else "")
-        return combine(kind, path, w, dtype, op, root, per_rank, bool(args.check), note)
+        return combine(kind, path, w, dtype, run_op, root, per_rank, bool(args.check), note)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -513,7 +542,8 @@ def run(args: argparse.Namespace) -> int:
             measure=_measure(kind, root, tracer), run_peer=_run_peer(kind, root),
             notes=sweep.row_notes(args, _above_link), collective=kind,
             root=kind in nccl.ROOTED, fix_row=_fix_row(kind, root),
-            launch=(lambda a, w: SimFabric(sweep.topology(a, w), a)) if sim else None)
+            launch=(lambda a, w: SimFabric(sweep.topology(a, w), a, kind, root, tracer))
+            if sim else None)
     finally:
         if tracer is not None:
             tracer.write(args.trace)

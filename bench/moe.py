@@ -26,6 +26,7 @@ from bench import report
 from fabric.errors import UsageError
 
 DTYPES = ("bfloat16", "float32")
+DEFAULT_VARIANTS = "flat,hierarchical,in-network"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -46,8 +47,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="payload dtype of dispatch and combine")
     p.add_argument("--routing", default="uniform",
                    help="expert load: uniform, zipf:S or lognormal:SIGMA")
-    p.add_argument("--variants", default="flat,hierarchical,in-network",
-                   help="flat, hierarchical and/or in-network (at most 32 ranks)")
+    p.add_argument("--variants", default=DEFAULT_VARIANTS,
+                   help="flat, hierarchical and/or in-network (at most 32 ranks: left out of "
+                   "the default above that)")
     p.add_argument("-w", "--warmup", type=int, default=1, help="untimed iterations")
     p.add_argument("-n", "--iters", type=int, default=3, help="timed iterations")
     p.add_argument("--sim", action="store_true",
@@ -59,10 +61,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run-dir", help="where process logs go (emulation)")
     p.add_argument("--keep-runs", action="store_true",
                    help="keep the process logs of a clean run (removed by default)")
+    from fabric.sim.cli import add_executor_arguments
+
+    add_executor_arguments(p)  # --jobs, --executor: the (ratio, variant) points of --sim
 
 
 def _settings(args: argparse.Namespace) -> dict[str, Any]:
-    from fabric.core.moe import MOE_VARIANTS, parse_routing
+    from fabric.core.moe import MASK_MEMBERS, MOE_VARIANTS, parse_routing
 
     if args.leaves < 1 or args.per_leaf < 1:
         raise UsageError("--leaves and --per-leaf must be at least 1")
@@ -86,6 +91,14 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     if not variants or any(v not in MOE_VARIANTS for v in variants):
         raise UsageError(f"--variants: choose from {', '.join(MOE_VARIANTS)}")
+    dropped = []
+    if "in-network" in variants and ranks > MASK_MEMBERS:
+        # the switch's member mask: refused before any row, not by rank 0 mid-run
+        if args.variants != DEFAULT_VARIANTS:
+            raise UsageError(f"--variants in-network: at most {MASK_MEMBERS} ranks (the "
+                             f"frame's member mask), not {ranks}; drop it from --variants")
+        variants = [v for v in variants if v != "in-network"]
+        dropped.append(f"in-network (at most {MASK_MEMBERS} ranks)")
     experts = args.experts or 4 * ranks
     if experts % ranks:
         raise UsageError(f"--experts {experts} must be a multiple of the {ranks} ranks")
@@ -94,12 +107,16 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
     if args.iters < 1 or args.warmup < 0:
         raise UsageError("--iters must be at least 1 and --warmup at least 0")
     parse_routing(args.routing)
+    from fabric.sim.cli import check_executor
+
+    check_executor(args, sim=bool(args.sim))
     return {"leaves": args.leaves, "per_leaf": args.per_leaf, "ranks": ranks,
             "ratios": ratios, "variants": variants, "experts": experts, "topk": args.topk,
             "tokens": args.tokens, "hidden": args.hidden, "dtype": args.dtype,
             "routing": args.routing, "bandwidth_gbps": args.bandwidth_gbps,
             "latency_us": args.latency_us, "warmup": args.warmup, "iters": args.iters,
-            "seed": args.seed, "world": "simulation" if args.sim else "emulation"}
+            "seed": args.seed, "world": "simulation" if args.sim else "emulation",
+            "dropped": dropped}
 
 
 def _topology(s: dict[str, Any], ratio: float) -> Any:
@@ -162,6 +179,17 @@ def _sim_work(ctx: Any, variant: str, s: dict[str, Any]) -> Any:
     return {"times": times, "rows": rows, "wrong": 0}
 
 
+def sim_point(s: dict[str, Any], ratio: float, variant: str, timeout_s: float
+              ) -> dict[str, Any]:
+    """One `--sim` point (picklable work: the plain settings in, a plain row out): the
+    dispatch and combine of ``variant`` at ``ratio``, in virtual time."""
+    from fabric.sim import Simulation
+
+    res = Simulation(_topology(s, ratio), seed=s["seed"], timeout_s=timeout_s).run(
+        _sim_work, variant, s)
+    return _row(s, ratio, variant, res.results, _spine_bytes(res.switch_stats))
+
+
 def _spine_bytes(stats: dict[str, Any]) -> int:
     return sum(int(_get(v, "bytes_in")) for name, v in stats.items() if name.startswith("spine"))
 
@@ -189,33 +217,38 @@ def run(args: argparse.Namespace) -> int:
     """Entry point of `semfab bench moe`."""
     s = _settings(args)
     print(_header(s), flush=True)
+    if args.sim:
+        from fabric.sim.cli import executor_text
+
+        print(f"# {executor_text(args, len(s['ratios']) * len(s['variants']))}")
     print(_table_head(), flush=True)
     results: list[dict[str, Any]] = []
     t_start = time.monotonic()
-    for ratio in s["ratios"]:
-        topo = _topology(s, ratio)
-        if args.sim:
-            from fabric.sim import Simulation
+    if args.sim:
+        from fabric.sim.cli import run_points
 
-            for v in s["variants"]:
-                res = Simulation(topo, seed=s["seed"], timeout_s=args.timeout).run(
-                    _sim_work, v, s)
-                results.append(_row(s, ratio, v, res.results, _spine_bytes(res.switch_stats)))
-                _print_row(results)
-            continue
-        from fabric.emulation.launcher import launch
+        # a point per (ratio, variant), rows in that order as they finish
+        works = [(sim_point, (s, ratio, v, args.timeout)) for ratio in s["ratios"]
+                 for v in s["variants"]]
+        for row in run_points(works, args.jobs, args.executor):
+            results.append(row)
+            _print_row(results)
+    else:
+        for ratio in s["ratios"]:
+            topo = _topology(s, ratio)
+            from fabric.emulation.launcher import launch
 
-        kw: dict[str, Any] = {"timeout_s": args.timeout, "seed": s["seed"],
-                              "remove_run_dir": not (args.run_dir or args.keep_runs)}
-        if args.run_dir:
-            kw["run_dir"] = f"{args.run_dir}/r{ratio:g}"
-        with launch(topology=topo, **kw) as fab:
-            for v in s["variants"]:
-                before = _spine_bytes(fab.switch_stats())
-                per = fab.run(moe_task, v, s)
-                spine = _spine_bytes(fab.switch_stats()) - before
-                results.append(_row(s, ratio, v, per, spine))
-                _print_row(results)
+            kw: dict[str, Any] = {"timeout_s": args.timeout, "seed": s["seed"],
+                                  "remove_run_dir": not (args.run_dir or args.keep_runs)}
+            if args.run_dir:
+                kw["run_dir"] = f"{args.run_dir}/r{ratio:g}"
+            with launch(topology=topo, **kw) as fab:
+                for v in s["variants"]:
+                    before = _spine_bytes(fab.switch_stats())
+                    per = fab.run(moe_task, v, s)
+                    spine = _spine_bytes(fab.switch_stats()) - before
+                    results.append(_row(s, ratio, v, per, spine))
+                    _print_row(results)
     for r in results:  # slowdown against ratio 1 of the same variant
         base = next((b for b in results if b["variant"] == r["variant"] and b["ratio"] == 1.0),
                     None)
@@ -247,7 +280,8 @@ def _header(s: dict[str, Any]) -> str:
             f"{s['hidden']} {s['dtype']}, top-{s['topk']} of {s['experts']} experts, routing "
             f"{s['routing']}; links {s['bandwidth_gbps']:g} Gb/s, {s['latency_us']:g} us; "
             f"oversubscription {','.join(f'{r:g}' for r in s['ratios'])}; warmup "
-            f"{s['warmup']}, iters {s['iters']}, seed {s['seed']}")
+            f"{s['warmup']}, iters {s['iters']}, seed {s['seed']}"
+            + (f"; left out: {', '.join(s['dropped'])}" if s.get("dropped") else ""))
 
 
 _COLS = (("ratio", 6), ("variant", 13), ("dispatch ms", 12), ("combine ms", 11),

@@ -26,7 +26,7 @@ import re
 import socket
 import subprocess
 import sys
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Container, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Protocol, Self
 
@@ -672,6 +672,23 @@ def _fmt_wrong(row: AllreduceRow) -> str:
     return "N/A" if row.wrong < 0 else str(row.wrong)
 
 
+def _markdown_table(head: Sequence[str], rows: Iterable[Sequence[str]],
+                    left: Container[str] = ()) -> list[str]:
+    """The lines of a GitHub Markdown (pipe) table of ``rows`` under ``head``.
+
+    Cells are written as given (already formatted: no number is reparsed);
+    columns are right-aligned, as numbers are, except those named in ``left``.
+    """
+    from tabulate import tabulate  # only here: keeps the module cheap to import
+
+    def cell(text: str) -> str:  # a | or a newline would end the cell or the row
+        return text.replace("|", "\\|").replace("\n", " ")
+
+    return tabulate([[cell(c) for c in r] for r in rows], [cell(h) for h in head],
+                    tablefmt="pipe", disable_numparse=True,
+                    colalign=["left" if h in left else "right" for h in head]).splitlines()
+
+
 def _groups(rows: Iterable[AllreduceRow]) -> dict[tuple[str, int], list[AllreduceRow]]:
     """Rows keyed by (path, workers), in order of first appearance."""
     groups: dict[tuple[str, int], list[AllreduceRow]] = {}
@@ -699,18 +716,12 @@ def format_allreduce_table(rows: Iterable[AllreduceRow]) -> str:
         cols = header + (["note"] if with_note else [])
         out.append(f"### {path} — {workers} worker{'s' if workers != 1 else ''}")
         out.append("")
-        out.append("| " + " | ".join(cols) + " |")
-        out.append("|" + "|".join("---:" if c not in ("type", "redop", "note") else "---"
-                                  for c in cols) + "|")
-        for r in group:
-            cells = [
-                str(r.size_bytes), str(r.count), r.dtype, r.redop, _fmt_time(r.time_us),
-                _fmt_bw(r.algbw_gbps), _fmt_bw(r.busbw_gbps), _fmt_wrong(r),
-                _fmt_time(r.p50_us), _fmt_time(r.p99_us), _fmt_counters(r),
-            ]
-            if with_note:
-                cells.append(r.note.replace("|", "\\|").replace("\n", " "))
-            out.append("| " + " | ".join(cells) + " |")
+        cells = [[
+            str(r.size_bytes), str(r.count), r.dtype, r.redop, _fmt_time(r.time_us),
+            _fmt_bw(r.algbw_gbps), _fmt_bw(r.busbw_gbps), _fmt_wrong(r),
+            _fmt_time(r.p50_us), _fmt_time(r.p99_us), _fmt_counters(r),
+        ] + ([r.note] if with_note else []) for r in group]
+        out += _markdown_table(cols, cells, left=("type", "redop", "note"))
         ran = [r for r in group if r.ran and r.busbw_gbps is not None]
         failed = any(r.wrong > 0 for r in group)
         avg = (
@@ -865,10 +876,7 @@ def format_side_by_side(rows: Iterable[AllreduceRow], markdown: bool = False,
                                   for c in sub]
             out.append(f"#### {title}")
             out.append("")
-            out.append("| " + " | ".join(head) + " |")
-            out.append("|" + "|".join("---:" for _ in head) + "|")
-            for line in [*table, avg]:
-                out.append("| " + " | ".join(c or " " for c in line) + " |")
+            out += _markdown_table(head, [*table, avg])
             out.append("")
             continue
         widths = {"busbw": 10, "time": 11, "spread": 18}

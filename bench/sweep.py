@@ -77,7 +77,9 @@ def add_arguments(p: argparse.ArgumentParser, all_paths: Sequence[str], *, sim_h
     p.add_argument("-b", "--begin", default="4K", help="smallest size in bytes (4K, 1M, ...)")
     p.add_argument("-e", "--end", default="64M", help="largest size in bytes")
     p.add_argument("-f", "--factor", type=float, default=4, help="size multiplication factor")
-    p.add_argument("--workers", default="2,4", help="worker counts, comma-separated")
+    p.add_argument("--workers", default=None,
+                   help="worker counts, comma-separated (default: 2,4; with --topology, the "
+                   "file's count); 1..8 launched, any count the simulator holds with --sim")
     p.add_argument("--paths", default=",".join(all_paths),
                    help=f"comma-separated, from: {', '.join(all_paths)}")
     p.add_argument("-d", "--dtype", default="float32",
@@ -119,6 +121,9 @@ def add_arguments(p: argparse.ArgumentParser, all_paths: Sequence[str], *, sim_h
     p.add_argument("--timeout", type=float, default=60.0,
                    help="seconds any single wait may take before the run fails")
     p.add_argument("--sim", action="store_true", help=sim_help)
+    from fabric.sim.cli import add_executor_arguments
+
+    add_executor_arguments(p)  # --jobs, --executor: the points of a --sim sweep
     # nccl-tests flags that have no meaning here: accepted only to say why
     p.add_argument("-g", "--ngpus", metavar="N", default=None,
                    help="nccl-tests' GPUs per thread: refused (workers are processes; use "
@@ -222,12 +227,7 @@ def parse_plan(args: argparse.Namespace, all_paths: Sequence[str], *,
         sizes = report.size_range(args.begin, args.end, args.factor)
     except ValueError as exc:
         raise UsageError(f"sizes: {exc}") from None
-    try:
-        workers = [int(w) for w in str(args.workers).split(",") if w.strip()]
-    except ValueError:
-        raise UsageError(f"--workers must be integers like 2,4; got {args.workers!r}") from None
-    if not workers or any(not 1 <= w <= 8 for w in workers):
-        raise UsageError("--workers: each count must be 1..8 on one machine")
+    workers = worker_counts(args)
     paths = [p.strip() for p in args.paths.split(",") if p.strip()]
     bad = [p for p in paths if p not in all_paths]
     if bad or not paths:
@@ -247,7 +247,51 @@ def parse_plan(args: argparse.Namespace, all_paths: Sequence[str], *,
             raise UsageError(f"every size must be a multiple of the {dtype} size ({item} B)")
     plan = Plan(sizes, workers, paths, dtypes, op_list)
     check_run_inputs(args, workers, bool(plan.ours))
+    from fabric.sim.cli import check_executor
+
+    check_executor(args, sim=bool(getattr(args, "sim", False)))
     return plan
+
+
+#: Most workers launched as processes on one machine (emulation); --sim takes up to
+#: SIM_MAX_WORKERS, as `semfab sim` does (memory, not the code, is the limit there).
+EMULATED_MAX_WORKERS = 8
+SIM_MAX_WORKERS = 65536
+
+
+def worker_counts(args: argparse.Namespace) -> list[int]:
+    """``--workers``, checked: 1..8 launched, 1..65536 simulated. Omitted: the
+    ``--topology`` file's count (2,4 without one); given, the file must agree
+    (a UsageError of one line says so)."""
+    from fabric.core.topology import TopologyError, load
+
+    sim = bool(getattr(args, "sim", False))
+    have = None
+    if args.topology:
+        try:
+            have = len(load(args.topology).workers)
+        except TopologyError as exc:
+            raise UsageError(str(exc)) from None
+    if args.workers is None:
+        workers = [have] if have is not None else [2, 4]
+    else:
+        try:
+            workers = [int(w) for w in str(args.workers).split(",") if w.strip()]
+        except ValueError:
+            raise UsageError(f"--workers must be integers like 2,4; got {args.workers!r}"
+                             ) from None
+        if not workers:
+            raise UsageError(f"--workers must be integers like 2,4; got {args.workers!r}")
+    top = SIM_MAX_WORKERS if sim else EMULATED_MAX_WORKERS
+    if any(not 1 <= w <= top for w in workers):
+        if sim:
+            raise UsageError(f"--workers: each count must be 1..{top} in the simulator")
+        raise UsageError(f"--workers: each count must be 1..{top} launched on one machine "
+                         "(add --sim for more: the simulator runs 1024+ workers)")
+    if have is not None and args.workers is not None and any(w != have for w in workers):
+        raise UsageError(f"--topology {args.topology} has {have} workers but --workers asks "
+                         f"for {args.workers}; pass --workers {have} or leave --workers out")
+    return workers
 
 
 def check_run_inputs(args: argparse.Namespace, workers: list[int], fabric: bool) -> None:
@@ -260,9 +304,9 @@ def check_run_inputs(args: argparse.Namespace, workers: list[int], fabric: bool)
     try:
         if args.topology:
             have = len(load(args.topology).workers)
-            if fabric and any(w != have for w in workers):
-                raise UsageError(f"--topology {args.topology} has {have} workers but --workers "
-                                 f"asks for {args.workers}; pass --workers {have}")
+            if fabric and any(w != have for w in workers):  # worker_counts says so first
+                raise UsageError(f"--topology {args.topology} has {have} workers but "
+                                 f"--workers asks for {','.join(map(str, workers))}")
         else:
             star(1, bandwidth_gbps=args.link_gbps, latency_us=args.link_latency_us)
     except TopologyError as exc:
@@ -383,6 +427,8 @@ def settings(args: argparse.Namespace, plan: Plan, name: str, n_cores: int,
         "faults": getattr(args, "faults", None), "timeout_s": args.timeout,
         "sim": bool(getattr(args, "sim", False)), "cores": n_cores,
         "inplace": str(getattr(args, "inplace", "both")),
+        # how --sim spread its points (the results do not depend on it)
+        "jobs": getattr(args, "jobs", None), "executor": getattr(args, "executor", "local"),
         # the transport knobs set in the environment (doorbells, spin budgets)
         "env": {k: v for k, v in sorted(os.environ.items()) if k in TUNING_ENV},
     }
@@ -419,6 +465,10 @@ def command_line(s: dict[str, Any], name: str = "allreduce") -> str:
         words += ["--timeout", f"{s['timeout_s']:g}"]
     if s.get("sim"):
         words.append("--sim")
+    if s.get("jobs"):
+        words += ["--jobs", str(s["jobs"])]
+    if s.get("executor", "local") != "local":
+        words += ["--executor", str(s["executor"])]
     env = [f"{k}={v}" for k, v in (s.get("env") or {}).items()]
     return " ".join([*map(shlex.quote, env), shlex.join(words)])
 
@@ -453,7 +503,8 @@ def header_lines(args: argparse.Namespace, plan: Plan, name: str, n_cores: int,
                                 if args.check else " (not checked)"),
         f"# warmup iters: {args.warmup}  iters: {args.iters}  repeat: {repeat}  "
         f"seed: {args.seed}  timeout: {args.timeout:g} s per wait",
-        f"# workers: {', '.join(map(str, plan.workers))} (processes, one per rank)  "
+        f"# workers: {', '.join(map(str, plan.workers))} "
+        f"({'processes, one per rank' if processes else 'simulated ranks'})  "
         f"paths: {', '.join(plan.paths)}",
         *extra,
         f"# topology: {topo_text}",
@@ -470,6 +521,13 @@ def header_lines(args: argparse.Namespace, plan: Plan, name: str, n_cores: int,
     half = {"0": "out-of-place only (--inplace 0)", "1": "in-place only (--inplace 1): the "
             "out-of-place columns show -"}.get(str(getattr(args, "inplace", "both")),
                                                "out-of-place, then in-place")
+    if not processes:
+        from fabric.sim.cli import executor_text
+
+        n_points = (len(plan.workers) * len(plan.dtypes) * len(plan.ops) * len(plan.ours)
+                    * len(sizes))
+        lines.append(f"# sweep: {executor_text(args, n_points)} (--jobs, --executor); rows "
+                     "print in order")
     lines.append(f"# halves: {half}; time algbw busbw #wrong p50 p99: out-of-place; "
                  "in:time in:algbw in:busbw in:#wrong: in-place (p50/p99 of the first half "
                  "run); - where a path has no such form")
@@ -595,16 +653,60 @@ def _run_fabric(args: argparse.Namespace, plan: Plan, w: int, printer: Printer,
 
 class SimStandIn:
     """Stands for a launched fabric under ``--sim`` (``run_sweep``'s ``launch``): no
-    processes; each bench's subclass simulates a measurement on ``topo``."""
+    processes. Each bench's subclass says what one point (a size of a path, dtype and
+    op) is: :meth:`work`, picklable, runs the simulation wherever the executor puts
+    it; :meth:`row` turns what it returned into the row, here, in the points' order."""
 
     def __init__(self, topo: Any, args: argparse.Namespace) -> None:
         self.topo, self.args = topo, args
+        self._topo_text: tuple[str, str] | None = None
 
     def __enter__(self) -> SimStandIn:
         return self
 
     def __exit__(self, *exc: object) -> None:
         return None
+
+    def topo_text(self) -> tuple[str, str]:
+        """The topology as a point carries it (TOML text and source), written once."""
+        from fabric.sim.cli import topology_text
+
+        if self._topo_text is None:
+            self._topo_text = topology_text(self.topo)
+        return self._topo_text
+
+    def work(self, path: str, size: int, dtype: str, op: str) -> tuple[Callable[..., Any],
+                                                                          tuple[Any, ...]]:
+        """One point: a top-level function and its plain arguments."""
+        raise NotImplementedError
+
+    def row(self, path: str, size: int, dtype: str, op: str, result: Any) -> Row:
+        """The row of one point from what :meth:`work` returned."""
+        raise NotImplementedError
+
+
+def _run_sim_points(args: argparse.Namespace, plan: Plan, printer: Printer,
+                    bar: report.ProgressTask,
+                    launch: Callable[[argparse.Namespace, int], Any]) -> None:
+    """``--sim``: every point of every worker count, spread over the executor
+    (``--jobs``, ``--executor``); rows print in the emulated sweep's order, each when
+    it and every earlier one are done."""
+    from fabric.sim.cli import run_points
+
+    points: list[tuple[SimStandIn, str, int, str, str]] = []
+    for w in plan.workers:
+        fab = launch(args, w)
+        if len(fab.topo.workers) != w:
+            raise UsageError(f"--topology has {len(fab.topo.workers)} workers, "
+                             f"--workers asks for {w}")
+        points += [(fab, path, size, dtype, op) for dtype in plan.dtypes for op in plan.ops
+                   for path in plan.ours for size in plan.sizes]
+    works = [fab.work(path, size, dtype, op) for fab, path, size, dtype, op in points]
+    results = run_points(works, getattr(args, "jobs", None), getattr(args, "executor", "local"))
+    for (fab, path, size, dtype, op), result in zip(points, results, strict=True):
+        bar.describe(f"{path} x{len(fab.topo.workers)} {report.format_size(size)}")
+        printer.add(0, fab.row(path, size, dtype, op, result))
+        bar.advance()
 
 
 def run_sweep(args: argparse.Namespace, plan: Plan, *, name: str, header: list[str],
@@ -617,8 +719,9 @@ def run_sweep(args: argparse.Namespace, plan: Plan, *, name: str, header: list[s
     ``fix_row(row)`` (optional) adjusts every row before it is printed (the
     collectives give a peer's failure rows their collective and root).
     ``root``: the rows have a root column (broadcast, reduce). ``launch(args,
-    workers)`` gives the fabric of a worker count (default: launched processes;
-    the collectives' ``--sim`` gives a simulated one).
+    workers)`` gives the fabric of a worker count (default: launched processes);
+    under ``--sim`` it gives a :class:`SimStandIn`, and the points of every worker
+    count are spread over ``--jobs``/``--executor`` (:func:`_run_sim_points`).
     """
     repeat = getattr(args, "repeat", 1)
     print("\n".join(header), flush=True)
@@ -627,9 +730,14 @@ def run_sweep(args: argparse.Namespace, plan: Plan, *, name: str, header: list[s
     combos = len(plan.dtypes) * len(plan.ops)
     total = len(plan.workers) * repeat * combos * len(plan.paths) * len(plan.sizes)
     t_start = time.monotonic()
+    simulated = bool(getattr(args, "sim", False)) and launch is not None
     with report.progress(total, name) as bar:
+        if plan.ours and simulated:
+            assert launch is not None
+            # simulations: the points of every worker count at once (no peers under --sim)
+            _run_sim_points(args, plan, printer, bar, launch)
         for w in plan.workers:
-            if plan.ours:
+            if plan.ours and not simulated:
                 _run_fabric(args, plan, w, printer, bar, measure, launch)
             for rep in range(repeat if plan.peers else 0):
                 if repeat > 1:

@@ -4,4 +4,6 @@ import sys
 
 from fabric.cli import main
 
-sys.exit(main())
+# guarded: mpi4py.futures' workers import this module to run sweep points
+if __name__ == "__main__":
+    sys.exit(main())

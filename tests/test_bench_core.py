@@ -9,6 +9,7 @@ import pytest
 
 from bench import core
 from fabric.cli import main
+from fabric.info import build
 
 
 @pytest.mark.parametrize("path", core.PATHS)
@@ -50,7 +51,7 @@ def test_the_cli_prints_rows_and_writes_every_setting(tmp_path, capsys) -> None:
     assert doc["settings"] == {"paths": ["ina-mem", "ina"], "workers": [2],
                                "sizes": [4096, 16384], "dtypes": ["float32"], "op": "sum",
                                "iters": 3, "warmup": 1, "crc": False, "seed": 0,
-                               "profile": 0}
+                               "profile": 0, "build": build()}
     assert doc["failed"] == []
     assert md.read_text().startswith("| size | type | path |")
     text = capsys.readouterr().out

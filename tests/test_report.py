@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -190,22 +191,42 @@ def _rows() -> list[AllreduceRow]:
     ]
 
 
+def _cells(line: str) -> list[str]:
+    """The cells of a Markdown table line, without the padding that aligns them."""
+    assert line.startswith("|") and line.endswith("|"), line
+    return [c.strip() for c in re.split(r"(?<!\\)\|", line)[1:-1]]
+
+
+def _table_rows(text: str) -> list[list[str]]:
+    return [_cells(ln) for ln in text.splitlines() if ln.startswith("|")]
+
+
+def _aligns(rule: list[str]) -> str:
+    """The alignment line beneath a header, one letter a column: R(ight) or L(eft)."""
+    assert all(re.fullmatch(r":?-+:?", c) for c in rule), rule
+    return "".join("R" if c.endswith(":") and not c.startswith(":") else "L" for c in rule)
+
+
+HEADER = ["size(B)", "count", "type", "redop", "time(us)", "algbw(GB/s)", "busbw(GB/s)", "#wrong",
+          "p50(us)", "p99(us)", "copies/encodes/crossings/hops"]
+
+
 def test_table_groups_and_footer() -> None:
     text = format_allreduce_table(_rows())
     assert "### in-network — 2 workers" in text
     assert "### mpi — 2 workers" in text
-    header = ("| size(B) | count | type | redop | time(us) | algbw(GB/s) | busbw(GB/s) | #wrong "
-              "| p50(us) | p99(us) | copies/encodes/crossings/hops |")
-    assert header in text
-    lines = text.splitlines()
+    rows = _table_rows(text)
+    assert rows[0] == HEADER
+    assert _aligns(rows[1]) == "RRLLRRRRRRR"  # numbers right-aligned
     # Sizes ascend inside a group whatever the input order.
-    innet = [ln for ln in lines if ln.startswith("| 4096 |") or ln.startswith("| 1048576 |")]
-    assert innet[0].startswith("| 4096 | 1024 | float32 | sum | 15.00 |")
-    assert innet[1].startswith("| 1048576 | 262144 | float32 | sum | 100.0 | 10.49 | 10.49 | 0 |")
-    assert "| 1/0/2/2 |" in innet[0]
+    innet = [r for r in rows if r[0] in ("4096", "1048576")]
+    assert innet[0][:5] == ["4096", "1024", "float32", "sum", "15.00"]
+    assert innet[1][:8] == ["1048576", "262144", "float32", "sum", "100.0", "10.49", "10.49", "0"]
+    assert innet[0][10] == "1/0/2/2"
     # The unavailable row is shown with its note, dashes elsewhere.
-    mpi_row = next(ln for ln in lines if "mpi4py is not installed" in ln)
-    assert mpi_row.startswith("| 4096 | 1024 | float32 | sum | — | — | — | — |")
+    mpi_row = next(r for r in rows if "mpi4py is not installed" in r[-1])
+    assert mpi_row[:8] == ["4096", "1024", "float32", "sum", "—", "—", "—", "—"]
+    assert next(r for r in rows if r[-1] == "note") == [*HEADER, "note"]
     assert text.count("# Out of bounds values : OK") == 2
     # Average of the two in-network busbw values: (4096/15e-6 + 1048576/100e-6) / 2 / 1e9.
     avg = (4096 / 15e-6 + 1048576 / 100e-6) / 2 / 1e9
@@ -222,9 +243,23 @@ def test_table_failed_footer_and_unchecked() -> None:
     ]
     text = format_allreduce_table(rows)
     assert "# Out of bounds values : FAILED" in text
-    assert "| 8192 | 2048 | float32 | sum | 60.00 |" in text
-    assert "| N/A |" in text  # not checked
-    assert "| — |" in text  # counters unknown
+    rows = _table_rows(text)
+    assert rows[3][:5] == ["8192", "2048", "float32", "sum", "60.00"]
+    assert rows[3][7] == "N/A"  # not checked
+    assert rows[3][10] == "—"  # counters unknown
+
+
+def test_markdown_table_is_aligned_and_a_note_stays_in_its_cell() -> None:
+    rows = [AllreduceRow.from_samples("ina", 2, 4096, "float32", "sum", [10.0], 0),
+            AllreduceRow.unavailable("ina", 2, 1 << 30, "float32", "failed: a | b\nc")]
+    text = format_allreduce_table(rows)
+    lines = [ln for ln in text.splitlines() if ln.startswith("|")]
+    assert len({len(ln) for ln in lines}) == 1  # padded: the columns line up in plain text
+    cells = [_cells(ln) for ln in lines]
+    assert {len(c) for c in cells} == {len(HEADER) + 1}
+    assert _aligns(cells[1]) == "RRLLRRRRRRRL"  # the note: left
+    assert cells[2][-1] == ""  # a row without a note
+    assert cells[3][0] == str(1 << 30) and cells[3][-1] == "failed: a \\| b c"
 
 
 # --------------------------------------------------------------------------
@@ -321,7 +356,13 @@ def test_side_by_side_every_path_at_each_size() -> None:
     avg = next(ln for ln in two if "avg busbw" in ln)
     assert avg.split()[3:] == [f"{(4096 / 10e-6 + 8192 / 10e-6) / 2 / 1e9:.3g}", "0.205", "-"]
     md = report.format_side_by_side(rows, markdown=True)
-    assert "| size(B) | ina busbw(GB/s) | ina time(us) | host-ring busbw(GB/s) |" in md
+    md_rows = _table_rows(md.split("#### 4 workers")[0])
+    assert md_rows[0] == ["size(B)", "ina busbw(GB/s)", "ina time(us)", "host-ring busbw(GB/s)",
+                          "host-ring time(us)", "gloo busbw(GB/s)", "gloo time(us)"]
+    assert _aligns(md_rows[1]) == "R" * 7
+    assert md_rows[2] == ["4096", "0.41", "10.00", "0.205", "20.00", "-", "-"]
+    assert md_rows[-1] == ["avg busbw", f"{(4096 / 10e-6 + 8192 / 10e-6) / 2 / 1e9:.3g}", "",
+                           "0.205", "", "-", ""]
     merged = report.format_side_by_side(report.merge_runs([rows, rows]))
     assert "spread" in merged and "10.00..10.00" in merged
 

@@ -82,3 +82,38 @@ def test_a_stream_cut_short_keeps_what_came_before() -> None:
     assert res.error is not None
     assert res.token_ids == [0, 1, 2]
     assert len(res.t_events) == 3
+
+
+def test_a_character_split_across_reads_and_crlf_line_ends_are_joined() -> None:
+    """The SSE decoding: a UTF-8 character cut between two reads, CRLF, a comment."""
+    obj = {"id": "cmpl-1", "choices": [{"text": "é€", "token_ids": [1],
+                                        "finish_reason": "length"}]}
+    wire = f": hi\r\n\r\ndata: {json.dumps(obj, ensure_ascii=False)}\r\n\r\n".encode()
+    cut = wire.index("€".encode()) + 1  # inside the character's three bytes
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(wire[:cut])
+        await asyncio.sleep(GAP_S)
+        await resp.write(wire[cut:] + b"data: [DONE]\r\n\r\n")
+        return resp
+
+    async def main() -> Any:
+        app = web.Application()
+        app.router.add_post("/v1/completions", handler)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        url = f"http://127.0.0.1:{runner.addresses[0][1]}/v1/completions"
+        try:
+            async with aiohttp.ClientSession() as s:
+                return await stream_request(s, url, {"prompt": "x", "stream": True})
+        finally:
+            await runner.cleanup()
+
+    res = asyncio.run(main())
+    assert res.ok and res.error is None
+    assert res.text == "é€" and res.token_ids == [1] and len(res.t_events) == 1
+    assert res.t_events[0] - res.t_send >= GAP_S * 0.8e9  # timed by the read that completed it

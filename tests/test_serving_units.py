@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -415,6 +416,17 @@ def _properly_nested(spans: list[tuple[int, int]]) -> bool:
     return True
 
 
+def _families(text: str) -> dict[str, Any]:
+    """The exposition text parsed by prometheus_client's own parser, by family name."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {f.name: f for f in text_string_to_metric_families(text)}
+
+
+def _samples(fam: Any) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value for s in fam.samples}
+
+
 def test_prometheus_histogram_counter_and_gauge_render_the_text_format() -> None:
     r = prom.Registry()
     h = r.add(prom.Histogram("x_seconds", "a histogram", [0.1, 1.0], ("layer",)))
@@ -425,21 +437,81 @@ def test_prometheus_histogram_counter_and_gauge_render_the_text_format() -> None
     c.inc(2, 'a"b')
     r.add(prom.Counter("z_total", "read when rendered", fn=lambda: 7))
     r.add(prom.Gauge("g", "a gauge", fn=lambda: 1.5))
+    r.add(prom.Histogram("e_seconds", "never observed", prom.REQUEST_BUCKETS))
     text = r.render()
     assert text.endswith("\n")
     lines = text.splitlines()
-    assert "# TYPE x_seconds histogram" in lines
-    assert lines[2:7] == ['x_seconds_bucket{layer="a",le="0.1"} 2',
-                          'x_seconds_bucket{layer="a",le="1"} 2',
-                          'x_seconds_bucket{layer="a",le="+Inf"} 4',
-                          'x_seconds_sum{layer="a"} 10.15', 'x_seconds_count{layer="a"} 4']
-    assert '# HELP y_total counts "quoted"\\nthings' in lines
-    assert 'y_total{kind="a\\"b"} 2' in lines and "z_total 7" in lines and "g 1.5" in lines
+    assert lines[:2] == ["# HELP x_seconds a histogram", "# TYPE x_seconds histogram"]
+    assert '# HELP y_total counts "quoted"\\nthings' in lines  # HELP escapes the newline
+    assert 'y_total{kind="a\\"b"} 2.0' in lines  # a label value escapes the quote
+    fams = _families(text)
+    assert list(fams) == ["x_seconds", "y", "z", "g", "e_seconds"]  # registration order
+    assert [f.type for f in fams.values()] == ["histogram", "counter", "counter", "gauge",
+                                               "histogram"]
+    assert fams["y"].documentation == 'counts "quoted"\nthings'
+    a = (("layer", "a"),)
+    assert _samples(fams["x_seconds"]) == {
+        ("x_seconds_bucket", (*a, ("le", "0.1"))): 2, ("x_seconds_bucket", (*a, ("le", "1.0"))): 2,
+        ("x_seconds_bucket", (*a, ("le", "+Inf"))): 4,
+        ("x_seconds_sum", a): pytest.approx(10.15), ("x_seconds_count", a): 4}
+    assert _samples(fams["y"]) == {("y_total", (("kind", 'a"b'),)): 2}
+    assert _samples(fams["z"]) == {("z_total", ()): 7}
+    assert _samples(fams["g"]) == {("g", ()): 1.5}
+    assert fams["e_seconds"].samples == []  # no series until the first observation
     assert h.count("a") == 4 and h.count("b") == 0
     with pytest.raises(ValueError):
         c.inc(-1, "a")
     with pytest.raises(ValueError):
+        h.observe(1.0)  # the label is missing
+    with pytest.raises(ValueError):
         r.add(prom.Gauge("g", "twice"))
+    with pytest.raises(ValueError):
+        prom.Counter("tokens", "the exposition would call it tokens_total")
+    with pytest.raises(ValueError):
+        prom.Histogram("h", "no finite bucket", [float("inf")])
+
+
+def test_prometheus_buckets_and_counters_read_when_rendered() -> None:
+    """The host's layout: every bucket bound is an ``le``; ``fn`` is read on each render."""
+    r = prom.Registry()
+    h = r.add(prom.Histogram("lat_seconds", "layer times", prom.LAYER_BUCKETS, ("layer",)))
+    outcomes = {("completed",): 3, ("aborted",): 1}
+    r.add(prom.Counter("req_total", "by outcome", ("outcome",), fn=lambda: outcomes))
+    running = [2]
+    r.add(prom.Gauge("running", "in flight", fn=lambda: running[0]))
+    for v in (1e-5, 3e-4, 0.7, 42.0):
+        h.observe(v, "transport", count=3)
+    fams = _families(r.render())
+    buckets = {float(s.labels["le"]): s.value for s in fams["lat_seconds"].samples
+               if s.name == "lat_seconds_bucket"}
+    assert list(buckets) == [*prom.LAYER_BUCKETS, float("inf")]
+    assert buckets[2e-5] == 3 and buckets[5e-4] == 6 and buckets[1.0] == 9
+    assert buckets[10.0] == 9 and buckets[float("inf")] == 12
+    got = _samples(fams["lat_seconds"])
+    t = (("layer", "transport"),)
+    assert got[("lat_seconds_count", t)] == 12
+    assert got[("lat_seconds_sum", t)] == pytest.approx(3 * (1e-5 + 3e-4 + 0.7 + 42.0))
+    assert _samples(fams["req"]) == {("req_total", (("outcome", "aborted"),)): 1,
+                                     ("req_total", (("outcome", "completed"),)): 3}
+    outcomes[("completed",)] = 5
+    running[0] = 0
+    fams = _families(r.render())
+    assert _samples(fams["req"])[("req_total", (("outcome", "completed"),))] == 5
+    assert _samples(fams["running"]) == {("running", ()): 0}
+
+
+def test_each_prometheus_registry_is_its_own() -> None:
+    """Two servers in one process: same names, separate values, none in the global registry."""
+    from prometheus_client import REGISTRY
+
+    one, two = prom.Registry(), prom.Registry()
+    a = one.add(prom.Counter("semfab_units_total", "counted"))
+    two.add(prom.Counter("semfab_units_total", "counted"))
+    a.inc(4)
+    assert _samples(_families(one.render())["semfab_units"]) == {("semfab_units_total", ()): 4}
+    assert _samples(_families(two.render())["semfab_units"]) == {("semfab_units_total", ()): 0}
+    assert REGISTRY.get_sample_value("semfab_units_total") is None
+    assert prom.CONTENT_TYPE.startswith("text/plain; version=0.0.4")
 
 
 def test_the_token_clock_takes_the_measured_offset_off() -> None:

@@ -115,8 +115,12 @@ class Flag(IntFlag):
         f = _FLAG_OF.get(int.__or__(self, other))
         return f if f is not None else IntFlag.__or__(self, other)
 
-    __rand__ = __and__
-    __ror__ = __or__
+    # written out, not aliased (``__rand__ = __and__``): compiled, an alias fails
+    def __rand__(self, other: Any) -> Any:
+        return self.__and__(other)
+
+    def __ror__(self, other: Any) -> Any:
+        return self.__or__(other)
 
 
 class DType(IntEnum):
@@ -210,6 +214,11 @@ class LocalFrameError(ValueError):
     """The local caller asked to encode something the format cannot carry."""
 
 
+#: A frame's payload: a view of the received buffer. An alias, because compiled
+#: (mypyc) a NamedTuple field annotated with the builtin itself fails at import.
+Payload = memoryview
+
+
 class Frame(NamedTuple):
     """A decoded frame. ``payload`` is a view into the received buffer (no copy).
 
@@ -229,7 +238,7 @@ class Frame(NamedTuple):
     offset: int
     length: int
     msg: int
-    payload: memoryview
+    payload: Payload
     version: int = VERSION
 
     @property

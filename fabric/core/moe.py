@@ -461,8 +461,7 @@ class _AckedFrames(Program):
         self.tries: dict[int, int] = {}
         self.next = 0
         # one estimator per node and role: later calls start from what earlier ones measured
-        self.rtt: RttEstimator = st.__dict__.setdefault(f"moe_{self.role}_rtt",
-                                                        RttEstimator(rto_min=rto_min))
+        self.rtt: RttEstimator = st.estimator(f"moe_{self.role}", rto_min)
 
     def _frame(self, j: int, left: set[int]) -> Send:
         raise NotImplementedError
@@ -657,7 +656,8 @@ def _innet_dispatch(st: NodeState, g: Group, x: np.ndarray | None, idx: np.ndarr
                                       np.empty(W, np.int32), path="host-p2p", group=g)
     msg = g.next_msg()
     got = yield Parallel([RowsSend(st, g, frames, sid=stream_id(msg, 0), msg=msg),
-                          RowsRecv(st, g, counts, row_bytes, sid=stream_id(msg, 0), msg=msg)])
+                          RowsRecv(st, g, counts.tolist(), row_bytes, sid=stream_id(msg, 0),
+                                   msg=msg)])  # ints, not NumPy's: compiled code checks
     received = got[1]
     bodies = [(k, received[(k, j)][a: a + row_bytes]) for k, j in sorted(received)
               for a in range(0, len(received[(k, j)]), row_bytes)]
@@ -721,14 +721,13 @@ class CombineRecv(Program):
 
     def __init__(self, st: NodeState, expect: dict[tuple[int, int], None], T: int, H: int,
                  *, sid: int, msg: int, data: bool) -> None:
-        from fabric.core.reliability import RttEstimator
 
         self.st, self.sid, self.msg = st, sid, msg
         self.expect = expect  # (token, switch id) still to come
         self.out = np.zeros((T, H), np.float32) if data else None
         self.result = self.out
         # one estimator per node and role: later calls start from what earlier ones measured
-        self.rtt = st.__dict__.setdefault("moe_home_rtt", RttEstimator(rto_min=0.05))
+        self.rtt = st.estimator("moe_home", 0.05)
         self.last = 0.0
         self.quiet_since = 0.0
 

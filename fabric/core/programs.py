@@ -30,6 +30,7 @@ from typing import Any
 
 import msgpack
 import numpy as np
+from mypy_extensions import mypyc_attr
 
 from fabric.core import control
 from fabric.core import frame as fr
@@ -220,6 +221,19 @@ class NodeState:
         self.ring_done: OrderedDict[tuple[int, int], None] = OrderedDict()
         # streams received in full, by (src, flow, stream id, msg): their last PSN
         self.streams_done: OrderedDict[tuple[int, int, int, int], int] = OrderedDict()
+        # the last stream id of each (direction, peer): both ends count alike
+        self.stream_ids: dict[tuple[str, int], int] = {}
+        # round-trip estimators programs keep across calls, by role (ring, host, moe...)
+        self.estimators: dict[str, RttEstimator] = {}
+        self._bottleneck: dict[int | None, float | None] = {}
+
+    def estimator(self, role: str, rto_min: float) -> RttEstimator:
+        """The round-trip estimator of ``role``: later calls start from what earlier
+        ones measured."""
+        est = self.estimators.get(role)
+        if est is None:
+            est = self.estimators[role] = RttEstimator(rto_min=rto_min)
+        return est
 
     def ctrl_rtt(self, dst: int) -> RttEstimator:
         """The round trip of control requests to node ``dst``: their resend timer."""
@@ -298,7 +312,7 @@ class NodeState:
 
     def _bottleneck_gbps(self, dst: int | None) -> float | None:
         """The lowest shaped bandwidth on the path to ``dst`` (None: none shaped)."""
-        cache: dict[int | None, float | None] = self.__dict__.setdefault("_bottleneck", {})
+        cache = self._bottleneck
         if dst in cache:
             return cache[dst]
         hops = [self.name, self.switch_name]
@@ -345,6 +359,7 @@ def _nack_code(f: fr.Frame) -> NackCode | None:
         return None
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # drivers and users write programs
 class Program:
     """Base of every program (see the module doc)."""
 
@@ -829,8 +844,7 @@ class HostRingAllreduce(Program):
         self.unacked: dict[int, list[Send]] = {}
         self.sent_at: dict[int, float] = {}
         self.resent: set[int] = set()
-        self.rtt: RttEstimator = st.__dict__.setdefault(
-            "ring_rtt", RttEstimator(rto_min=AGG_RTO_MIN_S))
+        self.rtt: RttEstimator = st.estimator("ring", AGG_RTO_MIN_S)
         self.deadline: float | None = None
         self.received_all = False
         self.now = 0.0
@@ -1045,7 +1059,7 @@ class HostPsAllreduce(Program):
         self.result = t.out
         # a lost message or reply is sent again: the host answers a chunk it already
         # completed from its kept replies (fabric.core.hostnode), so a resend counts once
-        rtt = st.__dict__.setdefault("host_rtt", RttEstimator(rto_min=AGG_RTO_MIN_S))
+        rtt = st.estimator("host", AGG_RTO_MIN_S)
         self.timers = ChunkTimers(rtt, st.timeout_s)
 
     def _frame(self, i: int) -> Send:
@@ -1279,7 +1293,7 @@ def _zero_bytes(n: int) -> np.ndarray:
 
 def _stream_id(st: NodeState, direction: str, peer: int) -> int:
     """The next stream id of this direction with ``peer``; both ends count alike."""
-    streams: dict[tuple[str, int], int] = st.__dict__.setdefault("streams", {})
+    streams = st.stream_ids
     sid = streams.get((direction, peer), 0) + 1
     streams[(direction, peer)] = sid
     return sid & 0xFFFF

@@ -42,6 +42,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import ClassVar, Final, Generic, TypeVar
 
+from mypy_extensions import mypyc_attr
+
 from fabric.core.frame import Flag, NackCode, Op, encode_header
 from fabric.errors import FabricTimeout, PeerFailed, SemfabError
 
@@ -208,6 +210,7 @@ def _fmt_seconds(t: float) -> str:
 # ---------------------------------------------------------------------------
 
 
+@mypyc_attr(native_class=False)  # a generic dataclass (mypyc compiles no such native class)
 @dataclass(frozen=True, slots=True)
 class Transmit(Generic[H]):
     """One frame the driver must put on the wire now."""
@@ -232,6 +235,7 @@ class Transmit(Generic[H]):
         return f
 
 
+@mypyc_attr(native_class=False)  # a generic dataclass (mypyc compiles no such native class)
 @dataclass(frozen=True, slots=True)
 class Delivered(Generic[H]):
     """A frame handed to the application (exactly once; in PSN order when ordered)."""
@@ -412,6 +416,7 @@ class PeerRefused(ReliabilityError, PeerFailed):
 # ---------------------------------------------------------------------------
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # users write their own policies
 class RetransmitPolicy(ABC):
     """What to resend when frames are declared lost.
 
@@ -540,6 +545,7 @@ class RttEstimator:
         self.rto = min(max(self.rto, 2 * base), self.rto_max)
 
 
+@mypyc_attr(native_class=False)  # a generic dataclass
 @dataclass(slots=True)
 class _Flight(Generic[H]):
     psn: int

@@ -1523,7 +1523,8 @@ def gen_main(argv: Sequence[str]) -> int:
     except TopologyError as exc:
         print(f"semfab: error: {exc}", file=sys.stderr)
         return 2
-    except OSError as exc:
-        print(f"semfab: error: cannot write {args.output}: {exc.strerror}", file=sys.stderr)
+    except OSError as write_error:  # a name of its own: see docs/ARCHITECTURE.md (mypyc)
+        print(f"semfab: error: cannot write {args.output}: {write_error.strerror}",
+              file=sys.stderr)
         return 2
     return 0

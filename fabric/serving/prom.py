@@ -1,21 +1,36 @@
-"""Prometheus metrics in the text exposition format (pure: no I/O, no clock).
+"""Prometheus metrics for ``GET /metrics`` of ``semfab serve`` (no I/O, no clock).
 
-A minimal registry for ``GET /metrics`` of ``semfab serve``: counters,
-gauges and histograms, each with optional labels, rendered as the text
-format every Prometheus scraper reads (``# HELP``, ``# TYPE``, samples;
+Counters, gauges and histograms, each with optional labels, kept per server in
+its own :class:`prometheus_client.CollectorRegistry` and rendered by
+:func:`prometheus_client.generate_latest` (``# HELP``, ``# TYPE``, escaping,
 histograms as cumulative ``_bucket{le=...}`` series with ``_sum`` and
 ``_count``). Values are observed in seconds, as Prometheus names them.
+
+Each metric is a custom collector rather than a prometheus_client ``Counter``
+or ``Histogram``: most values are read from the host's own counters when
+scraped (``fn``), the host observes a chunk's tokens at once (``count``), and
+the library's metrics would add a ``_created`` series (a clock read) to each.
 """
 
 from __future__ import annotations
 
 import math
 from bisect import bisect_left
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import TypeVar
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from itertools import accumulate
+from typing import Any, TypeVar
 
-#: The exposition format's content type.
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4, CollectorRegistry, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.utils import floatToGoString
+
+#: The exposition format's content type (what :func:`generate_latest` writes).
+CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
 #: Bucket bounds (seconds) for per-token layer times: 20 µs to 10 s.
 LAYER_BUCKETS = (2e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1,
                  0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -25,27 +40,10 @@ REQUEST_BUCKETS = (1e-3, 5e-3, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 1
 _M = TypeVar("_M", bound="_Metric")
 
 
-def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
-
-
-def _labels(names: Sequence[str], values: Sequence[str], extra: str = "") -> str:
-    parts = [f'{n}="{_escape(v)}"' for n, v in zip(names, values, strict=True)]
-    if extra:
-        parts.append(extra)
-    return "{" + ",".join(parts) + "}" if parts else ""
-
-
-def _num(x: float) -> str:
-    if math.isinf(x):
-        return "+Inf" if x > 0 else "-Inf"
-    if math.isnan(x):
-        return "NaN"
-    return repr(float(x)) if not float(x).is_integer() else str(int(x))
-
-
 class _Metric:
-    kind = ""
+    """A collector of one metric family (see :class:`prometheus_client.registry.Collector`)."""
+
+    kind: Callable[..., Any]  # the prometheus_client metric family of this kind
 
     def __init__(self, name: str, help_text: str, labelnames: Sequence[str] = ()) -> None:
         self.name = name
@@ -57,26 +55,34 @@ class _Metric:
             raise ValueError(f"{self.name} takes labels {self.labelnames}, got {labels}")
         return tuple(str(v) for v in labels)
 
-    def header(self) -> list[str]:
-        text = self.help.replace("\\", "\\\\").replace("\n", "\\n")
-        return [f"# HELP {self.name} {text}", f"# TYPE {self.name} {self.kind}"]
+    def family(self) -> Any:
+        """The metric family, without samples."""
+        return self.kind(self.name, self.help, labels=self.labelnames)
 
-    def render(self) -> list[str]:
+    def describe(self) -> list[Metric]:
+        """The family without samples: the registry refuses a name twice without reading values."""
+        return [self.family()]
+
+    def collect(self) -> Iterator[Metric]:
+        """The family with its samples (called by the registry on each render)."""
         raise NotImplementedError
 
 
 class Counter(_Metric):
-    """A monotonically increasing count (``_total`` by convention).
+    """A monotonically increasing count; its name ends in ``_total``.
 
     Counted with :meth:`inc`, or read when rendered from ``fn``: a number, or
     (with labels) a mapping of label values to numbers.
     """
 
-    kind = "counter"
+    kind = CounterMetricFamily
 
     def __init__(self, name: str, help_text: str, labelnames: Sequence[str] = (),
                  fn: Callable[[], float | Mapping[tuple[str, ...], float]] | None = None
                  ) -> None:
+        # prometheus_client names a counter's samples <family>_total whatever it is given
+        if not name.endswith("_total"):
+            raise ValueError(f"a counter's name ends in _total, not {name}")
         super().__init__(name, help_text, labelnames)
         self.fn = fn
         self.values: dict[tuple[str, ...], float] = {}
@@ -90,19 +96,21 @@ class Counter(_Metric):
         key = self._key(labels)
         self.values[key] = self.values.get(key, 0.0) + amount
 
-    def render(self) -> list[str]:
+    def collect(self) -> Iterator[Metric]:
         values: Mapping[tuple[str, ...], float] = self.values
         if self.fn is not None:
             got = self.fn()
             values = got if isinstance(got, Mapping) else {(): float(got)}
-        return self.header() + [f"{self.name}{_labels(self.labelnames, k)} {_num(v)}"
-                                for k, v in sorted(values.items())]
+        fam = self.family()
+        for key, value in sorted(values.items()):
+            fam.add_metric(key, value)
+        yield fam
 
 
 class Gauge(_Metric):
     """A value read when the metrics are rendered (``fn``) or set."""
 
-    kind = "gauge"
+    kind = GaugeMetricFamily
 
     def __init__(self, name: str, help_text: str, fn: Callable[[], float] | None = None
                  ) -> None:
@@ -114,22 +122,25 @@ class Gauge(_Metric):
         """Set the value (when there is no ``fn``)."""
         self.value = float(value)
 
-    def render(self) -> list[str]:
-        value = self.fn() if self.fn is not None else self.value
-        return self.header() + [f"{self.name} {_num(value)}"]
+    def collect(self) -> Iterator[Metric]:
+        fam = self.family()
+        fam.add_metric((), self.fn() if self.fn is not None else self.value)
+        yield fam
 
 
 class Histogram(_Metric):
     """Counts of observations per bucket (upper bounds ``buckets``), sum and count."""
 
-    kind = "histogram"
+    kind = HistogramMetricFamily
 
     def __init__(self, name: str, help_text: str, buckets: Iterable[float],
                  labelnames: Sequence[str] = ()) -> None:
         super().__init__(name, help_text, labelnames)
         self.bounds = tuple(sorted(float(b) for b in buckets))
-        if not self.bounds or any(math.isinf(b) or math.isnan(b) for b in self.bounds):
+        if not self.bounds or not all(math.isfinite(b) for b in self.bounds):
             raise ValueError("histogram buckets must be finite and non-empty (+Inf is added)")
+        # le label values, written the way prometheus_client's own histograms write them
+        self._les = [floatToGoString(b) for b in self.bounds] + ["+Inf"]
         self.series: dict[tuple[str, ...], list[float]] = {}  # per bucket, then +Inf, sum
 
     def observe(self, value: float, *labels: str, count: int = 1) -> None:
@@ -146,36 +157,24 @@ class Histogram(_Metric):
         s = self.series.get(self._key(labels))
         return int(sum(s[:-1])) if s else 0
 
-    def render(self) -> list[str]:
-        out = self.header()
+    def collect(self) -> Iterator[Metric]:
+        fam = self.family()
         for key, s in sorted(self.series.items()):
-            acc = 0.0
-            for bound, n in zip((*self.bounds, math.inf), s[:-1], strict=True):
-                acc += n
-                le = 'le="' + _num(bound) + '"'
-                out.append(f"{self.name}_bucket{_labels(self.labelnames, key, le)} {_num(acc)}")
-            lab = _labels(self.labelnames, key)
-            out.append(f"{self.name}_sum{lab} {_num(s[-1])}")
-            out.append(f"{self.name}_count{lab} {_num(acc)}")
-        return out
+            fam.add_metric(key, list(zip(self._les, accumulate(s[:-1]), strict=True)), s[-1])
+        yield fam
 
 
 class Registry:
-    """The metrics of one server, rendered in registration order."""
+    """The metrics of one server (its own registry, not prometheus_client's global one)."""
 
     def __init__(self) -> None:
-        self.metrics: list[_Metric] = []
+        self.collectors = CollectorRegistry()
 
     def add(self, metric: _M) -> _M:
-        """Register ``metric`` and return it."""
-        if any(m.name == metric.name for m in self.metrics):
-            raise ValueError(f"metric {metric.name} is registered twice")
-        self.metrics.append(metric)
+        """Register ``metric`` and return it (:class:`ValueError` for a name taken)."""
+        self.collectors.register(metric)
         return metric
 
     def render(self) -> str:
-        """The whole exposition text (ends with a newline)."""
-        lines: list[str] = []
-        for m in self.metrics:
-            lines += m.render()
-        return "\n".join(lines) + "\n"
+        """The whole exposition text, metrics in registration order (ends with a newline)."""
+        return generate_latest(self.collectors).decode()

@@ -8,23 +8,170 @@
 
 Rows are printed as they finish; ``--json`` / ``--markdown`` / ``--plot``
 write files. Every figure is virtual time and is marked so.
+
+A sweep is a list of points, each one simulation as picklable work (a
+top-level function and plain arguments); :func:`run_points` runs them here,
+on a local process pool (``--jobs N``) or on MPI ranks (``--executor mpi``)
+and hands the results back in the points' order, so the rows and files are
+the same whichever. The benches' ``--sim`` (bench.sweep, bench.moe) use it too.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import math
 import time
-from collections.abc import Generator
+from collections.abc import Callable, Generator, Iterator, Sequence
 from typing import Any
 
 from bench import report
-from fabric.errors import UsageError
+from fabric.errors import SemfabError, UsageError
 from fabric.sim.engine import Simulation, SimulationError, TimingModel
 
 SIM_PATHS = ("ina", "ina-mem", "host-ring", "host-ps")
 NOTE = "simulated (virtual time)"
+
+
+# ---------------------------------------------------------------------- executor
+#: Where the points of a sweep run: processes of this machine, or MPI ranks.
+EXECUTORS = ("local", "mpi")
+#: The most local processes --jobs may ask for (a typo guard, not a limit of the code).
+MAX_JOBS = 1024
+
+#: One point of a sweep: a top-level function and its plain (picklable) arguments.
+Work = tuple[Callable[..., Any], tuple[Any, ...]]
+
+
+def add_executor_arguments(p: argparse.ArgumentParser) -> None:
+    """``--jobs`` and ``--executor``: how the points (simulations) of a sweep are spread."""
+    p.add_argument("--jobs", type=int, default=None, metavar="N",
+                   help="simulate up to N points at once (default 1: one after another in "
+                   "this process; with --executor mpi: as many MPI workers as the launch "
+                   "gives). Results, rows and their order do not depend on it")
+    p.add_argument("--executor", default="local", choices=EXECUTORS,
+                   help="local: a pool of N processes on this machine; mpi: "
+                   "mpi4py.futures.MPIPoolExecutor, for runs under mpirun/srun (e.g. "
+                   "`mpirun -n 8 python -m mpi4py.futures $(which semfab) sim scale "
+                   "--executor mpi`)")
+
+
+def check_executor(args: argparse.Namespace, sim: bool = True) -> None:
+    """Refuse a bad ``--jobs``/``--executor`` in one line, before anything runs.
+
+    ``sim=False`` (emulation): the points share one launched fabric, so only the
+    defaults are accepted.
+    """
+    jobs, executor = getattr(args, "jobs", None), getattr(args, "executor", "local")
+    if jobs is not None and not 1 <= jobs <= MAX_JOBS:
+        raise UsageError(f"--jobs {jobs}: must be 1..{MAX_JOBS} points at once")
+    if executor not in EXECUTORS:
+        raise UsageError(f"--executor {executor!r}: choose {' or '.join(EXECUTORS)}")
+    if not sim and ((jobs or 1) != 1 or executor != "local"):
+        raise UsageError("--jobs/--executor spread simulations; an emulated run measures "
+                         "one launched fabric at a time: add --sim or drop them")
+    if executor == "mpi":
+        _check_mpi()
+
+
+#: Set in every rank by MPI launchers: Open MPI/PRRTE, MPICH's Hydra, Slurm's srun.
+MPI_LAUNCH_ENV = ("OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_RANK", "PMI_SIZE", "SLURM_STEP_ID")
+MPI_HOW = "mpirun -n N python -m mpi4py.futures $(which semfab) ... --executor mpi"
+
+
+def _check_mpi() -> None:
+    """``--executor mpi`` can work here: mpi4py is installed and this process was
+    started by an MPI launcher (outside one, spawning workers fails or hangs), as the
+    one rank that runs the command (``python -m mpi4py.futures`` makes the others
+    its workers; without it every rank would run the whole sweep)."""
+    import os
+
+    try:
+        import mpi4py.futures  # noqa: F401  (used by run_points)
+    except ImportError as exc:
+        raise UsageError(f"--executor mpi needs mpi4py ({exc}); install the peers extra: "
+                         "pip install -e '.[peers]'") from None
+    if not any(k in os.environ for k in MPI_LAUNCH_ENV):
+        raise UsageError(f"--executor mpi runs under an MPI launcher (mpirun, srun): {MPI_HOW}"
+                         " (or use --executor local --jobs N)")
+    size = os.environ.get("OMPI_COMM_WORLD_SIZE") or os.environ.get("PMI_SIZE") or "1"
+    from mpi4py.futures import _core  # the shared pool `python -m mpi4py.futures` sets up
+
+    if size.isdigit() and int(size) > 1 and getattr(_core, "SharedPool", True) is None:
+        raise UsageError(f"--executor mpi: {size} ranks would each run the whole sweep; "
+                         f"make rank 0 run it and the others its workers: {MPI_HOW}")
+
+
+def executor_text(args: argparse.Namespace, points: int) -> str:
+    """How a sweep's ``points`` (a simulation or two each) will run, in words, for a header."""
+    jobs, executor = getattr(args, "jobs", None), getattr(args, "executor", "local")
+    what = f"{points} point{'s' if points != 1 else ''}"
+    if executor == "mpi":
+        return (f"{what} over MPI workers (mpi4py.futures"
+                + (f", at most {jobs}" if jobs else "") + ")")
+    n = min(jobs or 1, max(points, 1))
+    return f"{what}, " + ("one after another in this process" if n == 1
+                          else f"{n} at a time in local processes")
+
+
+def run_points(works: Sequence[Work], jobs: int | None = None,
+               executor: str = "local") -> Iterator[Any]:
+    """Run every point and yield its result in the points' order, each as soon as it
+    and every earlier one are done (so rows print in order, as they finish).
+
+    One local job runs the points here, one after another. Otherwise they go to
+    a pool: ``local`` a ProcessPoolExecutor of ``jobs`` processes (forkserver:
+    a parent that runs threads, a progress bar's, is never forked), ``mpi``
+    mpi4py's MPIPoolExecutor (``jobs`` None: the workers MPI gives). A point's
+    exception is raised here, in its turn; the points not started are cancelled.
+    """
+    if executor == "local" and (min(jobs or 1, len(works)) <= 1):
+        for fn, fargs in works:
+            yield fn(*fargs)
+        return
+    pool: Any
+    if executor == "mpi":
+        from mpi4py.futures import MPIPoolExecutor
+
+        pool = MPIPoolExecutor(max_workers=jobs) if jobs else MPIPoolExecutor()
+    else:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        ctx = multiprocessing.get_context("forkserver")
+        # the server imports the points' modules once (when it starts), and every
+        # worker forks from it with them loaded
+        ctx.set_forkserver_preload(sorted({fn.__module__ for fn, _ in works}))
+        pool = ProcessPoolExecutor(max_workers=min(jobs or 1, len(works)), mp_context=ctx)
+    from concurrent.futures.process import BrokenProcessPool
+
+    try:
+        futures = [pool.submit(fn, *fargs) for fn, fargs in works]
+        for fut in futures:
+            try:
+                result = fut.result()
+            except BrokenProcessPool as exc:
+                raise SemfabError(f"a simulation process died ({exc}); out of memory? "
+                                  "try fewer --jobs") from None
+            yield result
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def topology_text(topo: Any) -> tuple[str, str]:
+    """A topology as a point carries it: its TOML text and source (a Topology does not
+    pickle; ``loads(t.to_toml()) == t``)."""
+    return str(topo.to_toml()), str(topo.source)
+
+
+@functools.lru_cache(maxsize=8)
+def topology_from_text(text: str, source: str) -> Any:
+    """The topology of :func:`topology_text`, built once per process for the points
+    that share it (a Topology is immutable)."""
+    from fabric.core.topology import loads
+
+    return loads(text, source)
 
 
 # ---------------------------------------------------------------------- workload
@@ -107,6 +254,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="switches forward packets of this size as they arrive, as hardware "
                    "does (0: store and forward whole frames, as the emulator does)")
     _add_outputs(s)
+    add_executor_arguments(s)
     s.set_defaults(sim_func=run_scale)
     c = sub.add_parser("calibrate", help="measure this machine's emulator (per-frame and "
                        "per-byte costs) for --calibration",
@@ -129,7 +277,9 @@ def add_allreduce_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-b", "--begin", default="4K", help="smallest size in bytes")
     p.add_argument("-e", "--end", default="16M", help="largest size in bytes")
     p.add_argument("-f", "--factor", type=float, default=4, help="size multiplication factor")
-    p.add_argument("--workers", default="2,4", help="worker counts, comma-separated")
+    p.add_argument("--workers", default=None,
+                   help="worker counts, comma-separated (default: 2,4; with --topology, "
+                   "the file's count)")
     p.add_argument("--paths", default=",".join(SIM_PATHS), help=f"from {', '.join(SIM_PATHS)}")
     p.add_argument("-d", "--dtype", default="float32", help="float32, float16, bfloat16, "
                    "int32 or int64")
@@ -157,6 +307,7 @@ def add_allreduce_arguments(p: argparse.ArgumentParser) -> None:
                    help="service times measured by `semfab sim calibrate --json FILE` "
                    "(simulate this emulator rather than ideal switches)")
     _add_outputs(p)
+    add_executor_arguments(p)
 
 
 def _add_outputs(p: argparse.ArgumentParser) -> None:
@@ -199,16 +350,51 @@ def _positive(flag: str, value: float, zero_ok: bool = False) -> float:
     return value
 
 
+def allreduce_point(topo_text: str, topo_source: str, path: str, sizes: list[int], dtype: str,
+                    op: str, warmup: int, iters: int, check: bool, seed: int, data: bool,
+                    timing: dict[str, Any], faults: str | None) -> list[report.AllreduceRow]:
+    """One point of `semfab sim allreduce` (picklable work): every size of ``path`` on the
+    topology of :func:`topology_text`, in one simulation; a failure is a failed row per size."""
+    topo = topology_from_text(topo_text, topo_source)
+    try:
+        return simulate_rows(topo, path, sizes, dtype, op, warmup, iters, check, seed,
+                             data=data, timing=TimingModel(**timing), faults=faults)
+    except SimulationError as exc:
+        return [report.AllreduceRow.unavailable(path, len(topo.workers), s, dtype,
+                                                f"FAILED: {exc}") for s in sizes]
+
+
+def _sim_workers(args: argparse.Namespace, lo: int, hi: int) -> tuple[list[int], Any]:
+    """The worker counts and the ``--topology`` file's topology (None without one):
+    ``--workers`` omitted takes the file's count; given, it must agree with it."""
+    from fabric.core.topology import TopologyError, load
+
+    topo = None
+    if args.topology:
+        try:
+            topo = load(args.topology)
+        except (TopologyError, OSError) as exc:
+            raise UsageError(f"--topology: {exc}") from None
+    if args.workers is None:
+        return ([len(topo.workers)] if topo is not None else [2, 4]), topo
+    workers = _ints(args.workers, "--workers", lo, hi)
+    if topo is not None and any(w != len(topo.workers) for w in workers):
+        raise UsageError(f"--topology {args.topology} has {len(topo.workers)} workers but "
+                         f"--workers asks for {args.workers}; pass --workers "
+                         f"{len(topo.workers)} or leave --workers out")
+    return workers, topo
+
+
 def run_allreduce(args: argparse.Namespace) -> int:
-    """`semfab sim allreduce` (also `semfab bench allreduce --sim`)."""
-    from fabric.core.topology import TopologyError, load, star
+    """`semfab sim allreduce`: a simulation per worker count and path, rows as they finish."""
+    from fabric.core.topology import star
     from fabric.emulation.launch_cli import check_output_file
 
     try:
         sizes = report.size_range(args.begin, args.end, args.factor)
     except ValueError as exc:
         raise UsageError(f"sizes: {exc}") from None
-    workers = _ints(args.workers, "--workers", 1, 65536)
+    workers, file_topo = _sim_workers(args, 1, 65536)
     paths = _paths(args.paths)
     if args.iters < 1 or args.warmup < 0:
         raise UsageError("--iters must be at least 1 and --warmup at least 0")
@@ -243,6 +429,16 @@ def run_allreduce(args: argparse.Namespace) -> int:
             parse_faults(args.faults)
         except FaultSpecError as exc:
             raise UsageError(f"--faults: {exc}") from None
+    check_executor(args)
+    works: list[Work] = []
+    for w in workers:
+        topo = file_topo if file_topo is not None else star(
+            w, bandwidth_gbps=args.link_gbps, latency_us=args.link_latency_us)
+        text, source = topology_text(topo)
+        works += [(allreduce_point, (text, source, path, sizes, args.dtype, args.op,
+                                     args.warmup, args.iters, bool(args.check), args.seed,
+                                     not args.timing_only, dataclasses.asdict(timing),
+                                     args.faults)) for path in paths]
     rows: list[report.AllreduceRow] = []
     t_start = time.monotonic()
     print(f"# semfab sim allreduce (virtual time): sizes {report.format_size(sizes[0])}.."
@@ -250,25 +446,13 @@ def run_allreduce(args: argparse.Namespace) -> int:
           f"warmup {args.warmup}, iters {args.iters}, seed {args.seed}, faults "
           f"{args.faults or 'none'}, {'timing-only' if args.timing_only else 'with data'}, "
           + (f"cut-through {args.cut_through} B" if args.cut_through else "store and forward"))
-    for w in workers:
-        try:
-            topo = load(args.topology) if args.topology else star(
-                w, bandwidth_gbps=args.link_gbps, latency_us=args.link_latency_us)
-        except (TopologyError, OSError) as exc:
-            raise UsageError(f"--topology: {exc}") from None
-        for path in paths:
-            try:
-                new = simulate_rows(topo, path, sizes, args.dtype, args.op, args.warmup,
-                                    args.iters, bool(args.check), args.seed,
-                                    data=not args.timing_only, timing=timing, faults=args.faults)
-            except SimulationError as exc:
-                new = [report.AllreduceRow.unavailable(path, len(topo.workers), s, args.dtype,
-                                                       f"FAILED: {exc}") for s in sizes]
-            for r in new:
-                print(f"  {r.path:9s} x{r.workers:<5d} {report.format_size(r.size_bytes):>7s} "
-                      f"{_us(r.time_us):>12s} us  busbw {_gb(r.busbw_gbps):>8s} GB/s  "
-                      f"wrong {r.wrong}", flush=True)
-            rows += new
+    print(f"# {executor_text(args, len(works))}", flush=True)
+    for new in run_points(works, args.jobs, args.executor):
+        for r in new:
+            print(f"  {r.path:9s} x{r.workers:<5d} {report.format_size(r.size_bytes):>7s} "
+                  f"{_us(r.time_us):>12s} us  busbw {_gb(r.busbw_gbps):>8s} GB/s  "
+                  f"wrong {r.wrong}", flush=True)
+        rows += new
     table = report.format_allreduce_table(rows)
     print(table)
     print(f"\n# {len(rows)} rows, simulated in {time.monotonic() - t_start:.1f} s of wall time")
@@ -325,6 +509,27 @@ def _scale_workload(ctx: Any, path: str, count: int) -> Generator[Any, Any, floa
     return float(t1 - t0)
 
 
+def scale_point(workers: int, per_leaf: int, ratio: float, gbps: float, latency_us: float,
+                mtu: int, cut_through: int, path: str, size: int) -> dict[str, Any]:
+    """One point of `semfab sim scale` (picklable work: plain arguments in, a plain row
+    out): an allreduce of ``size`` bytes per worker on ``path``, timing-only payloads.
+    ``wall_s`` and ``events_per_s`` are this process's wall clock, the rest is virtual
+    time and the same wherever and whenever it runs."""
+    topo = scale_topology(workers, per_leaf, ratio, gbps, latency_us, mtu)
+    t0 = time.monotonic()
+    sim = Simulation(topo, timeout_s=3600.0, timing=TimingModel(cut_through_bytes=cut_through))
+    res = sim.run(_scale_workload, path, size // 4)
+    wall = time.monotonic() - t0
+    t = max(res.results)
+    ideal = ideal_time_s(path, workers, size, gbps)
+    busbw = size / t / 1e9 * 2 * (workers - 1) / workers
+    return {"workers": workers, "oversubscription": ratio, "path": path,
+            "leaves": len(topo.switches) - 1, "time_s": t, "busbw_gbps": busbw,
+            "ideal_s": ideal, "fraction_of_ideal": ideal / t, "events": res.events,
+            "frames": res.frames, "wall_s": wall,
+            "events_per_s": res.events / wall if wall > 0 else 0.0}
+
+
 def run_scale(args: argparse.Namespace) -> int:
     """`semfab sim scale`."""
     from fabric.emulation.launch_cli import check_output_file
@@ -348,6 +553,10 @@ def run_scale(args: argparse.Namespace) -> int:
         raise UsageError("--size must be a positive multiple of 4 bytes (float32)")
     if args.per_leaf < 1:
         raise UsageError("--per-leaf must be at least 1")
+    for w in workers:  # before any row, not in the middle of the sweep
+        k = min(args.per_leaf, max(w // 2, 1))
+        if w % k:
+            raise UsageError(f"--workers {w} is not a multiple of {k} workers per leaf")
     _positive("--link-gbps", args.link_gbps)
     _positive("--latency-us", args.latency_us, zero_ok=True)
     if not 64 <= args.mtu <= 1 << 24:
@@ -357,39 +566,29 @@ def run_scale(args: argparse.Namespace) -> int:
     for flag in ("json", "markdown", "plot"):
         if getattr(args, flag):
             check_output_file(f"--{flag}", getattr(args, flag))
+    check_executor(args)
     from fabric.info import build
 
+    # the points in the order their rows print: workers, then ratio, then path
+    points = [(w, args.per_leaf, ratio, args.link_gbps, args.latency_us, args.mtu,
+               args.cut_through, path, size) for w in workers for ratio in ratios
+              for path in paths]
     print(f"# semfab sim scale (virtual time, {build()} build): "
           f"{report.format_size(size)} float32 per worker, "
           f"{args.link_gbps:g} Gbit/s worker links, {args.latency_us:g} us per link, "
           f"mtu {args.mtu}, " + (f"cut-through {args.cut_through} B packets" if args.cut_through
                                    else "store and forward") + ", timing-only payloads")
+    print(f"# {executor_text(args, len(points))}; wall(s) is each simulation's own")
     header = (f"{'workers':>8s} {'ratio':>5s} {'path':>9s} {'time(ms)':>10s} {'busbw':>8s} "
               f"{'ideal(ms)':>10s} {'of ideal':>8s} {'events':>9s} {'wall(s)':>8s}")
     print(header, flush=True)
     rows: list[dict[str, Any]] = []
-    for w in workers:
-        for ratio in ratios:
-            topo = scale_topology(w, args.per_leaf, ratio, args.link_gbps, args.latency_us,
-                                  args.mtu)
-            for path in paths:
-                t0 = time.monotonic()
-                sim = Simulation(topo, timeout_s=3600.0,
-                                 timing=TimingModel(cut_through_bytes=args.cut_through))
-                res = sim.run(_scale_workload, path, size // 4)
-                wall = time.monotonic() - t0
-                t = max(res.results)
-                ideal = ideal_time_s(path, w, size, args.link_gbps)
-                busbw = size / t / 1e9 * 2 * (w - 1) / w
-                row = {"workers": w, "oversubscription": ratio, "path": path,
-                       "leaves": len(topo.switches) - 1, "time_s": t, "busbw_gbps": busbw,
-                       "ideal_s": ideal, "fraction_of_ideal": ideal / t, "events": res.events,
-                       "frames": res.frames, "wall_s": wall,
-                       "events_per_s": res.events / wall if wall > 0 else 0.0}
-                rows.append(row)
-                print(f"{w:>8d} {ratio:>5g} {path:>9s} {t * 1e3:>10.3f} {busbw:>8.2f} "
-                      f"{ideal * 1e3:>10.3f} {ideal / t:>8.2f} {res.events:>9d} {wall:>8.1f}",
-                      flush=True)
+    for row in run_points([(scale_point, pt) for pt in points], args.jobs, args.executor):
+        rows.append(row)
+        print(f"{row['workers']:>8d} {row['oversubscription']:>5g} {row['path']:>9s} "
+              f"{row['time_s'] * 1e3:>10.3f} {row['busbw_gbps']:>8.2f} "
+              f"{row['ideal_s'] * 1e3:>10.3f} {row['fraction_of_ideal']:>8.2f} "
+              f"{row['events']:>9d} {row['wall_s']:>8.1f}", flush=True)
     ratio_lines = []
     for w in workers:
         for ratio in ratios:

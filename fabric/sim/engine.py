@@ -172,6 +172,13 @@ class ArrayMemoryPlane:
 _PIPE, _NODE_TIMER, _RESUME, _SWITCH_IN, _SWITCH_TIMER = range(5)
 
 
+def _running(node: _Node) -> Program | None:
+    """The program ``node`` runs now. A function, not ``node.prog`` read where it
+    was just assigned: mypy keeps that narrowed across a call that resets it,
+    and compiled code then fails its type check (docs/ARCHITECTURE.md)."""
+    return node.prog
+
+
 class Simulation:
     """A fabric of ``topo`` in virtual time (see the module doc)."""
 
@@ -193,6 +200,8 @@ class Simulation:
                                             services=added)
                          for s in topo.switches}
         self._keys = itertools.count(1)
+        # each node's memory-plane region (key, bytes, path), grown as tensors grow
+        self._node_regions: dict[str, tuple[int, int, str]] = {}
         self._sw_busy = dict.fromkeys(self.switches, 0.0)
         spec_all = parse_faults(faults) if faults is not None else None
         lossless = (spec_all is None or spec_all.clean) and not any(
@@ -451,12 +460,12 @@ class Simulation:
                 return
             try:
                 prog = self._program(node, op)
-            except SemfabError as exc:
-                self._fail(node, exc)
+            except SemfabError as refused:  # not ``exc``: see docs/ARCHITECTURE.md (mypyc)
+                self._fail(node, refused)
                 return
             node.prog = prog
             self._step(node, lambda p=prog: p.start(t), t)  # type: ignore[misc]
-            if node.prog is prog:  # not finished at once: frames that came early
+            if _running(node) is prog:  # not finished at once: frames that came early
                 self._replay_stash(node, t)
             return
 
@@ -527,7 +536,7 @@ class Simulation:
         out = op.out if op.out is not None else (np.empty_like(x) if x is not None else None)
 
         def steps() -> Generator[Program, Any, Any]:
-            reg = getattr(st, "sim_region", None)
+            reg = self._node_regions.get(node.name)
             if reg is None or reg[1] < nbytes:
                 key = next(self._keys)
                 path = f"sim:{node.name}:{key}" if x is not None else f"sim-timing:{key}"
@@ -538,7 +547,7 @@ class Simulation:
                 if not reply.get("ok"):
                     raise SimulationError(f"{node.name}: region refused: {reply.get('reason')}")
                 reg = (key, nbytes, path)
-                st.sim_region = reg  # type: ignore[attr-defined]
+                self._node_regions[node.name] = reg
             key, _size, path = reg
             work = None
             if x is not None:

@@ -13,7 +13,7 @@ one (NACK MISSING); a RESULT carries a completion mark so a member can tell
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -45,8 +45,8 @@ ASKED_KEPT = 65536
 class Aggregation(Service):
     """REDUCE and RESULT frames of granted jobs, and a parent's MISSING asks."""
 
-    name = "aggregation"
-    ops = (Op.REDUCE, Op.RESULT, Op.NACK)
+    name: ClassVar[str] = "aggregation"
+    ops: ClassVar[tuple[Op, ...]] = (Op.REDUCE, Op.RESULT, Op.NACK)
 
     def __init__(self, ctx: SwitchContext, table: JobTable, engine: AggregationEngine,
                  regions: Regions) -> None:

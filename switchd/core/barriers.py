@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from fabric.core import control
 from fabric.core import frame as fr
@@ -36,8 +36,8 @@ class BarrierStats:
 class Barriers(Service):
     """Counts arrivals per barrier id; answers every arrival once all are in."""
 
-    name = "barriers"
-    ctrl_types = ("barrier",)
+    name: ClassVar[str] = "barriers"
+    ctrl_types: ClassVar[tuple[str, ...]] = ("barrier",)
 
     def __init__(self, ctx: SwitchContext, multicast: Multicast) -> None:
         super().__init__(ctx)

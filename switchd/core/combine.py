@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -59,8 +59,8 @@ class CombineStats:
 class Combine(Service):
     """Per-token sums of MoE expert outputs, at the contributors' switch."""
 
-    name = "combine"
-    ops = (Op.REDUCE, Op.NACK)
+    name: ClassVar[str] = "combine"
+    ops: ClassVar[tuple[Op, ...]] = (Op.REDUCE, Op.NACK)
 
     def __init__(self, ctx: SwitchContext) -> None:
         super().__init__(ctx)

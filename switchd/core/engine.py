@@ -2,32 +2,28 @@
 
 Sans-IO. The aggregation service decodes a REDUCE frame, calls
 :meth:`AggregationEngine.contribute`, and turns the returned events
-(:mod:`switchd.core.events`) into RESULT / NACK frames. Both data planes:
+(:mod:`switchd.core.events`) into RESULT / NACK frames. Both data planes: the
+frame plane's data travels in the frame and is reduced into the engine's slot
+memory; the memory plane's frames (``JobSpec.referenced``) carry addresses
+only, the engine keeps bitmaps and lengths, and the switch reduces from shared
+memory when :class:`Completed` comes out.
 
-* frame plane: the contribution's data travels in the frame and the engine
-  reduces it into its own preallocated slot memory;
-* memory plane (``JobSpec.referenced``): frames carry addresses only; the
-  engine tracks contributor bitmaps and chunk lengths, holds no data
-  (``data=None``), and the daemon reduces from shared memory when
-  :class:`Completed` comes out.
-
-Slot algorithm (see docs/AGGREGATION.md for the argument): chunk ``c`` of a
-job with ``S`` slots lives in slot ``c % S``, version ``(c // S) % 2``. A
-version may be reset for chunk ``c`` only when it holds the *completed* chunk
+Slot algorithm (docs/AGGREGATION.md has the argument): chunk ``c`` of a job
+with ``S`` slots lives in slot ``c % S``, version ``(c // S) % 2``. A version
+may be reset for chunk ``c`` only when it holds the *completed* chunk
 ``c - 2S``, and a contribution to ``c`` is counted only when the other version
-of the slot holds the completed chunk ``c - S``; self-clocking workers (chunk
-``c + S`` only after the result of ``c``) guarantee both, and then every member
-has received the result of ``c - 2S``.
-
-Chunk numbers must be dense and job-wide: consecutive collectives on one job
-continue the numbering (0, 1, 2, ... over the job's life), they do not restart
-at 0. Restarting would alias a new chunk onto an old completed one.
+holds the completed chunk ``c - S``; self-clocking workers (chunk ``c + S``
+only after the result of ``c``) guarantee both, and then every member has
+received the result of ``c - 2S``. Chunk numbers are dense and job-wide:
+consecutive collectives on one job continue the numbering (restarting at 0
+would alias a new chunk onto an old completed one).
 """
 
 from __future__ import annotations
 
 import operator
 from collections.abc import Callable
+from dataclasses import astuple
 from typing import Any, Final
 
 import numpy as np
@@ -47,6 +43,7 @@ from switchd.core.events import (
     Rejected,
     ResendResult,
     Stale,
+    fmt_bytes,
     normalise,
     spec_error,
 )
@@ -60,13 +57,6 @@ _UFUNCS: Final[dict[AggOp, Callable[..., Any]]] = {op: _OP_UFUNCS[op.value] for 
 
 
 _NO_DATA: Final = np.empty(0)  # stands in for data on referenced jobs (never read)
-
-
-def _fmt_bytes(n: int) -> str:
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= size:
-            return f"{n} B ({n / size:.1f} {unit})"
-    return f"{n} B"
 
 
 def _absmax(a: np.ndarray) -> int:
@@ -207,7 +197,7 @@ class AggregationEngine:
         spec = normalise(spec)
         old = self._jobs.get(spec.job)
         if old is not None:
-            if old.spec == spec:
+            if astuple(old.spec) == astuple(spec):  # compiled, == on specs is identity
                 return Granted(spec.job, spec.slots, spec.slot_elems)
             return Refused(
                 spec.job,
@@ -225,8 +215,8 @@ class AggregationEngine:
             return Refused(
                 spec.job,
                 f"job {spec.job} asks {spec.slots} slots x 2 versions x "
-                f"{spec.slot_elems} x {spec.dtype} = {_fmt_bytes(asked)}; "
-                f"{_fmt_bytes(bytes_free)} of {_fmt_bytes(self._budget)} free, "
+                f"{spec.slot_elems} x {spec.dtype} = {fmt_bytes(asked)}; "
+                f"{fmt_bytes(bytes_free)} of {fmt_bytes(self._budget)} free, "
                 f"{slots_free} of {self._max_slots} slots free; "
                 f"{fit} slots of this shape would fit",
                 max(fit, 0),
@@ -240,7 +230,7 @@ class AggregationEngine:
             except MemoryError:
                 self._refused.add(spec.job)
                 return Refused(
-                    spec.job, f"job {spec.job}: host could not allocate {_fmt_bytes(asked)}", 0
+                    spec.job, f"job {spec.job}: host could not allocate {fmt_bytes(asked)}", 0
                 )
         self._jobs[spec.job] = _Job(spec, mem, asked)
         self._refused.discard(spec.job)
@@ -355,11 +345,11 @@ class AggregationEngine:
     def contribute(
         self,
         job: int,
-        chunk: int,
+        chunk: object,
         member: int,
-        data: np.ndarray | None,
+        data: object,
         *,
-        length: int | None = None,
+        length: object = None,
     ) -> list[Event]:
         """Count one member's contribution to one chunk and say what to send.
 
@@ -371,6 +361,18 @@ class AggregationEngine:
         ``[ResendResult]``, ``[DuplicateIgnored]``, ``[Stale]`` or
         ``[Rejected]``. A rejection never changes any slot.
         """
+        # chunk, data and length come from peers: typed ``object`` so that a wrong type
+        # is a MALFORMED rejection in both builds, never a compiled TypeError
+        if chunk.__class__ is int:
+            return self._contribute(job, chunk, member, data, length)
+        try:
+            c = operator.index(chunk)  # type: ignore[arg-type]
+        except TypeError:
+            return self._reject(job, -1, member, "MALFORMED", f"chunk {chunk!r} not an int")
+        return self._contribute(job, c, member, data, length)
+
+    def _contribute(self, job: int, chunk: int, member: int, data: object,
+                    length: object) -> list[Event]:
         j = self._jobs.get(job)
         if j is None:
             if job in self._refused:
@@ -382,11 +384,6 @@ class AggregationEngine:
             return self._reject(
                 job, chunk, member, "PERMISSION", f"node {member} is not a member of job {job}"
             )
-        if chunk.__class__ is not int:
-            try:
-                chunk = operator.index(chunk)
-            except TypeError:
-                return self._reject(job, -1, member, "MALFORMED", f"chunk {chunk!r} not an int")
         if chunk < 0:
             return self._reject(job, chunk, member, "MALFORMED", "negative chunk number")
 

@@ -13,6 +13,7 @@ from enum import StrEnum
 from typing import Any, Final, TypeAlias
 
 import numpy as np
+from mypy_extensions import mypyc_attr
 
 from kernels.dtypes import DTYPES as _DTYPES
 
@@ -30,6 +31,7 @@ __all__ = [
     "Rejected",
     "ResendResult",
     "Stale",
+    "fmt_bytes",
     "normalise",
     "spec_error",
 ]
@@ -59,6 +61,7 @@ MAX_JOB_ID: Final = 0xFFFF
 DEFAULT_MAX_SLOTS: Final = 1 << 16
 
 
+@mypyc_attr(native_class=False)  # checked by spec_error, not by the constructor, in both builds
 @dataclass(frozen=True)
 class JobSpec:
     """What a job asks of the switch.
@@ -193,34 +196,40 @@ class EngineStats:
 
 def spec_error(spec: JobSpec) -> str | None:
     """Why a spec is unusable, or None."""
-    if not isinstance(spec.job, int) or not 0 <= spec.job <= MAX_JOB_ID:
-        return f"job id {spec.job!r} is not a u16"
-    members = spec.members
+    # the fields as given (a caller's list of members, a plain "sum"), read without
+    # the declared types: compiled code would check those on every attribute read
+    given: dict[str, Any] = vars(spec)
+    job, members, op = given["job"], given["members"], given["op"]
+    if not isinstance(job, int) or not 0 <= job <= MAX_JOB_ID:
+        return f"job id {job!r} is not a u16"
     if not 1 <= len(members) <= MAX_MEMBERS:
         return f"{len(members)} members; 1..{MAX_MEMBERS} allowed"
     if any(not isinstance(m, int) or m < 0 for m in members):
         return f"members must be non-negative node ids, got {members!r}"
     if len(set(members)) != len(members):
         return f"duplicate members in {members!r}"
-    if spec.dtype not in DTYPES:
-        return f"dtype {spec.dtype!r} not one of {sorted(DTYPES)}"
-    if spec.op not in tuple(AggOp):
-        return f"op {spec.op!r} not one of {[o.value for o in AggOp]}"
-    if not isinstance(spec.slots, int) or spec.slots < 1:
-        return f"slots must be >= 1, got {spec.slots!r}"
-    if not isinstance(spec.slot_elems, int) or spec.slot_elems < 1:
-        return f"slot_elems must be >= 1, got {spec.slot_elems!r}"
+    if given["dtype"] not in DTYPES:
+        return f"dtype {given['dtype']!r} not one of {sorted(DTYPES)}"
+    if op not in tuple(AggOp):
+        return f"op {op!r} not one of {[o.value for o in AggOp]}"
+    for name in ("slots", "slot_elems"):
+        if not isinstance(given[name], int) or given[name] < 1:
+            return f"{name} must be >= 1, got {given[name]!r}"
     return None
 
 
 def normalise(spec: JobSpec) -> JobSpec:
-    # A list of members or a plain "sum" string must compare equal on re-register.
-    return JobSpec(
-        job=spec.job,
-        members=tuple(spec.members),
-        dtype=spec.dtype,
-        op=AggOp(spec.op),
-        slots=spec.slots,
-        slot_elems=spec.slot_elems,
-        referenced=bool(spec.referenced),
-    )
+    """The spec with its declared types: a list of members or a plain "sum" string
+    must compare equal on re-register."""
+    given: dict[str, Any] = vars(spec)
+    return JobSpec(job=given["job"], members=tuple(given["members"]), dtype=given["dtype"],
+                   op=AggOp(given["op"]), slots=given["slots"],
+                   slot_elems=given["slot_elems"], referenced=bool(given["referenced"]))
+
+
+def fmt_bytes(n: int) -> str:
+    """``n`` bytes for a refusal's reason: ``4194304 B (4.0 MiB)``."""
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n} B ({n / size:.1f} {unit})"
+    return f"{n} B"

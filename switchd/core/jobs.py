@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from enum import Enum
-from typing import Any
+from typing import Any, ClassVar
 
 from fabric.core import control
 from fabric.core import frame as fr
@@ -94,8 +94,8 @@ class JobTable:
 class Jobs(Service):
     """``job``, ``job_reply`` (from the parent) and ``release`` control messages."""
 
-    name = "jobs"
-    ctrl_types = ("job", "job_reply", "release")
+    name: ClassVar[str] = "jobs"
+    ctrl_types: ClassVar[tuple[str, ...]] = ("job", "job_reply", "release")
 
     def __init__(self, ctx: SwitchContext, table: JobTable, engine: AggregationEngine,
                  regions: Regions, tenants: TenantLedger,

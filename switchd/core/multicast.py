@@ -11,7 +11,7 @@ passes down.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from fabric.core import control
 from fabric.core import frame as fr
@@ -39,9 +39,9 @@ class MulticastStats:
 class Multicast(Service):
     """Flag.MCAST frames, and the ``group`` / ``group_release`` control messages."""
 
-    name = "multicast"
-    flag = Flag.MCAST
-    ctrl_types = ("group", "group_reply", "group_release")
+    name: ClassVar[str] = "multicast"
+    flag: ClassVar[Flag] = Flag.MCAST
+    ctrl_types: ClassVar[tuple[str, ...]] = ("group", "group_reply", "group_release")
 
     def __init__(self, ctx: SwitchContext) -> None:
         super().__init__(ctx)

@@ -11,7 +11,7 @@ memory-plane descriptors (``doorbell``), which the driver maps.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 import numpy as np
 
@@ -52,8 +52,8 @@ class MemoryPlane(Protocol):
 class Regions(Service):
     """``region``, ``unregister`` and ``doorbell`` control messages."""
 
-    name = "regions"
-    ctrl_types = ("region", "unregister", "doorbell")
+    name: ClassVar[str] = "regions"
+    ctrl_types: ClassVar[tuple[str, ...]] = ("region", "unregister", "doorbell")
 
     def __init__(self, ctx: SwitchContext, memory: MemoryPlane | None,
                  attach_doorbell: Callable[[bytes, str], None] | None) -> None:

@@ -11,7 +11,9 @@ switch's :class:`~switchd.core.context.SwitchContext`. docs/ARCHITECTURE.md
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
+
+from mypy_extensions import mypyc_attr
 
 from fabric.core import frame as fr
 from fabric.core.frame import Flag, Op
@@ -20,6 +22,7 @@ from switchd.core.context import SwitchContext
 __all__ = ["Service"]
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # users add their own services
 class Service:
     """One in-network function of a switch; subclass it.
 
@@ -35,11 +38,12 @@ class Service:
     a frame is counted as malformed and NACKed: the switch goes on.
     """
 
+    # class-level (ClassVar): compiled code then reads a subclass's own values
     #: the name its statistics appear under
-    name: str = "service"
-    ops: tuple[Op, ...] = ()
-    flag: Flag = Flag.NONE
-    ctrl_types: tuple[str, ...] = ()
+    name: ClassVar[str] = "service"
+    ops: ClassVar[tuple[Op, ...]] = ()
+    flag: ClassVar[Flag] = Flag.NONE
+    ctrl_types: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, ctx: SwitchContext) -> None:
         self.ctx = ctx
