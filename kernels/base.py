@@ -73,6 +73,12 @@ class Backend(ABC):
     def multicast_reduce(self, srcs: Sequence[Any], dsts: Sequence[Any], op: str) -> None:
         """See :func:`kernels.reference.multicast_reduce`."""
 
+    def reduce_pair(self, a: Any, b: Any, op: str) -> None:
+        """``a = b = op(a, b)`` in place, for two 1-D contiguous arrays of one dtype
+        and size (the memory plane's two-member reduction); backends with a
+        cheaper call override it."""
+        self.multicast_reduce([a, b], [a, b], op)
+
     def reduce_into(self, acc: Any, x: Any, op: str) -> None:
         """``acc = op(acc, x)`` in place; see :func:`kernels.reference.reduce_into`."""
         self.multicast_reduce([acc, x], [acc], op)

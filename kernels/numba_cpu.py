@@ -190,6 +190,24 @@ def _mc_16_py(srcs: Any, ns: int, dsts: Any, nd: int, op: int, kind: int) -> Non
 
 
 _mc_native = njit(parallel=True, nogil=True)(_mc_native_py)
+
+
+@njit(nogil=True)
+def _pair_inplace(a: Any, b: Any, op: int) -> None:
+    # a = b = op(a, b), one pass (the memory plane's two-member call); the same
+    # element rules as _first.
+    if op == 0:
+        for j in range(a.size):
+            r = a[j] + b[j]
+            a[j] = r
+            b[j] = r
+    else:
+        for j in range(a.size):
+            x = a[j]
+            y = b[j]
+            r = x if ((x > y if op == 1 else x < y) or x != x) else y
+            a[j] = r
+            b[j] = r
 _mc_16 = njit(parallel=True, nogil=True)(_mc_16_py)
 
 
@@ -371,6 +389,15 @@ class NumbaCpuBackend(Backend):
             _mc_16(src_t, ns, dst_t, nd, code, kind)
         else:
             _mc_native(src_t, ns, dst_t, nd, code)
+
+    def reduce_pair(self, a: np.ndarray, b: np.ndarray, op: str) -> None:
+        if a.nbytes <= max(self.serial_bytes, (PARALLEL_MIN - 1) * a.itemsize) \
+                and not _kind16(a.dtype):
+            # one compiled pass on this thread: the checks and NumPy fold of
+            # multicast_reduce cost ~2-3 us a call, more than 4 KiB of arithmetic
+            _pair_inplace(a, b, op_code(op))
+        else:
+            self.multicast_reduce([a, b], [a, b], op)
 
     def quantize(self, x: Any, scale: float, out_dtype: str = "int32") -> Any:
         scale = reference._check_scale(scale)

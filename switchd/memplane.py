@@ -88,7 +88,10 @@ class SharedMemoryPlane:
                     dtype, count, offset)
             arrays.append(v)
         t0 = time.perf_counter()
-        self._kernel.multicast_reduce(arrays, arrays, op)
+        if len(arrays) == 2:  # views this plane made: 1-D, contiguous, one dtype
+            self._kernel.reduce_pair(arrays[0], arrays[1], op)
+        else:
+            self._kernel.multicast_reduce(arrays, arrays, op)
         self.reduce_seconds += time.perf_counter() - t0
 
     def close(self) -> None:

@@ -616,3 +616,35 @@ def test_multicast_small_path_overflow_is_quiet() -> None:
         assert np.isnan(out).all()
         b.multicast_reduce([inf, np.full(100, np.nan, np.float32)], [out], "max")
         assert np.isnan(out).all()
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPE_NAMES)
+@pytest.mark.parametrize("op", OPS)
+def test_reduce_pair_is_the_multicast_of_two_in_place(name: str, dtype: str, op: str) -> None:
+    # the memory plane's two-member call: a = b = op(a, b), bitwise as the reference,
+    # NaN and the small/large switch included (numba-cpu's one-pass kernel below
+    # its serial limit, multicast_reduce above it)
+    b = backend(name)
+    rng = np.random.default_rng([11, DTYPE_NAMES.index(dtype), OPS.index(op)])
+    for n in (1, 1023, numba_cpu.PARALLEL_MIN + 5):
+        x, y = C.random_array(rng, n, dtype), C.random_array(rng, n, dtype)
+        if np_dtype(dtype).kind == "f":
+            x[n // 2] = np.nan
+        want = x.copy()
+        R.multicast_reduce([x, y], [want], op)
+        b.reduce_pair(x, y, op)
+        C.assert_same(x, want, f"{name} {dtype} {op} n={n} a")
+        C.assert_same(y, want, f"{name} {dtype} {op} n={n} b")
+
+
+def test_reduce_pair_takes_the_one_pass_kernel_when_small(monkeypatch: pytest.MonkeyPatch) -> None:
+    b = get_backend("numba-cpu")
+    calls: list[int] = []
+    monkeypatch.setattr(numba_cpu, "_pair_inplace", lambda x, y, code: calls.append(code))
+    small = np.ones(1024, np.float32)
+    b.reduce_pair(small, small.copy(), "max")
+    assert calls == [1]
+    bf16 = np_dtype("bfloat16")
+    b.reduce_pair(np.ones(8, bf16), np.ones(8, bf16), "sum")  # widened: not the pair kernel
+    assert calls == [1]

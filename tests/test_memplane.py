@@ -77,10 +77,12 @@ def test_chunks_either_side_of_the_serial_limit(regions, count: int,
 
     kernel = get_backend("numba-cpu")
     monkeypatch.setattr(kernel, "serial_bytes", kernel.serial_bytes)  # restored after
-    serial = []
+    serial = []  # calls on the calling thread: the pair kernel (or the NumPy fold)
     native = numba_cpu.reference.multicast_reduce_native
     monkeypatch.setattr(numba_cpu.reference, "multicast_reduce_native",
                         lambda *a: (serial.append(1), native(*a)))
+    pair = numba_cpu._pair_inplace
+    monkeypatch.setattr(numba_cpu, "_pair_inplace", lambda *a: (serial.append(1), pair(*a)))
     rng = np.random.default_rng(count)
     a, b = rng.random(count, dtype=np.float32), rng.random(count, dtype=np.float32)
     ra, rb = regions(f"sa{count}", a), regions(f"sb{count}", b)
