@@ -16,6 +16,7 @@ where 64-1024 ranks fit.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 from typing import Any
@@ -69,6 +70,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _settings(args: argparse.Namespace) -> dict[str, Any]:
     from fabric.core.moe import MASK_MEMBERS, MOE_VARIANTS, parse_routing
 
+    for flag, value in (("--latency-us", args.latency_us), ("--bandwidth-gbps",
+                                                            args.bandwidth_gbps)):
+        if not math.isfinite(value) or value < 0:
+            raise UsageError(f"{flag} {value:g}: must be a number >= 0")
     if args.leaves < 1 or args.per_leaf < 1:
         raise UsageError("--leaves and --per-leaf must be at least 1")
     ranks = args.leaves * args.per_leaf
@@ -110,13 +115,26 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
     from fabric.sim.cli import check_executor
 
     check_executor(args, sim=bool(args.sim))
-    return {"leaves": args.leaves, "per_leaf": args.per_leaf, "ranks": ranks,
+    from fabric.emulation.launch_cli import check_output_file
+
+    for flag in ("json", "markdown"):  # a long run must not fail at its end
+        if getattr(args, flag, None):
+            check_output_file(f"--{flag}", getattr(args, flag))
+    settings = {"leaves": args.leaves, "per_leaf": args.per_leaf, "ranks": ranks,
             "ratios": ratios, "variants": variants, "experts": experts, "topk": args.topk,
             "tokens": args.tokens, "hidden": args.hidden, "dtype": args.dtype,
             "routing": args.routing, "bandwidth_gbps": args.bandwidth_gbps,
             "latency_us": args.latency_us, "warmup": args.warmup, "iters": args.iters,
             "seed": args.seed, "world": "simulation" if args.sim else "emulation",
             "dropped": dropped}
+    from fabric.core.topology import TopologyError
+
+    for ratio in ratios:  # a bad link figure is one line now, not a traceback mid-run
+        try:
+            _topology(settings, ratio)
+        except TopologyError as exc:
+            raise UsageError(str(exc)) from None
+    return settings
 
 
 def _topology(s: dict[str, Any], ratio: float) -> Any:

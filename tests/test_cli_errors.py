@@ -67,12 +67,21 @@ def _files(tmp_path: Path) -> dict[str, str]:
     broken_run = tmp_path / "broken-run"
     broken_run.mkdir()
     (broken_run / "fabric.json").write_text("{not json")
+    deep = tmp_path / "deep.toml"
+    deep.write_text("a = " + "[" * 3000 + "]" * 3000 + "\n")
     return {"bad": str(bad), "invalid": str(invalid), "under_file": f"{plain}/sub",
+            "deep": str(deep),
             "fake_run": str(fake_run), "broken_run": str(broken_run),
             "missing": str(tmp_path / "missing.toml"), "tmp": str(tmp_path)}
 
 
 CASES = [
+    # found as a careless user would (a traceback each, before)
+    (["bench", "moe", "--latency-us", "-5"], "--latency-us -5: must be a number >= 0"),
+    (["bench", "moe", "--sim", "--leaves", "1", "--per-leaf", "2", "--json", "/proc/x/y.json"],
+     "--json /proc/x/y.json"),
+    (["serve", "--step-ms", "nan"], "must be finite"),
+    (["topo", "check", "{deep}"], "nested too deeply"),
     # unwritable outputs, refused before any process starts
     (["launch", "--workers", "1", "--run-dir", "/proc/x/y"], "--run-dir /proc/x/y"),
     (["launch", "--workers", "1", "--run-dir", "{under_file}"], "--run-dir"),

@@ -1172,6 +1172,9 @@ def loads(text: str, source: str = "<string>") -> Topology:
         doc = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise _fail(source, "", f"TOML syntax error: {exc}; fix the file at that line") from None
+    except RecursionError:
+        raise _fail(source, "", "values nested too deeply to read; a topology file needs "
+                    "no nesting beyond tables of links and nodes") from None
     return _build(doc, source)
 
 

@@ -8,6 +8,7 @@ the generator, the relay and the host always agree on the strategy.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -87,6 +88,9 @@ class ServeConfig:
             raise UsageError("batch-tokens must be >= 1")
         if self.batch_ms <= 0:
             raise UsageError("batch-ms must be > 0")
+        times = (self.step_ms, self.prefill_ms, self.prefill_ms_per_token, self.batch_ms)
+        if not all(math.isfinite(t) for t in times):
+            raise UsageError("step, prefill and batch times must be finite numbers of ms")
         if self.step_ms < 0 or self.prefill_ms < 0 or self.prefill_ms_per_token < 0:
             raise UsageError("step and prefill times must be >= 0")
         if not 1 <= self.max_batch <= 4096:
