@@ -47,7 +47,7 @@ from fabric.core.topology import Topology
 from switchd.core.aggregation import Aggregation
 from switchd.core.barriers import Barriers
 from switchd.core.combine import Combine
-from switchd.core.context import Output, SwitchContext
+from switchd.core.context import Counters, Output, SwitchContext
 from switchd.core.engine import AggregationEngine
 from switchd.core.events import EngineStats
 from switchd.core.jobs import JobPhase, Jobs, JobTable
@@ -154,7 +154,7 @@ class SwitchCore:
         return self.regions.memory
 
     @property
-    def counters(self) -> Any:
+    def counters(self) -> Counters:
         """The live counters (statistics() is the frozen snapshot)."""
         return self.ctx.counters
 
