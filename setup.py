@@ -38,8 +38,7 @@ def _ext_modules() -> list[object]:
         return []
     from mypyc.build import mypycify
 
-    return list(mypycify(compiled_sources(), opt_level="3",
-                         multi_file=os.environ.get("SEMFAB_COMPILE_MULTI_FILE") == "1"))
+    return list(mypycify(compiled_sources(), opt_level="3"))
 
 
 setup(ext_modules=_ext_modules())
