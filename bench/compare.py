@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 from collections.abc import Sequence
 from pathlib import Path
@@ -26,7 +25,7 @@ from typing import Any
 
 from bench import report
 from bench.report import AllreduceRow
-from fabric.errors import UsageError
+from fabric.errors import UsageError, parse_json
 
 #: The kinds of saved run this command reads (the collective set's: bench.nccl.KINDS).
 KINDS = ("allreduce", "sim-allreduce", "all_gather", "reduce_scatter", "broadcast", "reduce",
@@ -90,10 +89,7 @@ def load_run(path: str, label: str) -> SavedRun:
         raise UsageError(f"{path}: no such file") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise UsageError(f"{path}: cannot read it ({exc})") from None
-    try:
-        doc = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise UsageError(f"{path}: not JSON ({exc.msg} at line {exc.lineno})") from None
+    doc = parse_json(text, path)
     kind = doc.get("kind") if isinstance(doc, dict) else None
     if kind not in KINDS:
         raise UsageError(f"{path}: not a saved allreduce run (kind {kind!r}) nor one of "

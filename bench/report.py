@@ -348,6 +348,28 @@ def dtype_itemsize(dtype: str) -> int:
 # --------------------------------------------------------------------------
 
 
+_WANTED = {"int": "an integer", "str": "a string", "float | None": "a number or null",
+           "int | None": "an integer or null", "list[float] | None": "a list of numbers or null"}
+
+
+def _json_fits(value: Any, annotation: str) -> bool:
+    """Whether a value read from JSON has the type a row field is annotated with."""
+    if value is None:
+        return annotation.endswith("| None")
+    base = annotation.removesuffix(" | None")
+    if isinstance(value, bool):
+        return False  # JSON true/false is not a count or a time
+    if base == "int":
+        return isinstance(value, int)
+    if base == "float":
+        return isinstance(value, (int, float))
+    if base == "str":
+        return isinstance(value, str)
+    if base == "list[float]":
+        return isinstance(value, list) and all(_json_fits(v, "float") for v in value)
+    return True
+
+
 @dataclasses.dataclass
 class AllreduceRow:
     """One (path, workers, size) result of an allreduce benchmark.
@@ -445,6 +467,10 @@ class AllreduceRow:
         kw = {k: v for k, v in data.items() if k in names}
         kw.setdefault("dtype", "float32")
         kw.setdefault("count", 0)
+        for f in dataclasses.fields(cls):
+            if f.name in kw and not _json_fits(kw[f.name], str(f.type)):
+                raise ValueError(f"{f.name} is {json.dumps(kw[f.name])[:40]}, not "
+                                 f"{_WANTED.get(str(f.type), str(f.type))}")
         return cls(**kw)
 
     @classmethod

@@ -284,6 +284,10 @@ def worker_counts(args: argparse.Namespace) -> list[int]:
             raise UsageError(f"--workers must be integers like 2,4; got {args.workers!r}")
     top = SIM_MAX_WORKERS if sim else EMULATED_MAX_WORKERS
     if any(not 1 <= w <= top for w in workers):
+        if args.workers is None:  # the count came from the file
+            raise UsageError(f"--topology {args.topology} has {have} workers; this benchmark "
+                             f"runs 1..{top} {'simulated' if sim else 'launched on one machine'}"
+                             + ("" if sim else " (add --sim for more)"))
         if sim:
             raise UsageError(f"--workers: each count must be 1..{top} in the simulator")
         raise UsageError(f"--workers: each count must be 1..{top} launched on one machine "

@@ -933,6 +933,10 @@ def run(args: argparse.Namespace, fab: Any = None) -> int:
     _check_outputs(args)
     if opts.base_url:
         return run_external(opts)
+    if fab is None:  # launched here: this machine's limit
+        from fabric.emulation.launcher import check_workers
+
+        check_workers(args.workers, "--workers")
     assets_dir = str(ensure_assets())
     tokenizer = load_tokenizer(assets_dir)
     table = byte_table(tokenizer)

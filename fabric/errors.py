@@ -1,9 +1,12 @@
-"""Errors shared across semfab, typed by who is at fault, and the pure argument
-check every CLI uses for its timeouts (so each refuses a bad value the same way)."""
+"""Errors shared across semfab, typed by who is at fault, and the pure checks
+every CLI applies to what a user gives it (timeouts, JSON), so each refuses a
+bad value the same way: one line naming the flag or file and what to give."""
 
 from __future__ import annotations
 
+import json
 import math
+from typing import Any
 
 
 class SemfabError(Exception):
@@ -25,18 +28,38 @@ class PeerFailed(SemfabError):
 #: Longest wait a timeout flag may ask for: zmq polls take milliseconds as a C
 #: integer, and a wait of more than ~11 days is a typo, not a plan.
 MAX_TIMEOUT_S = 1e6
+#: Shortest: every wait polls in whole milliseconds, so less is a wait of zero
+#: (or a unit mistake, e.g. microseconds given as seconds).
+MIN_TIMEOUT_S = 1e-3
 
 
 def check_seconds(flag: str, value: float, *, allow_zero: bool = False,
                   most: float = MAX_TIMEOUT_S) -> float:
-    """``value`` if it is a finite number of seconds in (0, most] ([0, most] with
-    ``allow_zero``), else UsageError naming ``flag``."""
-    ok = (isinstance(value, (int, float)) and not isinstance(value, bool)
-          and math.isfinite(value) and (0 <= value if allow_zero else 0 < value)
-          and value <= most)
+    """``value`` if it is a finite number of seconds in [MIN_TIMEOUT_S, most]
+    (or exactly 0 with ``allow_zero``), else UsageError naming ``flag``."""
+    number = (isinstance(value, (int, float)) and not isinstance(value, bool)
+              and math.isfinite(value))
+    ok = number and (MIN_TIMEOUT_S <= value <= most or (allow_zero and value == 0))
     if not ok:
-        low = "0 or more" if allow_zero else "a positive number of"
+        zero = "0 or " if allow_zero else ""
         shown = f"{value:g}" if isinstance(value, float) else repr(value)
-        raise UsageError(f"{flag} {shown}: must be {low} seconds, at most {most:.0f} "
-                         f"(e.g. {flag} 30)")
+        raise UsageError(f"{flag} {shown}: must be {zero}a number of seconds from "
+                         f"{MIN_TIMEOUT_S:g} to {most:.0f} (e.g. {flag} 30)")
     return float(value)
+
+
+def parse_json(text: str | bytes, what: str) -> Any:
+    """``text`` parsed as JSON, or UsageError naming ``what`` (a flag or a file).
+
+    Also refuses what the parser itself cannot take: nesting deeper than the
+    interpreter's recursion limit, and numbers too long to convert.
+    """
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"{what}: not JSON ({exc.msg} at line {exc.lineno} column "
+                         f"{exc.colno})") from None
+    except RecursionError:
+        raise UsageError(f"{what}: JSON nested too deeply; give a flatter document") from None
+    except (ValueError, UnicodeDecodeError) as exc:  # e.g. a 5000-digit integer, bad UTF-8
+        raise UsageError(f"{what}: not usable JSON ({exc})") from None

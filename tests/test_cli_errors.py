@@ -69,8 +69,25 @@ def _files(tmp_path: Path) -> dict[str, str]:
     (broken_run / "fabric.json").write_text("{not json")
     deep = tmp_path / "deep.toml"
     deep.write_text("a = " + "[" * 3000 + "]" * 3000 + "\n")
-    return {"bad": str(bad), "invalid": str(invalid), "under_file": f"{plain}/sub",
-            "deep": str(deep),
+    # saved runs for `semfab compare`: a good one, and files a careless user gives it
+    row = {"path": "ina", "workers": 2, "size_bytes": 4096, "count": 1024, "dtype": "float32",
+           "time_us": 10.0, "busbw_gbps": 0.8}
+    runs = {"run_good": row, "run_typo_workers": {**row, "workers": "2"},
+            "run_typo_size": {**row, "size_bytes": [4096]},
+            "run_typo_bw": {**row, "busbw_gbps": "fast"},
+            "run_null_path": {**row, "path": None}, "run_bool_wrong": {**row, "wrong": True}}
+    out = {}
+    for key, r in runs.items():
+        path = tmp_path / f"{key}.json"
+        path.write_text(json.dumps({"kind": "allreduce", "results": [r]}))
+        out[key] = str(path)
+    deep_json = tmp_path / "deep.json"
+    deep_json.write_text('{"kind": "allreduce", "results": ' + "[" * 100_000 + "]" * 100_000
+                         + "}")
+    huge_int = tmp_path / "huge-int.json"
+    huge_int.write_text('{"kind": "allreduce", "results": [], "x": ' + "9" * 5000 + "}")
+    return {**out, "bad": str(bad), "invalid": str(invalid), "under_file": f"{plain}/sub",
+            "deep": str(deep), "deep_json": str(deep_json), "huge_int": str(huge_int),
             "fake_run": str(fake_run), "broken_run": str(broken_run),
             "missing": str(tmp_path / "missing.toml"), "tmp": str(tmp_path)}
 
@@ -82,6 +99,25 @@ CASES = [
      "--json /proc/x/y.json"),
     (["serve", "--step-ms", "nan"], "must be finite"),
     (["topo", "check", "{deep}"], "nested too deeply"),
+    # saved runs that are not what compare reads (a traceback each, before)
+    (["compare", "{run_good}", "{deep_json}"], "deep.json: JSON nested too deeply"),
+    (["compare", "{huge_int}", "{run_good}"], "huge-int.json: not usable JSON"),
+    (["compare", "{run_good}", "{run_typo_workers}"], 'workers is "2", not an integer'),
+    (["compare", "{run_good}", "{run_typo_size}"], "size_bytes is [4096], not an integer"),
+    (["compare", "{run_good}", "{run_typo_bw}"], 'busbw_gbps is "fast", not a number or null'),
+    (["compare", "{run_good}", "{run_null_path}"], "path is null, not a string"),
+    (["compare", "{run_good}", "{run_bool_wrong}"], "wrong is true, not an integer"),
+    # more workers than one machine launches: one limit, one message, however asked
+    (["launch", "--topology", "{star70}"], "star70.toml: 70 workers; one machine launches "
+                                           "at most 64"),
+    (["launch", "--workers", "70"], "--workers: 70 workers; one machine launches at most 64"),
+    (["launch", "--workers", "0"], "--workers: 0 workers; give at least 1"),
+    (["serve", "--workers", "70"], "--workers: 70 workers; one machine launches at most 64"),
+    (["serve", "--workers", "0"], "--workers: 0 workers; give at least 1"),
+    (["bench", "tokens", "--workers", "70", "--max-concurrency", "1"],
+     "--workers: 70 workers; one machine launches at most 64"),
+    ([*BENCH[:2], "--topology", "{star70}"], "star70.toml has 70 workers; this benchmark runs "
+                                             "1..8 launched on one machine"),
     # unwritable outputs, refused before any process starts
     (["launch", "--workers", "1", "--run-dir", "/proc/x/y"], "--run-dir /proc/x/y"),
     (["launch", "--workers", "1", "--run-dir", "{under_file}"], "--run-dir"),
@@ -120,6 +156,14 @@ CASES = [
     (["launch", "--workers", "1", "--timeout", "-5"], "--timeout -5"),
     (["launch", "--workers", "1", "--timeout", "nan"], "--timeout nan"),
     (["launch", "--workers", "1", "--timeout", "inf"], "--timeout inf"),
+    (["launch", "--workers", "1", "--timeout", "1e-9"], "--timeout 1e-09: must be a number of "
+                                                        "seconds from 0.001 to 1000000"),
+    (["launch", "--workers", "1", "--duration", "1e-9"], "--duration 1e-09: must be 0 or"),
+    (["stats", "{fake_run}", "--timeout", "0.0001"], "--timeout 0.0001"),
+    (["run", "--topology", "{good}", "--workload", "x.py:f", "--rank", "0", "--world", "1",
+      "--join-timeout", "1e-5"], "--join-timeout 1e-05"),
+    (["node", "--topology", STAR4, "--name", "w0", "--sock-dir", "{tmp}", "--timeout", "1e-4"],
+     "--timeout 0.0001"),
     (["launch", "--workers", "1", "--duration", "-1"], "--duration"),
     ([*BENCH, "--timeout", "0"], "--timeout"),
     (["stats", "{fake_run}", "--timeout", "-1"], "--timeout -1"),
@@ -158,6 +202,7 @@ def files(tmp_path: Path) -> dict[str, str]:
         "absurd_latency": GOOD_TOPO + "latency_us = 1e308\n",
         "absurd_name": GOOD_TOPO.replace('"w0"', '"' + "w" * 300 + '"'),
         "good": GOOD_TOPO,
+        "star70": star(70).to_toml(),
         "hosted": star(1, hosts=1, transport="tcp").to_toml(),
     }.items():
         path = tmp_path / f"{key}.toml"
@@ -223,7 +268,8 @@ def test_stats_with_a_bad_timeout_does_not_hang(files: dict[str, str]) -> None:
 def test_check_seconds() -> None:
     assert check_seconds("--timeout", 0.5) == 0.5
     assert check_seconds("--duration", 0, allow_zero=True) == 0
-    for bad in (0, -5, math.nan, math.inf, -math.inf, 1e7, True):
+    assert check_seconds("--timeout", 0.001) == 0.001
+    for bad in (0, -5, math.nan, math.inf, -math.inf, 1e7, True, 1e-9, 0.0009, "30"):
         with pytest.raises(UsageError, match="--timeout"):
             check_seconds("--timeout", bad)
 
@@ -234,6 +280,15 @@ def test_launch_refuses_a_zero_timeout_before_starting() -> None:
     for bad in (0, -1, math.nan):
         with pytest.raises(UsageError, match="timeout_s"):
             launch(workers=1, timeout_s=bad)
+
+
+def test_launch_refuses_too_many_workers_before_starting(tmp_path: Path) -> None:
+    from fabric.emulation.launcher import MAX_WORKERS, launch
+
+    for kw in ({"workers": MAX_WORKERS + 1}, {"topology": star(MAX_WORKERS + 1)}):
+        with pytest.raises(UsageError, match=f"at most {MAX_WORKERS}"):
+            launch(**kw, run_dir=tmp_path / "run")  # type: ignore[arg-type]
+    assert not (tmp_path / "run").exists()
 
 
 def test_launch_inside_a_node_is_refused(monkeypatch: pytest.MonkeyPatch,

@@ -264,6 +264,9 @@ def test_bad_requests_get_openai_errors(fab: Fabric, assets_dir: Path) -> None:
         for method, path, body, status in [
                 ("POST", "/v1/completions", b"{nope", 400),
                 ("POST", "/v1/chat/completions", b'{"model": "semfab-toy"}', 400),
+                ("POST", "/v1/completions", b'{"model": "semfab-toy", "prompt": "\\ud800"}',
+                 400),
+                ("POST", "/v1/completions", b"[" * 100_000, 400),
                 ("GET", "/v1/completions", None, 405),
                 ("GET", "/v1/nothing", None, 404),
                 ("POST", "/semfab/shutdown", b"", 403)]:

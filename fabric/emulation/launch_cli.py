@@ -87,8 +87,8 @@ def _split_ref(ref: str) -> tuple[str, str, str | None]:
 
 def run(args: argparse.Namespace) -> int:
     """Start the fabric, run the function or wait, and shut everything down."""
-    from fabric.core.topology import TopologyError
-    from fabric.emulation.launcher import launch
+    from fabric.core.topology import TopologyError, load
+    from fabric.emulation.launcher import check_workers, launch
 
     try:
         extra = json.loads(args.args)
@@ -99,8 +99,17 @@ def run(args: argparse.Namespace) -> int:
     ref = _split_ref(args.run) if args.run else None
     check_seconds("--timeout", args.timeout)
     check_seconds("--duration", args.duration, allow_zero=True)
-    if args.topology and not Path(args.topology).is_file():
-        raise UsageError(f"topology file {args.topology} not found")
+    topology: Any = None
+    if args.topology:
+        if not Path(args.topology).is_file():
+            raise UsageError(f"topology file {args.topology} not found")
+        try:
+            topology = load(args.topology)
+        except TopologyError as exc:
+            raise UsageError(str(exc)) from None
+        check_workers(len(topology.workers), f"topology {args.topology}")
+    else:
+        check_workers(args.workers, "--workers")
     faults = args.faults
     if args.loss is not None:
         if not 0 <= args.loss < 1:
@@ -124,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
         kw["run_dir"] = check_dir("--run-dir", args.run_dir)
     t0 = time.monotonic()
     try:
-        fab = launch(workers=args.workers, topology=args.topology, **kw)
+        fab = launch(workers=args.workers, topology=topology, **kw)
     except TopologyError as exc:
         raise UsageError(str(exc)) from None
     with fab:

@@ -58,6 +58,22 @@ log = logging.getLogger("semfab.launcher")
 #: starts a fabric at import time, re-run by each worker that imports it.
 NODE_ENV = "SEMFAB_NODE"
 
+#: Most worker processes one launcher starts on this machine, however they are
+#: asked for (``--workers``, a topology file, ``semfab serve``).
+MAX_WORKERS = 64
+
+
+def check_workers(count: object, source: str) -> int:
+    """``count`` if this machine may launch that many workers, else UsageError
+    naming ``source`` (the flag or the topology file that asked)."""
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise UsageError(f"{source}: {count!r} workers; give at least 1")
+    if count > MAX_WORKERS:
+        raise UsageError(f"{source}: {count} workers; one machine launches at most "
+                         f"{MAX_WORKERS} (place more over several hosts with `semfab run` "
+                         "under mpirun or srun, or simulate them with `semfab sim`)")
+    return count
+
 
 class TaskFailed(PeerFailed):
     """A task raised on a worker; carries the remote traceback."""
@@ -187,6 +203,8 @@ class Fabric:
                 f"launch() was called inside semfab node {inside!r}: the file that defines "
                 "the task starts a fabric when it is imported, and every worker imports it; "
                 'put the launch() call under `if __name__ == "__main__":`')
+        where = "--workers" if self.topo.source == "<star>" else f"topology {self.topo.source}"
+        check_workers(len(self.topo.workers), where)
         topo_path = self.run_dir / "topology.toml"
         try:
             self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -535,9 +553,7 @@ def launch(workers: int | None = None, topology: str | Path | Topology | None = 
     if topology is None:
         if workers is None:
             raise UsageError("give workers=N or a topology")
-        if not 1 <= workers <= 64:
-            raise UsageError(f"workers must be 1..64, got {workers}")
-        topo = star(workers)
+        topo = star(check_workers(workers, "workers"))
     elif isinstance(topology, Topology):
         topo = topology
     else:

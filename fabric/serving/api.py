@@ -74,11 +74,32 @@ class GenRequest:
 
 
 def parse_json(raw: bytes) -> Any:
-    """Decode a request body; ApiError 400 when it is not JSON."""
+    """Decode a request body; ApiError 400 when it is not JSON (or nested deeper
+    than the parser can follow)."""
     try:
         return json.loads(raw)
+    except RecursionError:
+        raise ApiError(400, "We could not parse the JSON body of your request: it is "
+                       "nested too deeply") from None
     except (ValueError, UnicodeDecodeError) as exc:
         raise ApiError(400, f"We could not parse the JSON body of your request: {exc}") from None
+
+
+def _text(value: str, param: str) -> str:
+    """``value`` if it is valid Unicode text: JSON's ``\\ud800`` escapes decode to lone
+    surrogates, which no tokenizer can encode."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ApiError(400, f"'{param}' is not valid Unicode text: it holds a lone surrogate "
+                       f"({value[exc.start]!r} at position {exc.start})", param) from None
+    return value
+
+
+def _shown(value: Any) -> str:
+    """A short repr of a client's value for an error message."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _int(body: dict[str, Any], name: str, default: int, lo: int, hi: int) -> int:
@@ -86,10 +107,40 @@ def _int(body: dict[str, Any], name: str, default: int, lo: int, hi: int) -> int
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ApiError(400, f"'{name}' must be an integer, got {value!r}", name)
+        raise ApiError(400, f"'{name}' must be an integer, got {_shown(value)}", name)
     if not lo <= value <= hi:
-        raise ApiError(400, f"'{name}' must be between {lo} and {hi}, got {value}", name)
+        raise ApiError(400, f"'{name}' must be between {lo} and {hi}, got {_shown(value)}", name)
     return value
+
+
+def _number(body: dict[str, Any], name: str, lo: float, hi: float) -> float | None:
+    """An optional finite number in [lo, hi] (JSON's NaN and Infinity are not)."""
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ApiError(400, f"'{name}' must be a number, got {_shown(value)}", name)
+    if not lo <= value <= hi:  # also false for NaN
+        raise ApiError(400, f"'{name}' must be between {lo:g} and {hi:g}, got {value}", name)
+    return float(value)
+
+
+def _bool(obj: dict[str, Any], name: str, param: str) -> bool | None:
+    value = obj.get(name)
+    if value is not None and not isinstance(value, bool):
+        raise ApiError(400, f"'{param}' must be a boolean, got {_shown(value)}", param)
+    return value
+
+
+#: Sampling parameters the toy model accepts (and ignores) when in their range:
+#: OpenAI's, and the common extensions of OpenAI-compatible servers.
+_SAMPLING_RANGES = {
+    "top_p": (0.0, 1.0),
+    "min_p": (0.0, 1.0),
+    "presence_penalty": (-2.0, 2.0),
+    "frequency_penalty": (-2.0, 2.0),
+    "repetition_penalty": (1e-6, 1e6),
+}
 
 
 def _common(body: Any, models: tuple[str, ...], limit: int) -> dict[str, Any]:
@@ -102,9 +153,7 @@ def _common(body: Any, models: tuple[str, ...], limit: int) -> dict[str, Any]:
         raise ApiError(400, "'model' must be a string", "model")
     if model not in models:
         raise ApiError(404, f"The model `{model}` does not exist", "model", "model_not_found")
-    stream = body.get("stream", False)
-    if stream is not None and not isinstance(stream, bool):
-        raise ApiError(400, f"'stream' must be a boolean, got {stream!r}", "stream")
+    stream = _bool(body, "stream", "stream")
     opts = body.get("stream_options")
     include_usage = False
     if opts is not None:
@@ -113,14 +162,16 @@ def _common(body: Any, models: tuple[str, ...], limit: int) -> dict[str, Any]:
                            "stream_options")
         if not isinstance(opts, dict):
             raise ApiError(400, "'stream_options' must be an object", "stream_options")
-        include_usage = bool(opts.get("include_usage", False))
-    temperature = body.get("temperature")
-    if temperature is not None:
-        if isinstance(temperature, bool) or not isinstance(temperature, int | float):
-            raise ApiError(400, "'temperature' must be a number", "temperature")
-        if not 0 <= temperature <= 2:
-            raise ApiError(400, f"'temperature' must be between 0 and 2, got {temperature}",
-                           "temperature")
+        include_usage = bool(_bool(opts, "include_usage", "stream_options.include_usage"))
+    temperature = _number(body, "temperature", 0.0, 2.0)
+    for name, (lo, hi) in _SAMPLING_RANGES.items():
+        _number(body, name, lo, hi)
+    top_k = _int(body, "top_k", -1, -1, 1 << 30)
+    if top_k == 0:  # -1 is "no limit"; 0 would leave no token to sample
+        raise ApiError(400, "'top_k' must be -1 (no limit) or at least 1, got 0", "top_k")
+    user = body.get("user")
+    if user is not None and not isinstance(user, str):
+        raise ApiError(400, f"'user' must be a string, got {_shown(user)}", "user")
     if _int(body, "n", 1, 1, 1 << 30) != 1:
         raise ApiError(400, "Only n=1 is supported", "n")
     for name, defaults in _UNSUPPORTED.items():
@@ -129,21 +180,16 @@ def _common(body: Any, models: tuple[str, ...], limit: int) -> dict[str, Any]:
     stop = body.get("stop")
     if stop not in (None, [], ""):
         raise ApiError(400, "'stop' sequences are not supported by this server", "stop")
-    detokenize = body.get("detokenize")
-    if detokenize is not None and not isinstance(detokenize, bool):
-        raise ApiError(400, "'detokenize' must be a boolean", "detokenize")
+    detokenize = _bool(body, "detokenize", "detokenize")
     seed = body.get("seed")
     if seed is not None:
         if isinstance(seed, bool) or not isinstance(seed, int):
-            raise ApiError(400, f"'seed' must be an integer, got {seed!r}", "seed")
+            raise ApiError(400, f"'seed' must be an integer, got {_shown(seed)}", "seed")
         if not -(1 << 63) <= seed < 1 << 64:
             raise ApiError(400, "'seed' must fit in 64 bits", "seed")
-    ignore_eos = body.get("ignore_eos")
-    if ignore_eos is not None and not isinstance(ignore_eos, bool):
-        raise ApiError(400, "'ignore_eos' must be a boolean", "ignore_eos")
+    _bool(body, "ignore_eos", "ignore_eos")
     return {"model": model, "stream": bool(stream), "include_usage": include_usage,
-            "temperature": None if temperature is None else float(temperature),
-            "detokenize": detokenize, "limit": limit, "seed": seed}
+            "temperature": temperature, "detokenize": detokenize, "limit": limit, "seed": seed}
 
 
 def parse_completion(body: Any, models: tuple[str, ...], limit: int,
@@ -156,7 +202,7 @@ def parse_completion(body: Any, models: tuple[str, ...], limit: int,
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]  # a batch of one prompt
     if isinstance(prompt, str):
-        text = prompt
+        text = _text(prompt, "prompt")
     elif (isinstance(prompt, list) and prompt
           and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt)):
         ids = list(prompt)
@@ -174,7 +220,7 @@ def parse_completion(body: Any, models: tuple[str, ...], limit: int,
 
 def _content_text(content: Any, i: int) -> str:
     if isinstance(content, str):
-        return content
+        return _text(content, f"messages[{i}].content")
     if content is None:
         return ""
     if isinstance(content, list):
@@ -184,7 +230,7 @@ def _content_text(content: Any, i: int) -> str:
                     or not isinstance(part.get("text"), str):
                 raise ApiError(400, f"messages[{i}].content: only text parts are supported",
                                f"messages[{i}].content")
-            parts.append(part["text"])
+            parts.append(_text(part["text"], f"messages[{i}].content"))
         return "".join(parts)
     raise ApiError(400, f"messages[{i}].content must be a string or a list of text parts",
                    f"messages[{i}].content")

@@ -47,13 +47,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Serve until Ctrl-C; 0 on a clean stop, 1 if the host task failed."""
-    from fabric.errors import UsageError
+    from fabric.emulation.launcher import check_workers
     from fabric.serving.config import ServeConfig
     from fabric.serving.http import check_listen
     from fabric.serving.runner import ServingChain
 
-    if args.workers < 1:
-        raise UsageError("--workers must be >= 1")
+    check_workers(args.workers, "--workers")
     cfg = ServeConfig(
         transport=args.transport, detok=args.detok, detok_at=args.detok_at,
         detokenizer=args.detokenizer, batch_tokens=args.batch_tokens, batch_ms=args.batch_ms,

@@ -83,8 +83,14 @@ def check_listen(host: str, port: int) -> None:
 
 
 def _json(obj: Any, status: int = 200) -> web.Response:
-    return web.Response(text=json.dumps(obj, ensure_ascii=False), status=status,
-                        content_type="application/json")
+    text = json.dumps(obj, ensure_ascii=False)
+    try:
+        body = text.encode("utf-8")
+    except UnicodeEncodeError:
+        # a client's lone surrogate quoted back in an error: \u escapes are valid JSON
+        body = json.dumps(obj).encode("ascii")
+    return web.Response(body=body, status=status, content_type="application/json",
+                        charset="utf-8")
 
 
 @web.middleware
