@@ -28,7 +28,7 @@ PURE_PACKAGES = ("fabric.core", "switchd.core")
 #: NumPy reference kernels.
 PURE_MODULES = ("fabric.errors", "fabric.testing", "kernels.dtypes", "kernels.reference")
 #: Driver packages: they import the core, never the other way round.
-DRIVER_PACKAGES = ("fabric.emulation", "fabric.sim", "fabric.serving", "fabric.cli",
+DRIVER_PACKAGES = ("fabric.emulation", "fabric.sim", "fabric.serving", "fabric.torch", "fabric.cli",
                    "fabric.info", "switchd.daemon", "switchd.memplane", "switchd.cli",
                    "switchd.plugins", "bench")
 IO_LIBS = {"zmq", "socket", "asyncio", "selectors", "subprocess", "threading", "time", "mmap",

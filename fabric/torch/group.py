@@ -1,0 +1,606 @@
+"""The ``semfab`` process group: torch's collectives on the fabric's communicators.
+
+Each method checks its arguments on the caller's thread (a refusal is a
+:class:`~fabric.torch.errors.TorchOpError` naming the rank and the operation,
+raised at once), stages the tensors as NumPy views, and queues the fabric call
+on the process's communication thread (:mod:`fabric.torch.comm`). The Work it
+returns resolves to the output tensors.
+
+Ranks given to a method (roots, peers) are group ranks, as torch passes them;
+the group's communicator maps them to fabric workers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from fabric.torch.comm import FabricWork
+from fabric.torch.errors import TorchOpError
+from fabric.torch.options import Options, path_for
+from fabric.torch.runtime import Runtime
+from fabric.torch.tensors import (
+    Staged,
+    check_tensor,
+    finish,
+    reduce_op,
+    stage_in,
+    stage_out,
+)
+
+__all__ = ["BACKEND", "SemfabProcessGroup"]
+
+BACKEND = "semfab"
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _opt(opts: Any, name: str, default: Any) -> Any:
+    return getattr(opts, name, default) if opts is not None else default
+
+
+class SemfabProcessGroup(dist.ProcessGroup):
+    """A torch process group whose members are fabric workers (see the module doc)."""
+
+    def __init__(self, rt: Runtime, rank: int, size: int, ranks: Sequence[int],
+                 comm: Any, options: Options) -> None:
+        super().__init__(rank, size)  # type: ignore[call-arg]  # (rank, size) exists
+        self.rt = rt
+        self._rank = rank
+        self._size = size
+        self.ranks = tuple(ranks)  # world ranks in group-rank order
+        self.comm = comm  # a fabric Communicator, or None for the whole world
+        self.options = options.resolved()
+        self._name = ""
+        self._desc = ""
+        # send/recv collected between start_coalescing and end_coalescing
+        self._batch: list[tuple[str, Staged, int, Callable[[Any], None]]] | None = None
+        self._closed = False
+
+    # ------------------------------------------------------------ identity
+    def getBackendName(self) -> str:  # noqa: N802 (torch's name)
+        """The backend's name: ``semfab``."""
+        return BACKEND
+
+    def setGroupName(self, name: str) -> None:  # noqa: N802
+        """Torch names every group (DeviceMesh and FSDP2 look groups up by it)."""
+        self._name = name
+
+    def getGroupName(self) -> str:  # noqa: N802
+        """The name torch gave this group."""
+        return self._name
+
+    def setGroupDesc(self, desc: str) -> None:  # noqa: N802
+        """Torch's description of this group."""
+        self._desc = desc
+
+    def getGroupDesc(self) -> str:  # noqa: N802
+        """The description torch gave this group."""
+        return self._desc
+
+    def __repr__(self) -> str:
+        return f"SemfabProcessGroup(rank={self._rank}, size={self._size}, ranks={list(self.ranks)})"
+
+    # ------------------------------------------------------------ plumbing
+    @property
+    def _target(self) -> Any:
+        return self.comm if self.comm is not None else self.rt.ep
+
+    def _refuse(self, what: str, reason: str) -> TorchOpError:
+        return TorchOpError(self.rt.rank, what, reason)
+
+    def _submit(self, what: str, run: Callable[[], None], result: Any) -> FabricWork:
+        if self._closed:
+            raise self._refuse(what, "the process group was destroyed")
+        return self.rt.comm.submit(run, result, what)
+
+    def _path(self, kind: str, nbytes: int) -> str:
+        return path_for(kind, self.options.path or "ina", nbytes, self.rt.ep.shares_host)
+
+    def _fixed(self, dtype: torch.dtype, op: str) -> bool:
+        return self.options.numerics == "fixed" and op == "sum" and dtype in _FLOATS
+
+    def _allreduce_array(self, x: np.ndarray, dtype: torch.dtype, op: str) -> None:
+        """Allreduce ``x`` in place (on the comm thread)."""
+        if self._fixed(dtype, op):
+            # fixed point takes float32: half types are widened and narrowed back
+            wide = x if x.dtype == np.float32 else x.astype(np.float32)
+            self._target.allreduce(wide, op="sum", path=self._path("allreduce", x.nbytes),
+                                   out=wide, numerics="fixed")
+            if wide is not x:
+                x[...] = wide.astype(x.dtype)
+            return
+        self._target.allreduce(x, op=op, path=self._path("allreduce", x.nbytes), out=x)
+
+    def _tensors(self, ts: Any, what: str) -> list[torch.Tensor]:
+        if not isinstance(ts, (list, tuple)) or not ts:
+            raise self._refuse(what, "expected a non-empty list of tensors")
+        return [check_tensor(t, self.rt.rank, what) for t in ts]
+
+    def _one(self, ts: Any, what: str) -> torch.Tensor:
+        lst = self._tensors(ts, what)
+        if len(lst) != 1:
+            raise self._refuse(what, f"takes one tensor per process, got {len(lst)}")
+        return lst[0]
+
+    def _root(self, opts: Any, what: str) -> int:
+        root = int(_opt(opts, "rootRank", 0))
+        if not 0 <= root < self._size:
+            raise self._refuse(what, f"root {root} is not a rank of the group "
+                               f"(0..{self._size - 1})")
+        return root
+
+    # ------------------------------------------------------------ allreduce
+    # (torch's stubs list the Python-level overloads of these methods; the C++
+    # trampoline calls the (tensors, opts) form, hence the override ignores)
+    def allreduce(self, tensors: Any, opts: Any = None) -> FabricWork:  # type: ignore[override]
+        """Reduce each tensor over the group, in place (SUM, AVG, MAX, MIN)."""
+        what = "allreduce"
+        ts = self._tensors(tensors, what)
+        ops = [reduce_op(_opt(opts, "reduceOp", dist.ReduceOp.SUM), t.dtype, self.rt.rank, what)
+               for t in ts]
+        staged = [stage_in(t, True, self.rt.rank, what) for t in ts]
+
+        def run() -> None:
+            for s, (op, avg) in zip(staged, ops, strict=True):
+                if s.array.size:
+                    self._allreduce_array(s.array, s.tensor.dtype, op)
+                finish(s)
+                if avg:
+                    s.tensor.detach().div_(self._size)
+
+        return self._submit(what, run, ts)
+
+    def allreduce_coalesced(self, tensors: Any, opts: Any = None) -> FabricWork:
+        """Allreduce several tensors as one buffer per dtype."""
+        what = "allreduce_coalesced"
+        ts = self._tensors(tensors, what)
+        ops = {reduce_op(_opt(opts, "reduceOp", dist.ReduceOp.SUM), t.dtype, self.rt.rank, what)
+               for t in ts}
+        (op, avg), = ops
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for t in ts:
+            by_dtype.setdefault(t.dtype, []).append(t)
+
+        def run() -> None:
+            for group in by_dtype.values():
+                flat = torch.cat([t.detach().reshape(-1) for t in group])
+                s = stage_in(flat, True, self.rt.rank, what)
+                self._allreduce_array(s.array, flat.dtype, op)
+                finish(s)
+                if avg:
+                    flat.div_(self._size)
+                offset = 0
+                for t in group:
+                    n = t.numel()
+                    t.detach().copy_(flat[offset:offset + n].view(t.shape))
+                    offset += n
+
+        return self._submit(what, run, ts)
+
+    # ------------------------------------------------------------ broadcast / reduce
+    def broadcast(self, tensors: Any, opts: Any = None) -> FabricWork:  # type: ignore[override]
+        """The root's tensor on every rank, in place."""
+        what = "broadcast"
+        t = self._one(tensors, what)
+        root = self._root(opts, what)
+        s = stage_in(t, False, self.rt.rank, what)
+
+        def run() -> None:
+            if s.array.size:
+                self._target.collective("broadcast", s.array, s.array, root=root,
+                                        path=self._path("broadcast", s.array.nbytes))
+            finish(s)
+
+        return self._submit(what, run, [t])
+
+    def reduce(self, tensors: Any, opts: Any = None) -> FabricWork:  # type: ignore[override]
+        """Reduce over the group into the root's tensor (others keep theirs)."""
+        what = "reduce"
+        t = self._one(tensors, what)
+        root = self._root(opts, what)
+        op, avg = reduce_op(_opt(opts, "reduceOp", dist.ReduceOp.SUM), t.dtype, self.rt.rank,
+                            what)
+        s = stage_in(t, True, self.rt.rank, what, copy=True)
+        mine = self._rank == root
+
+        def run() -> None:
+            if s.array.size:
+                if self._fixed(t.dtype, op):
+                    self._allreduce_array(s.array, t.dtype, op)  # reproducible sums
+                else:
+                    out = np.empty_like(s.array)
+                    self._target.collective("reduce", s.array, out, op=op, root=root,
+                                            path=self._path("reduce", s.array.nbytes))
+                    if mine:
+                        s.array[...] = out
+            if mine:
+                finish(s)
+                if avg:
+                    t.detach().div_(self._size)
+
+        return self._submit(what, run, [t])
+
+    # ------------------------------------------------------------ gathers
+    def _gather_into(self, out: torch.Tensor, inp: torch.Tensor, what: str) -> Callable[[], None]:
+        """all_gather of ``inp`` into the flat ``out`` (size x numel(inp))."""
+        if out.numel() != inp.numel() * self._size or out.dtype != inp.dtype:
+            raise self._refuse(what, f"output has {out.numel()} {out.dtype} elements; it needs "
+                               f"{self._size} x {inp.numel()} {inp.dtype}")
+        # FSDP2's input is a view of its own output: read it before the output is written
+        alias = inp.untyped_storage().data_ptr() == out.untyped_storage().data_ptr()
+        x = stage_in(inp, False, self.rt.rank, what, copy=alias)
+        o = stage_out(out, self.rt.rank, what)
+
+        def run() -> None:
+            if x.array.size:
+                self._target.collective("all_gather", x.array, o.array,
+                                        path=self._path("all_gather", x.array.nbytes))
+            finish(o)
+
+        return run
+
+    def allgather(self, output_tensors: Any, input_tensors: Any, opts: Any = None) -> FabricWork:
+        """Every rank's tensor into each rank's list, in rank order."""
+        what = "allgather"
+        inp = self._one(input_tensors, what)
+        if not isinstance(output_tensors, (list, tuple)) or len(output_tensors) != 1:
+            raise self._refuse(what, "expected one list of output tensors")
+        outs = self._tensors(output_tensors[0], what)
+        if len(outs) != self._size:
+            raise self._refuse(what, f"{len(outs)} output tensors for a group of {self._size}")
+        for o in outs:
+            if o.numel() != inp.numel() or o.dtype != inp.dtype:
+                raise self._refuse(what, f"output tensor of {o.numel()} {o.dtype} elements for "
+                                   f"an input of {inp.numel()} {inp.dtype} (all sizes must "
+                                   "be equal)")
+        flat = torch.empty(self._size * inp.numel(), dtype=inp.dtype)
+        gather = self._gather_into(flat, inp, what)
+
+        def run() -> None:
+            gather()
+            for k, o in enumerate(outs):
+                o.detach().copy_(flat[k * inp.numel():(k + 1) * inp.numel()].view(o.shape))
+
+        return self._submit(what, run, [outs])
+
+    def _allgather_base(self, output: torch.Tensor, input: torch.Tensor,  # noqa: A002
+                        opts: Any = None) -> FabricWork:
+        """all_gather into one flat tensor (``all_gather_into_tensor``)."""
+        what = "all_gather_into_tensor"
+        out = check_tensor(output, self.rt.rank, what)
+        inp = check_tensor(input, self.rt.rank, what)
+        return self._submit(what, self._gather_into(out, inp, what), [out])
+
+    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor,  # noqa: A002
+                          opts: Any = None) -> FabricWork:
+        """torch's newer name of :meth:`_allgather_base`."""
+        return self._allgather_base(output, input, opts)
+
+    def allgather_into_tensor_coalesced(self, outputs: Any, inputs: Any,
+                                        opts: Any = None) -> FabricWork:
+        """Several flat all_gathers, run in order as one Work."""
+        what = "allgather_into_tensor_coalesced"
+        outs, ins = self._tensors(outputs, what), self._tensors(inputs, what)
+        if len(outs) != len(ins):
+            raise self._refuse(what, f"{len(outs)} outputs for {len(ins)} inputs")
+        runs = [self._gather_into(o, i, what) for o, i in zip(outs, ins, strict=True)]
+
+        def run() -> None:
+            for r in runs:
+                r()
+
+        return self._submit(what, run, outs)
+
+    def all_gather_single_coalesced(self, outputs: Any, inputs: Any,
+                                    opts: Any = None) -> FabricWork:
+        """torch's newer name of :meth:`allgather_into_tensor_coalesced`."""
+        return self.allgather_into_tensor_coalesced(outputs, inputs, opts)
+
+    def allgather_coalesced(self, output_lists: Any, inputs: Any,
+                            opts: Any = None) -> FabricWork:
+        """One list all_gather per input tensor, as one Work."""
+        what = "allgather_coalesced"
+        ins = self._tensors(inputs, what)
+        if not isinstance(output_lists, (list, tuple)) or len(output_lists) != len(ins):
+            raise self._refuse(what, "expected one output list per input tensor")
+        works = [self.allgather([outs], [i], opts) for outs, i in
+                 zip(output_lists, ins, strict=True)]
+        return works[-1]  # run in order: the last one completes after the others
+
+    def gather(  # type: ignore[override]
+            self, output_tensors: Any, input_tensors: Any, opts: Any = None) -> FabricWork:
+        """Every rank's tensor into the root's list."""
+        what = "gather"
+        inp = self._one(input_tensors, what)
+        root = self._root(opts, what)
+        mine = self._rank == root
+        outs: list[torch.Tensor] = []
+        if mine:
+            if not isinstance(output_tensors, (list, tuple)) or len(output_tensors) != 1:
+                raise self._refuse(what, "the root passes one list of output tensors")
+            outs = self._tensors(output_tensors[0], what)
+            if len(outs) != self._size or any(o.numel() != inp.numel() for o in outs):
+                raise self._refuse(what, f"the root needs {self._size} outputs of "
+                                   f"{inp.numel()} elements")
+        x = stage_in(inp, False, self.rt.rank, what, copy=True)
+        flat = torch.empty(self._size * inp.numel(), dtype=inp.dtype)
+        o = stage_out(flat, self.rt.rank, what)
+
+        def run() -> None:
+            if x.array.size:
+                self._target.collective("gather", x.array, o.array, root=root)
+            finish(o)
+            for k, t in enumerate(outs):
+                t.detach().copy_(flat[k * inp.numel():(k + 1) * inp.numel()].view(t.shape))
+
+        return self._submit(what, run, [outs] if mine else [])
+
+    def scatter(  # type: ignore[override]
+            self, output_tensors: Any, input_tensors: Any, opts: Any = None) -> FabricWork:
+        """Tensor ``k`` of the root's list to rank ``k``."""
+        what = "scatter"
+        out = self._one(output_tensors, what)
+        root = self._root(opts, what)
+        n = out.numel()
+        if self._rank == root:
+            if not isinstance(input_tensors, (list, tuple)) or len(input_tensors) != 1:
+                raise self._refuse(what, "the root passes one list of input tensors")
+            ins = self._tensors(input_tensors[0], what)
+            if len(ins) != self._size or any(i.numel() != n for i in ins):
+                raise self._refuse(what, f"the root needs {self._size} inputs of {n} elements")
+            flat = torch.cat([i.detach().reshape(-1) for i in ins])
+        else:
+            flat = torch.empty(self._size * n, dtype=out.dtype)
+        x = stage_in(flat, False, self.rt.rank, what)
+        o = stage_out(out, self.rt.rank, what)
+
+        def run() -> None:
+            if n:
+                self._target.collective("scatter", x.array, o.array, root=root)
+            finish(o)
+
+        return self._submit(what, run, [out])
+
+    # ------------------------------------------------------------ reduce_scatter
+    def _reduce_scatter_into(self, out: torch.Tensor, inp: torch.Tensor, opts: Any,
+                             what: str) -> Callable[[], None]:
+        if inp.numel() != out.numel() * self._size or out.dtype != inp.dtype:
+            raise self._refuse(what, f"input has {inp.numel()} {inp.dtype} elements; it needs "
+                               f"{self._size} x {out.numel()} {out.dtype}")
+        op, avg = reduce_op(_opt(opts, "reduceOp", dist.ReduceOp.SUM), inp.dtype,
+                            self.rt.rank, what)
+        x = stage_in(inp, True, self.rt.rank, what, copy=True)
+        o = stage_out(out, self.rt.rank, what, reduce=True)
+        n, r = out.numel(), self._rank
+
+        def run() -> None:
+            if n:
+                if self._fixed(inp.dtype, op):
+                    # reproducible: a fixed-point allreduce, of which this rank keeps its part
+                    self._allreduce_array(x.array, inp.dtype, op)
+                    o.array[...] = x.array[r * n:(r + 1) * n]
+                else:
+                    self._target.collective("reduce_scatter", x.array, o.array, op=op,
+                                            path=self._path("reduce_scatter", x.array.nbytes))
+            finish(o)
+            if avg:
+                out.detach().div_(self._size)
+
+        return run
+
+    def reduce_scatter(  # type: ignore[override]
+            self, output_tensors: Any, input_tensors: Any, opts: Any = None) -> FabricWork:
+        """Reduce tensor ``k`` of every rank's list into rank ``k``'s output."""
+        what = "reduce_scatter"
+        out = self._one(output_tensors, what)
+        if not isinstance(input_tensors, (list, tuple)) or len(input_tensors) != 1:
+            raise self._refuse(what, "expected one list of input tensors")
+        ins = self._tensors(input_tensors[0], what)
+        if len(ins) != self._size or any(i.numel() != out.numel() for i in ins):
+            raise self._refuse(what, f"needs {self._size} inputs of {out.numel()} elements")
+        flat = torch.cat([i.detach().reshape(-1) for i in ins])
+        return self._submit(what, self._reduce_scatter_into(out, flat, opts, what), [out])
+
+    def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor,  # noqa: A002
+                             opts: Any = None) -> FabricWork:
+        """reduce_scatter of one flat tensor (``reduce_scatter_tensor``)."""
+        what = "reduce_scatter_tensor"
+        out = check_tensor(output, self.rt.rank, what)
+        inp = check_tensor(input, self.rt.rank, what)
+        return self._submit(what, self._reduce_scatter_into(out, inp, opts, what), [out])
+
+    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor,  # noqa: A002
+                              opts: Any = None) -> FabricWork:
+        """torch's newer name of :meth:`_reduce_scatter_base`."""
+        return self._reduce_scatter_base(output, input, opts)
+
+    def reduce_scatter_tensor_coalesced(self, outputs: Any, inputs: Any,
+                                        opts: Any = None) -> FabricWork:
+        """Several flat reduce_scatters, run in order as one Work."""
+        what = "reduce_scatter_tensor_coalesced"
+        outs, ins = self._tensors(outputs, what), self._tensors(inputs, what)
+        if len(outs) != len(ins):
+            raise self._refuse(what, f"{len(outs)} outputs for {len(ins)} inputs")
+        runs = [self._reduce_scatter_into(o, i, opts, what) for o, i in zip(outs, ins, strict=True)]
+
+        def run() -> None:
+            for r in runs:
+                r()
+
+        return self._submit(what, run, outs)
+
+    def reduce_scatter_single_coalesced(self, outputs: Any, inputs: Any,
+                                        opts: Any = None) -> FabricWork:
+        """torch's newer name of :meth:`reduce_scatter_tensor_coalesced`."""
+        return self.reduce_scatter_tensor_coalesced(outputs, inputs, opts)
+
+    # ------------------------------------------------------------ alltoall
+    def _alltoallv(self, out: torch.Tensor, inp: torch.Tensor, send: list[int],
+                   recv: list[int], what: str) -> Callable[[], None]:
+        x = stage_in(inp, False, self.rt.rank, what, copy=True)
+        o = stage_out(out, self.rt.rank, what)
+
+        def run() -> None:
+            self._target.collective("alltoallv", x.array, o.array, send_counts=send,
+                                    recv_counts=recv)
+            finish(o)
+
+        return run
+
+    def _splits(self, t: torch.Tensor, splits: Any, what: str, side: str) -> list[int]:
+        """Element counts per rank of dim-0 ``splits`` (empty: even)."""
+        rows = t.shape[0] if t.dim() else t.numel()
+        per_row = t.numel() // rows if rows else 0
+        sp = [int(s) for s in splits] if splits is not None and len(splits) else []
+        if not sp:
+            if rows % self._size:
+                raise self._refuse(what, f"{side} has {rows} rows, not a multiple of the "
+                                   f"group size {self._size}; give split sizes")
+            sp = [rows // self._size] * self._size
+        if len(sp) != self._size or min(sp) < 0 or sum(sp) != rows:
+            raise self._refuse(what, f"{side} split sizes {sp} do not cut {rows} rows into "
+                               f"{self._size} parts")
+        return [s * per_row for s in sp]
+
+    def alltoall_base(self, output: torch.Tensor, input: torch.Tensor,  # noqa: A002
+                      output_split_sizes: Any, input_split_sizes: Any,
+                      opts: Any = None) -> FabricWork:
+        """``all_to_all_single``: rows of ``input`` to each rank by ``input_split_sizes``
+        (empty: even), rows of ``output`` from each by ``output_split_sizes``."""
+        what = "all_to_all_single"
+        out = check_tensor(output, self.rt.rank, what)
+        inp = check_tensor(input, self.rt.rank, what)
+        if out.dtype != inp.dtype:
+            raise self._refuse(what, f"output {out.dtype} and input {inp.dtype} differ")
+        send = self._splits(inp, input_split_sizes, what, "input")
+        recv = self._splits(out, output_split_sizes, what, "output")
+        return self._submit(what, self._alltoallv(out, inp, send, recv, what), [out])
+
+    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor,  # noqa: A002
+                          output_split_sizes: Any, input_split_sizes: Any,
+                          opts: Any = None) -> FabricWork:
+        """torch's newer name of :meth:`alltoall_base`."""
+        return self.alltoall_base(output, input, output_split_sizes, input_split_sizes, opts)
+
+    def alltoall(self, output_tensors: Any, input_tensors: Any, opts: Any = None) -> FabricWork:
+        """Tensor ``k`` of the input list to rank ``k``; output ``k`` from rank ``k``."""
+        what = "alltoall"
+        outs, ins = self._tensors(output_tensors, what), self._tensors(input_tensors, what)
+        if len(outs) != self._size or len(ins) != self._size:
+            raise self._refuse(what, f"needs {self._size} inputs and outputs")
+        if len({t.dtype for t in (*outs, *ins)}) != 1:
+            raise self._refuse(what, "every tensor must have the same dtype")
+        flat_in = torch.cat([i.detach().reshape(-1) for i in ins])
+        flat_out = torch.empty(sum(o.numel() for o in outs), dtype=outs[0].dtype)
+        inner = self._alltoallv(flat_out, flat_in, [i.numel() for i in ins],
+                                [o.numel() for o in outs], what)
+
+        def run() -> None:
+            inner()
+            offset = 0
+            for o in outs:
+                o.detach().copy_(flat_out[offset:offset + o.numel()].view(o.shape))
+                offset += o.numel()
+
+        return self._submit(what, run, outs)
+
+    # ------------------------------------------------------------ point to point
+    def _peer(self, peer: int, what: str) -> int:
+        if not 0 <= peer < self._size or peer == self._rank:
+            raise self._refuse(what, f"peer {peer} is not another rank of the group "
+                               f"(0..{self._size - 1})")
+        return self.ranks[peer]
+
+    def send(self, tensors: Any, dstRank: int, tag: int = 0) -> FabricWork:  # noqa: N803
+        """Send one tensor to group rank ``dstRank`` (tags are not matched: messages
+        between a pair arrive in the order sent)."""
+        what = f"send to rank {dstRank}"
+        t = self._one(tensors, what)
+        s = stage_in(t, False, self.rt.rank, what, copy=True)
+        return self._p2p("send", s, self._peer(dstRank, what), what, [t])
+
+    def recv(self, tensors: Any, srcRank: int, tag: int = 0) -> FabricWork:  # noqa: N803
+        """Receive one tensor from group rank ``srcRank``."""
+        what = f"recv from rank {srcRank}"
+        t = self._one(tensors, what)
+        s = stage_out(t, self.rt.rank, what)
+        return self._p2p("recv", s, self._peer(srcRank, what), what, [t])
+
+    def recv_anysource(self, tensors: Any, tag: int = 0) -> FabricWork:
+        """Refused: fabric streams name their sender."""
+        raise self._refuse("recv (any source)", "receiving from any source is not supported; "
+                           "name the sender")
+
+    def _p2p(self, kind: str, s: Staged, peer: int, what: str, result: Any) -> FabricWork:
+        if self._batch is not None:
+            work, complete = self.rt.comm.deferred(result, what)
+            self._batch.append((kind, s, peer, complete))
+            return work
+        ep = self.rt.ep
+
+        def run() -> None:
+            if kind == "send":
+                ep.send(s.array, peer)
+            else:
+                ep.recv(s.array, peer)
+                finish(s)
+
+        return self._submit(what, run, result)
+
+    @property
+    def supports_coalescing(self) -> bool:
+        """``batch_isend_irecv`` runs its sends and receives together."""
+        return True
+
+    def start_coalescing(self, device: Any) -> None:
+        """Collect the following sends and receives (``batch_isend_irecv``)."""
+        self._batch = []
+
+    def end_coalescing(self, device: Any) -> FabricWork:
+        """Run the collected sends and receives at once (none waits for another)."""
+        from fabric.core.programs import Parallel, Program, StreamRecv, StreamSend
+
+        batch, self._batch = self._batch or [], None
+        ep = self.rt.ep
+
+        def run() -> None:
+            progs: list[Program] = [StreamSend(ep.state, peer, s.array) if kind == "send"
+                     else StreamRecv(ep.state, peer, s.array) for kind, s, peer, _ in batch]
+            try:
+                if progs:
+                    ep.run(Parallel(progs), f"{len(progs)} sends and receives")
+                for kind, s, _, _ in batch:
+                    if kind == "recv":
+                        finish(s)
+            except Exception as exc:
+                for *_, complete in batch:
+                    complete(exc)
+                raise
+            for *_, complete in batch:
+                complete(None)
+
+        return self._submit("batch_isend_irecv", run, [s.tensor for _, s, _, _ in batch])
+
+    # ------------------------------------------------------------ barrier, teardown
+    def barrier(self, opts: Any = None) -> FabricWork:
+        """Wait for every rank of the group."""
+        return self._submit("barrier", self._target.barrier, [])
+
+    def shutdown(self) -> None:
+        """Release the group's fabric resources (the world group: leave the fabric)."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.comm is not None:
+            if self.rt.comm.broken is None and not self.rt.closed:
+                self.rt.comm.call(self.comm.close, "destroy group")
+        else:
+            self.rt.close()
+
+    def abort(self) -> None:
+        """As :meth:`shutdown`."""
+        self.shutdown()
