@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import random
 import signal
 import time
 from collections.abc import Sequence
@@ -91,7 +92,8 @@ class SwitchDaemon:
         self.core = SwitchCore(topo, name, memory_budget=memory_budget, memory=self.memory,
                                extra_stats=self._driver_stats,
                                attach_doorbell=self._attach_bell if db.enabled() else None,
-                               services=load_services(services))
+                               services=load_services(services),
+                               rng=random.SystemRandom())  # incarnation ids: unguessable
         self.ctx = transport.context(io_threads)
         self.sock = transport.router(self.ctx, topo.bind_address(name, sock_dir))
         self.ctl = transport.dealer(self.ctx, ctl_addr, name) if ctl_addr else None

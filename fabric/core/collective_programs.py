@@ -126,7 +126,8 @@ def group_program(st: NodeState, ranks: Sequence[int]) -> Program:
         gid = int(reply.get("gid", -1))
         if gid <= 0:
             raise PeerFailed(f"{st.name}: group {list(rk)} refused: {reply.get('reason')}")
-        g = Group(gid, rk, ids, rk.index(st.rank), nth)
+        inc = reply.get("inc", 0)
+        g = Group(gid, rk, ids, rk.index(st.rank), nth, inc if isinstance(inc, int) else 0)
         yield barrier_program(st, g)  # every member registered: every switch knows it
         return g
 

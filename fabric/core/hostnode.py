@@ -2,6 +2,12 @@
 
 ``HostAggregator`` is pure: it takes decoded host-ps messages and returns the
 replies to send. The node process (fabric.emulation.node) feeds it from its socket.
+
+A chunk's state is keyed by the group's incarnation id (random, handed out by
+the switch when the group was made), its member set, the call and the chunk:
+a chunk that names other members, or another incarnation, never meets the
+group's own, so no peer outside the group (and no earlier incarnation of it)
+can add to its sum or be answered from it.
 """
 
 from __future__ import annotations
@@ -15,11 +21,14 @@ import numpy as np
 
 from fabric.core.frame import FrameError, NackCode
 
+#: (incarnation, members, seq, chunk)
+ChunkKey = tuple[int, tuple[int, ...], int, int]
+
 
 @dataclass
 class _Pending:
     acc: np.ndarray
-    members: list[int]
+    members: tuple[int, ...]
     seen: set[int] = field(default_factory=set)
 
 
@@ -40,10 +49,13 @@ class HostAggregator:
     #: Completed chunks whose reply is kept, so a member that lost it and sends its
     #: chunk again gets the reply again (counted once).
     KEPT = 4096
+    #: Chunks in progress at once; beyond, a new one is refused NO_RESOURCE (the
+    #: sender retries) so a flood of chunks that never complete cannot grow it.
+    PENDING_MAX = 65536
 
     def __init__(self) -> None:
-        self._pending: dict[tuple[int, int], _Pending] = {}
-        self._done: OrderedDict[tuple[int, int], tuple[frozenset[int], bytes]] = OrderedDict()
+        self._pending: dict[ChunkKey, _Pending] = {}
+        self._done: OrderedDict[ChunkKey, tuple[frozenset[int], bytes]] = OrderedDict()
         self.stats = HostStats()
 
     def on_message(self, src: int, body: bytes | memoryview) -> list[tuple[int, bytes]]:
@@ -52,24 +64,31 @@ class HostAggregator:
 
         try:
             m: dict[str, Any] = msgpack.unpackb(body)
-            seq, chunk, members = int(m["seq"]), int(m["chunk"]), [int(v) for v in m["members"]]
+            seq, chunk = int(m["seq"]), int(m["chunk"])
+            members = tuple(int(v) for v in m["members"])
+            inc = int(m.get("inc", 0))
             reduce = UFUNCS[m["op"]]
             data = np.frombuffer(m["data"], dtype=np_dtype(m["dtype"]))
         except (KeyError, TypeError, ValueError, msgpack.UnpackException) as exc:
             raise FrameError(NackCode.MALFORMED, f"bad host-ps message: {exc}") from None
+        if not members or len(set(members)) != len(members):
+            raise FrameError(NackCode.MALFORMED, f"host-ps seq {seq}: members must be distinct")
         if src not in members:
             raise FrameError(NackCode.PERMISSION, f"node {src} is not a member of seq {seq}")
         self.stats.messages += 1
         self.stats.encodes += 1  # unpack
         self.stats.copies += 1  # unpack copied the payload out of the message
-        key = (seq, chunk)
+        key = (inc, tuple(sorted(members)), seq, chunk)
         kept = self._done.get(key)
         if kept is not None:  # our reply was lost: send it again, to this member only
             self.stats.duplicates += 1
             return [(src, kept[1])] if src in kept[0] else []
         p = self._pending.get(key)
         if p is None:
-            p = self._pending[key] = _Pending(np.array(data, copy=True), members)
+            if len(self._pending) >= self.PENDING_MAX:
+                raise FrameError(NackCode.NO_RESOURCE,
+                                 f"host-ps: {self.PENDING_MAX} chunks in progress")
+            p = self._pending[key] = _Pending(np.array(data, copy=True), key[1])
         elif src in p.seen:
             self.stats.duplicates += 1
             return []

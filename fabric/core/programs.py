@@ -124,6 +124,10 @@ class Group:
     ids: tuple[int, ...]  # their node ids
     rank: int  # this node's rank in the group (-1: not a member)
     nth: int = 0  # which creation of this member set (members agree on it)
+    #: this incarnation's id, drawn at random by the tree root when the group was
+    #: made (0: group 0): barriers and host-staged chunks carry it, so no state of
+    #: another incarnation, or another group, is ever taken for this one's
+    inc: int = 0
     jobs: dict[tuple[str, ...], JobState] = field(default_factory=dict)
     closed: bool = False
 
@@ -153,10 +157,7 @@ class Group:
     def tag(self) -> int:
         """This incarnation of the group, the same on every member (a release from
         a closed group never frees a job id a newer group registered again)."""
-        import crc32c
-
-        return 0 if self.gid == 0 else crc32c.crc32c(
-            repr((sorted(self.ids), self.nth)).encode())
+        return self.inc
 
     def check_open(self, what: str) -> None:
         """UsageError when the group was closed or this node is not in it."""
@@ -431,6 +432,8 @@ class Request(Program):
             return f.src == self.dst and f.msg == self.id and f.job == 0
         if f.op is not Op.CTRL or f.src != self.dst:
             return False  # only the node we asked answers (a forged reply is not taken)
+        if f.msg and f.msg != self.id:
+            return False  # the answer to another (earlier, resent) request of ours
         try:
             m = control.parse(f.payload)
         except fr.FrameError:
@@ -544,7 +547,7 @@ def barrier_program(st: NodeState, group: Group | None = None) -> Program:
     g = group or st.world_group
     bid = g.gid << 32 | next(g.barrier_seq)
     return Request(st, "barrier", "barrier_done", dst=st.root_switch_id, waits=True,
-                   match=lambda m: m.get("id") == bid, id=bid, n=g.size)
+                   match=lambda m: m.get("id") == bid, id=bid, n=g.size, inc=g.inc)
 
 
 # ---------------------------------------------------------------------- tensors
@@ -1064,7 +1067,8 @@ class HostPsAllreduce(Program):
 
     def _frame(self, i: int) -> Send:
         st, E = self.st, self.E
-        body = msgpack.packb({"seq": self.msg, "chunk": i, "members": list(self.group.ids),
+        body = msgpack.packb({"seq": self.msg, "inc": self.group.inc, "chunk": i,
+                              "members": list(self.group.ids),
                               "op": self.op, "dtype": self.t.dtype,
                               "data": byte_view(self.staged[i * E:(i + 1) * E]).data})
         sem = st.sem(self.label)

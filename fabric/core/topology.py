@@ -92,7 +92,7 @@ _MAX_BANDWIDTH_GBPS = 1e6  # 1 Pbit/s
 _MAX_LATENCY_US = 1e7  # 10 s
 _TOP_KEYS = ("fabric", "defaults", "node", "link", "tenants")
 #: Keys of one ``[tenants.<name>]`` quota table (each optional: absent = no limit).
-_TENANT_KEYS = ("slots", "memory_bytes")
+_TENANT_KEYS = ("slots", "memory_bytes", "groups")
 #: The tenant of a worker that names none.
 DEFAULT_TENANT = "default"
 _FABRIC_KEYS = ("name", "transport", "base_port", "host_addresses")
@@ -122,11 +122,14 @@ def _fail(source: str, item: str, problem: str) -> TopologyError:
 
 @dataclass(frozen=True)
 class TenantQuota:
-    """A tenant's share of every switch: at most ``slots`` aggregation slots and
-    ``memory_bytes`` of slot memory at once (None: no limit)."""
+    """A tenant's share of every switch: at most ``slots`` aggregation slots,
+    ``memory_bytes`` of slot memory and ``groups`` communicators (multicast
+    groups) at once (None: no limit; for groups, an even share of the ids when
+    the fabric has several tenants)."""
 
     slots: int | None = None
     memory_bytes: int | None = None
+    groups: int | None = None
 
 
 @dataclass(frozen=True)
@@ -746,7 +749,8 @@ class Topology:
                      for n in self._nodes],
             "link": links,
             **({"tenants": {t: {k: v for k, v in (("slots", q.slots),
-                                                  ("memory_bytes", q.memory_bytes))
+                                                  ("memory_bytes", q.memory_bytes),
+                                                  ("groups", q.groups))
                                 if v is not None}
                             for t, q in self._tenants.items()}} if self._tenants else {}),
         }
@@ -1001,7 +1005,8 @@ def _build(doc: Mapping[str, Any], source: str) -> Topology:
     for tname, table in raw_tenants.items():
         item = f"[tenants.{tname}]"
         tname = _name(tname, source, item, "tenant name")
-        table = _table(table, source, item, f"write {item} with slots and memory_bytes")
+        table = _table(table, source, item,
+                       f"write {item} with slots, memory_bytes and groups")
         _check_keys(table, _TENANT_KEYS, source, item)
         vals: dict[str, int] = {}
         for key in _TENANT_KEYS:
@@ -1010,7 +1015,8 @@ def _build(doc: Mapping[str, Any], source: str) -> Topology:
                 if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                     raise _fail(source, item, f"{key} must be a non-negative integer, got {v!r}")
                 vals[key] = v
-        tenants[tname] = TenantQuota(vals.get("slots"), vals.get("memory_bytes"))
+        tenants[tname] = TenantQuota(vals.get("slots"), vals.get("memory_bytes"),
+                                     vals.get("groups"))
 
     # [[link]]
     raw_links = _array_of_tables(doc, "link", source)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import random
 from collections import deque
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
@@ -197,7 +198,8 @@ class Simulation:
         added = load_services(services)  # in-network services of the user's, every switch
         self.switches = {s.name: SwitchCore(topo, s.name, memory_budget=memory_budget,
                                             memory=ArrayMemoryPlane(self.regions),
-                                            services=added)
+                                            services=added,
+                                            rng=random.Random(f"{seed}/{s.name}"))
                          for s in topo.switches}
         self._keys = itertools.count(1)
         # each node's memory-plane region (key, bytes, path), grown as tensors grow

@@ -2,7 +2,11 @@
 
 Idempotent: a resent arrival counts once, and a finished barrier answers
 again (the answer may have been lost). A communicator's barrier (its id's
-high bits name the multicast group) counts that group's members only.
+high bits name the multicast group) counts that group's members only, and
+only for the group's current incarnation (the ``inc`` the members got when
+they made it): a barrier naming a group that does not exist, or an earlier
+incarnation of it, is refused (PERMISSION) unless it finished already (a
+late retry is answered again). Releasing a group wipes its waiting barriers.
 """
 
 from __future__ import annotations
@@ -42,8 +46,9 @@ class Barriers(Service):
     def __init__(self, ctx: SwitchContext, multicast: Multicast) -> None:
         super().__init__(ctx)
         self._multicast = multicast
-        self._waiting: dict[int, dict[int, bytes]] = {}
-        self._done: deque[int] = deque(maxlen=BARRIERS_KEPT)
+        self._waiting: dict[tuple[int, int], dict[int, bytes]] = {}
+        self._done: deque[tuple[int, int]] = deque(maxlen=BARRIERS_KEPT)
+        multicast.on_release.append(self._wipe)
 
     def on_ctrl(self, f: fr.Frame, port: bytes, msg: dict[str, Any], now: float) -> None:
         ctx = self.ctx
@@ -51,20 +56,35 @@ class Barriers(Service):
         n = control.need(msg, "n", int)
         if not 1 <= n <= len(ctx.topo.nodes):
             raise FrameError(NackCode.MALFORMED, f"barrier of {n} nodes")
-        group = self._multicast.groups.get(bid >> 32) if bid >> 32 else None
-        if group is not None and f.src not in group:
-            # a communicator's barrier counts its members only (no other tenant's)
-            raise AccessError(NackCode.PERMISSION,
-                              f"node {f.src} is not in group {bid >> 32} of barrier {bid:#x}")
-        if bid in self._done:
+        inc = msg.get("inc", 0)
+        key = (bid, inc if isinstance(inc, int) else -1)
+        if key in self._done:
             ctx.ctrl(port, f.src, "barrier_done", id=bid)
             return
-        waiting = self._waiting.setdefault(bid, {})
+        gid = bid >> 32
+        if gid:
+            group = self._multicast.groups.get(gid)
+            if group is None or self._multicast.incarnations.get(gid) != key[1]:
+                ctx.counters.unauthorised += 1
+                raise AccessError(NackCode.PERMISSION, f"barrier {bid:#x}: no group {gid} of "
+                                  "that incarnation here (closed, or not the sender's)")
+            if f.src not in group:
+                # a communicator's barrier counts its members only (no other tenant's)
+                ctx.counters.unauthorised += 1
+                raise AccessError(NackCode.PERMISSION,
+                                  f"node {f.src} is not in group {gid} of barrier {bid:#x}")
+            n = len(group)
+        waiting = self._waiting.setdefault(key, {})
         waiting[f.src] = port  # by node: several may arrive over one switch link
         if len(waiting) >= n:
-            for src, who in self._waiting.pop(bid).items():
+            for src, who in self._waiting.pop(key).items():
                 ctx.ctrl(who, src, "barrier_done", id=bid)
-            self._done.append(bid)
+            self._done.append(key)
+
+    def _wipe(self, gid: int) -> None:
+        """Group ``gid`` was released: its waiting barriers end with it."""
+        for key in [k for k in self._waiting if k[0] >> 32 == gid]:
+            del self._waiting[key]
 
     def statistics(self) -> BarrierStats:
         return BarrierStats(waiting=len(self._waiting), done_kept=len(self._done))

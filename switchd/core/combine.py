@@ -6,7 +6,10 @@ carry ``offset`` tokens (int32 ids, then one vector each) from one rank, with
 leaf sums them; a token whose contributions are all in goes on to its home,
 those a frame completed in one frame; the sender gets one ACK per frame.
 Finished sums are kept (bounded) for a home that lost one and asks again by
-NACK. See fabric.core.moe for the workers' side.
+NACK. See fabric.core.moe for the workers' side. A contribution counts only
+for a home of the sender's own tenant (the sender is known by its port):
+another tenant's partials, whatever message and stream ids they name, never
+enter a sum (PERMISSION).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import numpy as np
 
 from fabric.core import frame as fr
 from fabric.core.frame import FrameError, NackCode, Op
+from fabric.core.memory import AccessError
 from kernels.dtypes import DTYPES, byte_view
 from switchd.core.context import SwitchContext
 from switchd.core.service import Service
@@ -84,6 +88,11 @@ class Combine(Service):
         home, n = f.dst, f.offset
         if home not in ctx.worker_ids:
             raise FrameError(NackCode.MALFORMED, f"combine for node {home}: not a worker")
+        topo = ctx.topo
+        if topo.tenant_of(f.src) != topo.tenant_of(home):
+            ctx.counters.unauthorised += 1
+            raise AccessError(NackCode.PERMISSION, f"node {f.src} may not contribute to the "
+                              f"combine of node {home}: another tenant's")
         if f.dtype not in _FLOAT_CODES or not 0 < f.key <= len(ctx.attached_ids) or n <= 0:
             raise FrameError(NackCode.MALFORMED,
                              f"combine frame: dtype {f.dtype}, {f.key} contributions, {n} tokens")

@@ -8,6 +8,7 @@ gets it at construction and sends through it. Pure: no I/O, no clock.
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,7 +17,12 @@ from fabric.core import frame as fr
 from fabric.core.frame import NackCode, Op
 from fabric.core.topology import Topology
 
-__all__ = ["Counters", "Output", "SwitchContext", "next_hops"]
+__all__ = ["INCARNATION_BITS", "Counters", "Output", "SwitchContext", "next_hops"]
+
+#: Bits of a group's incarnation id: drawn at random by the tree root when the
+#: group is created, so a peer outside the group cannot guess it (and a group
+#: made again with the same members gets another one).
+INCARNATION_BITS = 63
 
 #: What a switch returns from ``handle``: frames to send, by port.
 Output = tuple[bytes, Any, Any]
@@ -53,9 +59,12 @@ class SwitchContext:
     """One switch of ``topo`` as its services see it (read the attributes; send
     with :meth:`send`, :meth:`nack` and :meth:`ctrl`)."""
 
-    def __init__(self, topo: Topology, name: str) -> None:
+    def __init__(self, topo: Topology, name: str, rng: random.Random | None = None) -> None:
         self.topo = topo
         self.name = name
+        # incarnation ids: the daemon passes random.SystemRandom(); the simulator
+        # a seeded generator, so its runs repeat
+        self._rng = rng if rng is not None else random.Random(f"{topo.name}/{name}")
         self.node = topo.node(name)
         self.id: int = self.node.id
         self.counters = Counters()
@@ -92,7 +101,15 @@ class SwitchContext:
                     topo.node(w).id for w in topo.subtree_workers(c)}
         #: answer control messages with a CRC once a requester asked with one
         self.ctrl_crc = False
+        #: (src, request id) of the control request being handled: an answer to
+        #: that node carries the id, so a late answer to an earlier request is
+        #: never taken for the answer to a later one
+        self.asking: tuple[int, int] = (-1, 0)
         self.out: list[Output] = []
+
+    def incarnation(self) -> int:
+        """A fresh, unpredictable incarnation id (never 0: 0 is the world group)."""
+        return self._rng.getrandbits(INCARNATION_BITS) or 1
 
     def parent_id(self) -> int:
         """Node id of this switch's parent in the aggregation tree (it has one)."""
@@ -125,7 +142,9 @@ class SwitchContext:
     def ctrl(self, port: bytes, dst: int, t: str, **fields: Any) -> None:
         """Send control message ``t`` to node ``dst`` over ``port``."""
         # CRC whenever the fabric checks (a requester asked with one)
+        asker, rid = self.asking
         self.send(port, fr.encode(Op.CTRL, src=self.id, dst=dst, crc=self.ctrl_crc,
+                                  msg=rid if asker == dst else 0,
                                   payload=control.pack(t, **fields)))
 
 

@@ -4,12 +4,19 @@ A frame with Flag.MCAST names a group id as ``dst``; each switch sends one
 copy to every port that leads to a member on its side (never back where it
 came from), so every member gets one copy and the sender none. Group 0 is
 every worker. The tree root hands out the other ids for (members, nth
-creation); a switch below it asks its parent and learns the answer as it
-passes down.
+creation), each with a random *incarnation* id that the members carry in
+what they send to group state (barriers, the host-staged aggregator): a peer
+outside the group cannot guess it, and a group made again with the same
+members gets a new one, so nothing of an earlier incarnation is inherited. A
+switch below the root asks its parent and learns both as the answer passes
+down. Each tenant holds at most its quota of group ids (topology
+``[tenants.<name>] groups``; without one, an even share when the fabric has
+several tenants), so no tenant can take every id.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -31,9 +38,12 @@ GroupKey = tuple[tuple[int, ...], int]
 
 @dataclass(frozen=True)
 class MulticastStats:
-    """Groups known at this switch (group 0, every worker, included)."""
+    """Groups known at this switch (group 0, every worker, included), groups each
+    tenant holds (counted at the tree root) and creations refused there."""
 
     groups: int
+    by_tenant: dict[str, int]
+    refused: int
 
 
 class Multicast(Service):
@@ -48,8 +58,17 @@ class Multicast(Service):
         #: gid -> member ids, in id order
         self.groups: dict[int, tuple[int, ...]] = {
             0: tuple(sorted(w.id for w in ctx.topo.workers))}
+        #: gid -> its incarnation id (0 for group 0, which lives as long as the fabric)
+        self.incarnations: dict[int, int] = {0: 0}
+        #: called with a gid when its group is released (its state is wiped)
+        self.on_release: list[Callable[[int], None]] = []
         self._ids: dict[GroupKey, int] = {}
         self._wait: dict[GroupKey, dict[int, bytes]] = {}
+        self._tenant_groups: dict[str, int] = {}
+        self._refused = 0
+        topo = ctx.topo
+        tenants = {topo.tenant_of(w.id) for w in topo.workers}
+        self._even_share = MAX_GROUPS // max(len(tenants), 1)
 
     def claims(self, f: fr.Frame, port: bytes, speaker: int | None) -> bool:
         return True
@@ -93,7 +112,8 @@ class Multicast(Service):
             self._on_release(f, port, msg)
 
     def statistics(self) -> MulticastStats:
-        return MulticastStats(groups=len(self.groups))
+        return MulticastStats(groups=len(self.groups), by_tenant=dict(self._tenant_groups),
+                              refused=self._refused)
 
     def _key(self, f: fr.Frame, port: bytes, msg: dict[str, Any]) -> GroupKey:
         members = control.need(msg, "members", list)
@@ -113,23 +133,45 @@ class Multicast(Service):
         key = self._key(f, port, msg)
         gid = self._ids.get(key)
         if gid is None and ctx.parent_name is None:
+            tenant, why = self._over_quota(key[0])
             used = set(self.groups)
             gid = next((g for g in range(1, MAX_GROUPS + 1) if g not in used), None)
             if gid is None:
+                why = (f"all {MAX_GROUPS} multicast groups are in use; "
+                       "close communicators you no longer need")
+            if why is not None or gid is None:
+                self._refused += 1
                 ctx.ctrl(port, f.src, "group_reply", members=list(key[0]), nth=key[1],
-                         gid=-1, reason=f"all {MAX_GROUPS} multicast groups are in use; "
-                         "close communicators you no longer need")
+                         gid=-1, reason=why)
                 return
             self._ids[key] = gid
             self.groups[gid] = key[0]
+            self.incarnations[gid] = ctx.incarnation()
+            self._tenant_groups[tenant] = self._tenant_groups.get(tenant, 0) + 1
         if gid is not None:
             ctx.ctrl(port, f.src, "group_reply", members=list(key[0]), nth=key[1], gid=gid,
-                     reason="")
+                     inc=self.incarnations[gid], reason="")
             return
         # ask the parent on every retry (our request or its answer may be lost)
         self._wait.setdefault(key, {})[f.src] = port
         parent = ctx.parent_id()
         ctx.ctrl(ctx.next_hop[parent], parent, "group", members=list(key[0]), nth=key[1])
+
+    def _over_quota(self, members: tuple[int, ...]) -> tuple[str, str | None]:
+        """The members' tenant, and why it may not make one more group here (or None)."""
+        topo = self.ctx.topo
+        tenants = sorted({topo.tenant_of(m) for m in members})
+        if len(tenants) > 1:
+            return tenants[0], f"a group's members must share one tenant, not {', '.join(tenants)}"
+        tenant = tenants[0]
+        quota = topo.tenants.get(tenant)
+        limit = quota.groups if quota is not None and quota.groups is not None \
+            else self._even_share
+        held = self._tenant_groups.get(tenant, 0)
+        if held >= limit:
+            return tenant, (f"tenant {tenant!r} holds {held} groups, its quota of {limit} "
+                            "(topology [tenants] groups); close communicators it no longer needs")
+        return tenant, None
 
     def _on_reply(self, f: fr.Frame, msg: dict[str, Any]) -> None:
         ctx = self.ctx
@@ -138,12 +180,14 @@ class Multicast(Service):
             return
         key = (tuple(sorted(control.need(msg, "members", list))), control.need(msg, "nth", int))
         gid = control.need(msg, "gid", int)
+        inc = msg.get("inc", 0)
         if 0 < gid <= MAX_GROUPS:
             self._ids[key] = gid
             self.groups[gid] = key[0]
+            self.incarnations[gid] = inc if isinstance(inc, int) else 0
         for src, who in self._wait.pop(key, {}).items():
             ctx.ctrl(who, src, "group_reply", members=list(key[0]), nth=key[1], gid=gid,
-                     reason=str(msg.get("reason", "")))
+                     inc=inc, reason=str(msg.get("reason", "")))
 
     def _on_release(self, f: fr.Frame, port: bytes, msg: dict[str, Any]) -> None:
         """A member closed its communicator: forget the group (idempotent; a release
@@ -153,6 +197,12 @@ class Multicast(Service):
         gid = self._ids.pop(key, None)
         if gid is not None and self.groups.get(gid) == key[0]:
             del self.groups[gid]
+            self.incarnations.pop(gid, None)
+            if ctx.parent_name is None:
+                tenant = ctx.topo.tenant_of(key[0][0])
+                self._tenant_groups[tenant] = self._tenant_groups.get(tenant, 1) - 1
+            for wipe in self.on_release:
+                wipe(gid)
         if ctx.parent_name is not None and gid is not None:
             parent = ctx.parent_id()
             ctx.ctrl(ctx.next_hop[parent], parent, "group_release", members=list(key[0]),

@@ -35,6 +35,7 @@ real time) and ``fabric.sim`` (a discrete-event loop in virtual time).
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -105,10 +106,11 @@ class SwitchCore:
                  memory: MemoryPlane | None = None,
                  extra_stats: Callable[[], dict[str, Any]] | None = None,
                  attach_doorbell: Callable[[bytes, str], None] | None = None,
-                 services: Sequence[ServiceFactory] = ()) -> None:
+                 services: Sequence[ServiceFactory] = (),
+                 rng: random.Random | None = None) -> None:
         self.topo = topo
         self.name = name
-        ctx = self.ctx = SwitchContext(topo, name)
+        ctx = self.ctx = SwitchContext(topo, name, rng)
         self.id = ctx.id
         self._extra_stats = extra_stats  # the driver's own counters, for stats replies
         self.engine = AggregationEngine(memory_budget)
@@ -264,11 +266,14 @@ class SwitchCore:
         elif f.op is Op.CTRL:
             c.ctrl_frames += 1
             ctx.ctrl_crc = ctx.ctrl_crc or bool(f.flags & Flag.CRC)
+            ctx.asking = (f.src, f.msg)
             try:
                 self._on_ctrl(f, port, control.parse(f.payload), now)
             except (FrameError, AccessError) as refused:  # one name per type (mypyc #620)
                 c.malformed += 1
                 ctx.nack(port, f.src, f.job, f.psn, f.msg, refused.code, str(refused))
+            finally:
+                ctx.asking = (-1, 0)
         elif f.op in (Op.NACK, Op.ACK):
             c.nacks_received += 1  # never answer a NACK with a NACK
         else:
