@@ -267,14 +267,24 @@ class Fabric:
                                      stdin=subprocess.DEVNULL, start_new_session=True)
         self.procs[name] = Proc(name, kind, popen, log_path)
 
-    def _check_alive(self, doing: str) -> None:
-        for p in self.procs.values():
-            code = p.popen.poll()
-            if code is not None:
-                raise PeerFailed(
-                    f"{p.kind} {p.name!r} exited with code {code} while {doing}; "
-                    f"its log ({p.log_path}) ends with:\n{p.log_tail()}"
-                )
+    def _check_alive(self, doing: str, then: str = "") -> None:
+        """PeerFailed naming the process that died, if one did. ``then``: what
+        the others reported after it (their errors are its consequences)."""
+        dead = self.dead()
+        if dead:
+            p = dead[0]
+            tail = p.log_tail()
+            log_says = (f"its log ({p.log_path}) ends with:\n{tail}" if tail
+                        else f"its log ({p.log_path}) is empty")
+            raise PeerFailed(f"{p.kind} {p.name!r} {_how_it_ended(p.popen.returncode)} while "
+                             f"{doing}{then}; {log_says}")
+
+    def dead(self) -> list[Proc]:
+        """The processes that have exited, the first to go first (as far as their
+        exit can be ordered: a process killed outright before one that gave up)."""
+        gone = [p for p in self.procs.values() if p.popen.poll() is not None]
+        # a signal's victim is the cause; the others exit of their own accord after it
+        return sorted(gone, key=lambda p: 0 if (p.popen.returncode or 0) < 0 else 1)
 
     def _recv_ctl(self, deadline: float, doing: str) -> tuple[str, dict[str, Any]]:
         assert self.ctl is not None
@@ -362,6 +372,9 @@ class Fabric:
         errors = {n: m["error"] for n, m in msgs.items() if not m["ok"]}
         if errors:
             first = sorted(errors)[0]
+            # a process that died is the culprit: the errors of the others are its echo
+            self._check_alive(f"running {task.func}",
+                              then=f" ({first} then failed: {errors[first]})")
             raise TaskFailed(
                 f"{task.func} failed on {', '.join(sorted(errors))}: {errors[first]}",
                 {n: msgs[n].get("traceback", "") for n in errors},
@@ -439,6 +452,17 @@ class Fabric:
         self.close()
         if exc[0] is None and self.remove_run_dir:
             shutil.rmtree(self.run_dir, ignore_errors=True)
+
+
+def _how_it_ended(code: int | None) -> str:
+    """``exited with code 3`` or ``was killed by SIGKILL``."""
+    if code is not None and code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"was killed by {name}"
+    return f"exited with code {code}"
 
 
 def _signal_group(popen: subprocess.Popen[bytes], sig: int) -> None:

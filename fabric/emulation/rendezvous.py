@@ -44,7 +44,7 @@ from fabric.core.placement import (
     clock_sample,
 )
 from fabric.core.topology import Topology
-from fabric.emulation import transport
+from fabric.emulation import leftovers, transport
 from fabric.errors import FabricTimeout, PeerFailed, UsageError
 
 __all__ = ["CLOCK_ROUNDS", "Coordinator", "PlacedFabric", "PlacedRun", "local_addresses",
@@ -194,6 +194,16 @@ class Coordinator(threading.Thread):
     def _who(self, proc: _Proc) -> str:
         return f"{proc.kind} {proc.name!r} (rank {proc.rank} on {proc.hostname})"
 
+    def _check_gone(self, then: str = "") -> None:
+        """PeerFailed naming a process of this host that died (killed, crashed): the
+        culprit, before the timeouts of its peers are taken for the cause. Processes
+        on other hosts are judged by their silence instead."""
+        here = socket.gethostname()
+        for p in self._procs.values():
+            if p.hostname == here and leftovers.pid_gone(p.pid):
+                what = f"{self._who(p)}" if p.name else f"rank {p.rank} on {p.hostname}"
+                raise PeerFailed(f"{what} died: its process {p.pid} is gone{then}")
+
     # -- phases
     def run(self) -> None:
         try:
@@ -266,6 +276,7 @@ class Coordinator(threading.Thread):
                                     f"{', '.join(late[:8])} (see its output)")
             got = self._recv(0.1)
             if got is None:
+                self._check_gone(" before its node was ready")
                 continue
             who, msg = got
             if msg.get("t") == "ready" and who in self._by_name:
@@ -319,6 +330,8 @@ class Coordinator(threading.Thread):
             now = time.monotonic()
             if failed_at is None and any(not m.get("ok") for m in done.values()):
                 failed_at = now
+            if failed_at is not None:
+                self._check_gone(f"; the workload then failed ({_first_error(done)})")
             if failed_at is not None and now - failed_at > self.timeout_s:
                 silent = [self._who(self._by_name[n]) for n in names if n not in done]
                 raise PeerFailed(f"the workload failed ({_first_error(done)}); no word since "
@@ -341,6 +354,7 @@ class Coordinator(threading.Thread):
         now = time.monotonic()
         if now >= self._next_ping:
             self._next_ping = now + PING_S
+            self._check_gone()
             for p in self._procs.values():
                 if not p.busy:
                     self._send(p.name, "ping")
@@ -525,8 +539,8 @@ class PlacedRun:
         name, run_id = str(assigned["name"]), str(assigned["run_id"])
         node = self.topo.node(name)
         sock_dir = self.sock_dir or f"/tmp/semfab-run-{self.rendezvous[1]}"
-        Path(sock_dir).mkdir(parents=True, exist_ok=True)
         try:
+            leftovers.arrive(Path(sock_dir), name, run_id)
             return self._role(addr, node.kind, name, run_id, sock_dir)
         except (OSError, zmq.ZMQError, UsageError) as exc:
             # say so at once (the others would wait for this node's "ready" in vain)
@@ -541,11 +555,9 @@ class PlacedRun:
             ctx.term()
             return 1, error
         finally:
-            if not self.sock_dir:
-                try:
-                    Path(sock_dir).rmdir()  # the last process out of this host removes it
-                except OSError:
-                    pass
+            # the last process out of this host removes the folder and the run's memory
+            leftovers.leave(Path(sock_dir), name, run_id, [n.name for n in self.topo.nodes],
+                            remove_folder=not self.sock_dir)
 
     def _role(self, addr: str, kind: str, name: str, run_id: str,
               sock_dir: str) -> tuple[int, str | None]:
