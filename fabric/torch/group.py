@@ -12,6 +12,7 @@ the group's communicator maps them to fabric workers.
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -36,6 +37,11 @@ __all__ = ["BACKEND", "SemfabProcessGroup"]
 
 BACKEND = "semfab"
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _sizes(ts: Sequence[torch.Tensor], op: Any = None) -> tuple[Any, ...]:
+    """What every rank must agree on for an operation on ``ts`` (SEMFAB_CHECK)."""
+    return (str(getattr(op, "op", op)), *[(t.numel(), str(t.dtype)) for t in ts])
 
 
 def _opt(opts: Any, name: str, default: Any) -> Any:
@@ -92,10 +98,31 @@ class SemfabProcessGroup(dist.ProcessGroup):
     def _refuse(self, what: str, reason: str) -> TorchOpError:
         return TorchOpError(self.rt.rank, what, reason)
 
-    def _submit(self, what: str, run: Callable[[], None], result: Any) -> FabricWork:
+    def _submit(self, what: str, run: Callable[[], None], result: Any,
+                sig: tuple[Any, ...] | None = None) -> FabricWork:
+        """Queue ``run``; with checks on (SEMFAB_CHECK=1), the group's ranks first
+        agree on ``sig`` (the operation and the sizes that must match)."""
         if self._closed:
             raise self._refuse(what, "the process group was destroyed")
+        if sig is not None and self.options.check:
+            desc, inner = f"{what} {sig}", run
+
+            def run() -> None:
+                self._agree(desc, what)
+                inner()
+
         return self.rt.comm.submit(run, result, what)
+
+    def _agree(self, desc: str, what: str) -> None:
+        """All-gather a checksum of ``desc``; a typed refusal naming the ranks that
+        issued something else (the fabric stays usable: only the check ran)."""
+        mine = np.array([zlib.crc32(desc.encode())], np.int64)
+        seen = np.empty(self._size, np.int64)
+        self._target.collective("all_gather", mine, seen, path="ina")
+        others = [k for k in range(self._size) if seen[k] != mine[0]]
+        if others:
+            raise self._refuse(what, f"group ranks {others} issued another operation or other "
+                               f"sizes (this rank: {desc})")
 
     def _path(self, kind: str, nbytes: int) -> str:
         return path_for(kind, self.options.path or "ina", nbytes, self.rt.ep.shares_host)
@@ -152,7 +179,7 @@ class SemfabProcessGroup(dist.ProcessGroup):
                 if avg:
                     s.tensor.detach().div_(self._size)
 
-        return self._submit(what, run, ts)
+        return self._submit(what, run, ts, sig=_sizes(ts, ops[0][0]))
 
     def allreduce_coalesced(self, tensors: Any, opts: Any = None) -> FabricWork:
         """Allreduce several tensors as one buffer per dtype."""
@@ -179,7 +206,7 @@ class SemfabProcessGroup(dist.ProcessGroup):
                     t.detach().copy_(flat[offset:offset + n].view(t.shape))
                     offset += n
 
-        return self._submit(what, run, ts)
+        return self._submit(what, run, ts, sig=_sizes(ts, op))
 
     # ------------------------------------------------------------ broadcast / reduce
     def broadcast(self, tensors: Any, opts: Any = None) -> FabricWork:  # type: ignore[override]
@@ -195,7 +222,7 @@ class SemfabProcessGroup(dist.ProcessGroup):
                                         path=self._path("broadcast", s.array.nbytes))
             finish(s)
 
-        return self._submit(what, run, [t])
+        return self._submit(what, run, [t], sig=(*_sizes([t]), root))
 
     def reduce(self, tensors: Any, opts: Any = None) -> FabricWork:  # type: ignore[override]
         """Reduce over the group into the root's tensor (others keep theirs)."""
@@ -222,7 +249,7 @@ class SemfabProcessGroup(dist.ProcessGroup):
                 if avg:
                     t.detach().div_(self._size)
 
-        return self._submit(what, run, [t])
+        return self._submit(what, run, [t], sig=(*_sizes([t], op), root))
 
     # ------------------------------------------------------------ gathers
     def _gather_into(self, out: torch.Tensor, inp: torch.Tensor, what: str) -> Callable[[], None]:
@@ -265,7 +292,7 @@ class SemfabProcessGroup(dist.ProcessGroup):
             for k, o in enumerate(outs):
                 o.detach().copy_(flat[k * inp.numel():(k + 1) * inp.numel()].view(o.shape))
 
-        return self._submit(what, run, [outs])
+        return self._submit(what, run, [outs], sig=_sizes([inp]))
 
     def _allgather_base(self, output: torch.Tensor, input: torch.Tensor,  # noqa: A002
                         opts: Any = None) -> FabricWork:
@@ -273,7 +300,7 @@ class SemfabProcessGroup(dist.ProcessGroup):
         what = "all_gather_into_tensor"
         out = check_tensor(output, self.rt.rank, what)
         inp = check_tensor(input, self.rt.rank, what)
-        return self._submit(what, self._gather_into(out, inp, what), [out])
+        return self._submit(what, self._gather_into(out, inp, what), [out], sig=_sizes([inp]))
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor,  # noqa: A002
                           opts: Any = None) -> FabricWork:
@@ -293,7 +320,7 @@ class SemfabProcessGroup(dist.ProcessGroup):
             for r in runs:
                 r()
 
-        return self._submit(what, run, outs)
+        return self._submit(what, run, outs, sig=_sizes(ins))
 
     def all_gather_single_coalesced(self, outputs: Any, inputs: Any,
                                     opts: Any = None) -> FabricWork:
@@ -337,7 +364,7 @@ class SemfabProcessGroup(dist.ProcessGroup):
             for k, t in enumerate(outs):
                 t.detach().copy_(flat[k * inp.numel():(k + 1) * inp.numel()].view(t.shape))
 
-        return self._submit(what, run, [outs] if mine else [])
+        return self._submit(what, run, [outs] if mine else [], sig=(*_sizes([inp]), root))
 
     def scatter(  # type: ignore[override]
             self, output_tensors: Any, input_tensors: Any, opts: Any = None) -> FabricWork:
@@ -363,7 +390,7 @@ class SemfabProcessGroup(dist.ProcessGroup):
                 self._target.collective("scatter", x.array, o.array, root=root)
             finish(o)
 
-        return self._submit(what, run, [out])
+        return self._submit(what, run, [out], sig=(*_sizes([out]), root))
 
     # ------------------------------------------------------------ reduce_scatter
     def _reduce_scatter_into(self, out: torch.Tensor, inp: torch.Tensor, opts: Any,
@@ -403,7 +430,8 @@ class SemfabProcessGroup(dist.ProcessGroup):
         if len(ins) != self._size or any(i.numel() != out.numel() for i in ins):
             raise self._refuse(what, f"needs {self._size} inputs of {out.numel()} elements")
         flat = torch.cat([i.detach().reshape(-1) for i in ins])
-        return self._submit(what, self._reduce_scatter_into(out, flat, opts, what), [out])
+        return self._submit(what, self._reduce_scatter_into(out, flat, opts, what), [out],
+                            sig=_sizes([out], _opt(opts, "reduceOp", None)))
 
     def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor,  # noqa: A002
                              opts: Any = None) -> FabricWork:
@@ -411,7 +439,8 @@ class SemfabProcessGroup(dist.ProcessGroup):
         what = "reduce_scatter_tensor"
         out = check_tensor(output, self.rt.rank, what)
         inp = check_tensor(input, self.rt.rank, what)
-        return self._submit(what, self._reduce_scatter_into(out, inp, opts, what), [out])
+        return self._submit(what, self._reduce_scatter_into(out, inp, opts, what), [out],
+                            sig=_sizes([out], _opt(opts, "reduceOp", None)))
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor,  # noqa: A002
                               opts: Any = None) -> FabricWork:
@@ -431,7 +460,7 @@ class SemfabProcessGroup(dist.ProcessGroup):
             for r in runs:
                 r()
 
-        return self._submit(what, run, outs)
+        return self._submit(what, run, outs, sig=_sizes(outs, _opt(opts, "reduceOp", None)))
 
     def reduce_scatter_single_coalesced(self, outputs: Any, inputs: Any,
                                         opts: Any = None) -> FabricWork:
@@ -478,7 +507,9 @@ class SemfabProcessGroup(dist.ProcessGroup):
             raise self._refuse(what, f"output {out.dtype} and input {inp.dtype} differ")
         send = self._splits(inp, input_split_sizes, what, "input")
         recv = self._splits(out, output_split_sizes, what, "output")
-        return self._submit(what, self._alltoallv(out, inp, send, recv, what), [out])
+        # per-rank counts differ by design: the fabric's receivers check each stream's size
+        return self._submit(what, self._alltoallv(out, inp, send, recv, what), [out],
+                            sig=(str(inp.dtype),))
 
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor,  # noqa: A002
                           output_split_sizes: Any, input_split_sizes: Any,
@@ -506,7 +537,7 @@ class SemfabProcessGroup(dist.ProcessGroup):
                 o.detach().copy_(flat_out[offset:offset + o.numel()].view(o.shape))
                 offset += o.numel()
 
-        return self._submit(what, run, outs)
+        return self._submit(what, run, outs, sig=(str(outs[0].dtype),))
 
     # ------------------------------------------------------------ point to point
     def _peer(self, peer: int, what: str) -> int:
@@ -588,7 +619,7 @@ class SemfabProcessGroup(dist.ProcessGroup):
     # ------------------------------------------------------------ barrier, teardown
     def barrier(self, opts: Any = None) -> FabricWork:
         """Wait for every rank of the group."""
-        return self._submit("barrier", self._target.barrier, [])
+        return self._submit("barrier", self._target.barrier, [], sig=())
 
     def shutdown(self) -> None:
         """Release the group's fabric resources (the world group: leave the fabric)."""

@@ -43,6 +43,9 @@ class Options:
 
     path: str | None = None
     numerics: str | None = None
+    #: every rank first agrees on each operation and its sizes (SEMFAB_CHECK=1):
+    #: a mismatch is a refusal naming the ranks, at the cost of one small all_gather
+    check: bool | None = None
 
     def __post_init__(self) -> None:
         if self.path is not None and self.path not in PATHS:
@@ -59,7 +62,10 @@ class Options:
             raise UsageError(f"SEMFAB_PATH={path}: choose one of {', '.join(PATHS)}")
         if numerics not in NUMERICS:
             raise UsageError(f"SEMFAB_NUMERICS={numerics}: choose one of {', '.join(NUMERICS)}")
-        return Options(path, numerics)
+        check = self.check
+        if check is None:
+            check = os.environ.get("SEMFAB_CHECK", "0").lower() in ("1", "true", "yes", "on")
+        return Options(path, numerics, check)
 
 
 def timeout_from_env(torch_timeout_s: float | None) -> float:

@@ -1,0 +1,56 @@
+"""Bad input to the semfab backend: typed errors naming the rank and the
+operation, nothing waiting past the timeout, no process left after a rank dies
+(tests/torch_bad_input.py is the job)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.torch_jobs import leftovers, torchrun
+
+pytest.importorskip("torch")
+
+TIMEOUT_S = 3.0
+JOB = "tests/torch_bad_input.py"
+
+
+def test_refusals_are_typed_and_name_rank_and_op(tmp_path: Path) -> None:
+    res = torchrun(JOB, 2, tmp_path, "refusals", SEMFAB_TIMEOUT=str(TIMEOUT_S))
+    assert res.returncode == 0, res.stderr[-3000:]
+    by_rank = {d["rank"]: d for d in map(json.loads, (ln for ln in res.stdout.splitlines()
+                                                      if ln.startswith("{")))}
+    assert sorted(by_rank) == [0, 1]
+    for r, seen in by_rank.items():
+        for case, op, words in [("product", "allreduce", "PRODUCT"),
+                                ("float64", "allreduce", "float64"),
+                                ("meta", "allreduce", "device meta"),
+                                ("anysource", "recv (any source)", "any source"),
+                                ("uneven_split", "all_to_all_single", "split sizes"),
+                                ("checked_mismatch", "allreduce", f"group ranks [{1 - r}]")]:
+            got = seen[case]
+            assert got["error"] == "TorchOpError", (r, case, got)
+            assert got["rank"] == r and got["op"] == op, (r, case, got)
+            assert got["message"].startswith(f"semfab rank {r}: {op}: "), got
+            assert words in got["message"], got
+        # a checked refusal leaves the group usable; the sum is right
+        assert seen["checked_after"]["error"] is None
+        assert seen["checked_value"] == [3.0] * 5
+        # unchecked, the fabric refuses or times out, typed and within the timeout,
+        # and later calls fail at once instead of waiting again
+        for case in ("mismatch", "after"):
+            got = seen[case]
+            assert got["error"] == "TorchCommError" and got["rank"] == r, (case, got)
+            assert got["op"] == "allreduce" and got["s"] < 2 * TIMEOUT_S, (case, got)
+        assert "earlier operation failed" in seen["after"]["message"]
+    assert leftovers(tmp_path) == []
+
+
+def test_killing_rank_0_leaves_no_process(tmp_path: Path) -> None:
+    # rank 0 started the switch and the host: they notice their parent is gone;
+    # rank 1 fails its next wait within the timeout and torchrun ends the job
+    res = torchrun(JOB, 2, tmp_path, "kill-0", SEMFAB_TIMEOUT=str(TIMEOUT_S), timeout_s=60)
+    assert res.returncode != 0, res.stdout[-2000:]
+    assert leftovers(tmp_path, wait_s=10) == [], res.stderr[-3000:]

@@ -1,0 +1,81 @@
+"""A torch job for tests/test_torch_errors.py (run under torchrun, 2 ranks).
+
+``refusals``: each bad call must raise the backend's typed error naming the rank
+and the operation, within the timeout; each rank prints one JSON line of what it
+saw. ``crash-1`` / ``kill-0``: rank 1 exits, or rank 0 is SIGKILLed, in the
+middle of the job (the test checks that nothing is left running).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import fabric.torch
+from fabric.torch import Options, TorchCommError, TorchOpError
+
+
+def outcome(fn: Callable[[], Any]) -> dict[str, Any]:
+    t0 = time.monotonic()
+    try:
+        fn()
+        return {"error": None, "s": time.monotonic() - t0}
+    except Exception as exc:
+        return {"error": type(exc).__name__, "message": str(exc),
+                "rank": getattr(exc, "rank", None), "op": getattr(exc, "op", None),
+                "typed": isinstance(exc, (TorchOpError, TorchCommError)),
+                "s": time.monotonic() - t0}
+
+
+def refusals() -> dict[str, Any]:
+    r = dist.get_rank()
+    seen: dict[str, Any] = {}
+    seen["product"] = outcome(lambda: dist.all_reduce(torch.ones(4), op=dist.ReduceOp.PRODUCT))
+    seen["float64"] = outcome(lambda: dist.all_reduce(torch.ones(4, dtype=torch.float64)))
+    seen["meta"] = outcome(lambda: dist.all_reduce(torch.ones(4, device="meta")))
+    seen["anysource"] = outcome(lambda: dist.recv(torch.ones(4)))
+    seen["uneven_split"] = outcome(lambda: dist.all_to_all_single(torch.empty(3), torch.ones(3)))
+    # a checked group: the ranks agree on each call first, so a mismatch is refused
+    # by name and the group stays usable
+    checked = dist.new_group(backend="semfab", pg_options=Options(check=True))
+    seen["checked_mismatch"] = outcome(
+        lambda: dist.all_reduce(torch.ones(10 if r == 0 else 20), group=checked))
+    x = torch.full((5,), float(r + 1))
+    seen["checked_after"] = outcome(lambda: dist.all_reduce(x, group=checked))
+    seen["checked_value"] = x.tolist()
+    # the world group, unchecked: the fabric refuses or times out, naming the op;
+    # later calls fail at once
+    seen["mismatch"] = outcome(lambda: dist.all_reduce(torch.ones(10 if r == 0 else 20)))
+    seen["after"] = outcome(lambda: dist.all_reduce(torch.ones(4)))
+    return seen
+
+
+def main() -> None:
+    mode = sys.argv[1]
+    fabric.torch.init()
+    r = dist.get_rank()
+    if mode == "refusals":
+        seen = refusals()
+        print(json.dumps({"rank": r, **seen}), flush=True)
+        fabric.torch.shutdown()
+        return
+    dist.all_reduce(torch.ones(8))  # the fabric works
+    if mode == "crash-1" and r == 1:
+        os._exit(3)
+    if mode == "kill-0" and r == 0:
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(0.5)
+    dist.all_reduce(torch.ones(8))  # the survivor waits here until its timeout at most
+    fabric.torch.shutdown()
+
+
+if __name__ == "__main__":
+    main()
