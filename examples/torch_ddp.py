@@ -31,11 +31,15 @@ def make_model(seed: int = 0) -> nn.Module:
                          nn.Linear(256, 10))
 
 
-def train(pg: Any, steps: int, batch: int = 32) -> tuple[list[torch.Tensor], float]:
-    """``steps`` SGD steps of DDP over ``pg``; (parameters, seconds per step after the
-    first, which builds DDP's buckets)."""
+def train(pg: Any, steps: int, batch: int = 32, hook: Any = None
+          ) -> tuple[list[torch.Tensor], float]:
+    """``steps`` SGD steps of DDP over ``pg`` (gradients through ``fabric.torch``'s
+    comm hook on group ``hook`` when given); (parameters, seconds per step after
+    the first, which builds DDP's buckets)."""
     rank = dist.get_rank()
     model = DDP(make_model(), process_group=pg)
+    if hook is not None:
+        model.register_comm_hook(hook, fabric.torch.allreduce_hook)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     gen = torch.Generator().manual_seed(1000 + rank)  # each rank its own data
     t0 = time.perf_counter()
@@ -57,12 +61,15 @@ def _engine(stats: dict[str, Any]) -> tuple[int, int]:
 
 
 def compare(steps: int) -> dict[str, Any]:
-    """Train on gloo then on semfab (the default group); the summary."""
+    """Train on gloo, on semfab (the default group), and on gloo with the gradients
+    through fabric.torch.allreduce_hook; the summary."""
     gloo = dist.new_group(backend="gloo")
     ref, gloo_s = train(gloo, steps)
     frames0, done0 = _engine(fabric.torch.switch_stats())
     ours, semfab_s = train(None, steps)
     frames1, done1 = _engine(fabric.torch.switch_stats())
+    # gloo for DDP's setup, the fabric for the gradients only
+    hooked, hook_s = train(gloo, steps, hook=dist.group.WORLD)
     diffs = [float((a - b).abs().max()) for a, b in zip(ref, ours, strict=True)]
     return {
         "example": "ddp", "world": dist.get_world_size(), "steps": steps,
@@ -71,6 +78,8 @@ def compare(steps: int) -> dict[str, Any]:
         "gloo_ms_per_step": round(gloo_s * 1e3, 3), "semfab_ms_per_step": round(semfab_s * 1e3, 3),
         "bit_identical": all(torch.equal(a, b) for a, b in zip(ref, ours, strict=True)),
         "max_abs_diff": max(diffs),
+        "hook_ms_per_step": round(hook_s * 1e3, 3),
+        "hook_bit_identical": all(torch.equal(a, b) for a, b in zip(ref, hooked, strict=True)),
         "switch_reduce_frames": frames1 - frames0, "switch_completions": done1 - done0,
         "fallbacks": fabric.torch.fallbacks(),
     }

@@ -24,6 +24,8 @@ def test_ddp_torchrun_matches_gloo_bit_for_bit(tmp_path: Path) -> None:
     s = last_json(res.stdout)
     assert s["world"] == 2 and s["path"] == "ina"
     assert s["bit_identical"], s
+    # gloo DDP with fabric.torch.allreduce_hook: the gradients alone on the fabric
+    assert s["hook_bit_identical"], s
     # every bucket of every step was reduced in the switch: REDUCE frames came in
     # and chunks completed there; nothing fell back to another path
     assert s["switch_reduce_frames"] >= 2 * int(STEPS), s

@@ -122,4 +122,10 @@ def allreduce_hook(state: Any, bucket: Any) -> torch.futures.Future[torch.Tensor
     return fut.then(lambda f: f.value()[0])
 
 
+# DDP checks a hook's annotations against the classes themselves, and this module's
+# annotations are strings (postponed evaluation)
+allreduce_hook.__annotations__ = {"state": object, "bucket": dist.GradBucket,
+                                  "return": torch.futures.Future[torch.Tensor]}
+
+
 dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu"])
