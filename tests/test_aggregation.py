@@ -177,24 +177,24 @@ class Sim:
             (job + 1, chunk, w.member, good, 1, "UNKNOWN_JOB"),
             (job, chunk, 1000, good, 1, "PERMISSION"),
             (job, ahead, w.member, good, 1, "OUT_OF_WINDOW"),
-            (job, -1 - chunk, w.member, good, 1, "MALFORMED"),
+            (job, -1 - chunk, w.member, good, 1, "INVALID"),
         ]
         if self.spec.referenced:
             cases += [
-                (job, chunk, w.member, np.ones(1, dt), 1, "MALFORMED"),  # inline data, REF job
-                (job, chunk, w.member, None, e + 1, "MALFORMED"),
-                (job, chunk, w.member, None, 0, "MALFORMED"),
-                (job, chunk, w.member, None, None, "MALFORMED"),
+                (job, chunk, w.member, np.ones(1, dt), 1, "INVALID"),  # inline data, REF job
+                (job, chunk, w.member, None, e + 1, "INVALID"),
+                (job, chunk, w.member, None, 0, "INVALID"),
+                (job, chunk, w.member, None, None, "INVALID"),
             ]
         else:
             other = np.float64 if dt != np.float64 else np.float32
             cases += [
-                (job, chunk, w.member, np.ones(e + 1, dtype=dt), None, "MALFORMED"),
-                (job, chunk, w.member, np.ones(0, dtype=dt), None, "MALFORMED"),
-                (job, chunk, w.member, np.ones(1, dtype=other), None, "MALFORMED"),
-                (job, chunk, w.member, np.ones((1, 1), dtype=dt), None, "MALFORMED"),
-                (job, chunk, w.member, w.piece(chunk).tobytes(), None, "MALFORMED"),
-                (job, chunk, w.member, None, 1, "MALFORMED"),
+                (job, chunk, w.member, np.ones(e + 1, dtype=dt), None, "INVALID"),
+                (job, chunk, w.member, np.ones(0, dtype=dt), None, "INVALID"),
+                (job, chunk, w.member, np.ones(1, dtype=other), None, "INVALID"),
+                (job, chunk, w.member, np.ones((1, 1), dtype=dt), None, "INVALID"),
+                (job, chunk, w.member, w.piece(chunk).tobytes(), None, "INVALID"),
+                (job, chunk, w.member, None, 1, "INVALID"),
             ]
         bjob, bchunk, bmember, bdata, blen, code = self.rng.choice(cases)
         before = snapshot(self.engine, job)
@@ -456,7 +456,7 @@ def test_int_sum_never_wraps_silently() -> None:
     before = snapshot(eng, 1)
     # Would wrap at element 0: refused, nothing changes.
     (ev,) = eng.contribute(1, 0, 2, np.array([1, 1, 1], np.int32))
-    assert isinstance(ev, Rejected) and ev.code == "MALFORMED" and "wrap" in ev.reason
+    assert isinstance(ev, Rejected) and ev.code == "INVALID" and "wrap" in ev.reason
     assert snapshot(eng, 1) == before
     # The cheap bound fails but the exact check passes (cancellation): accepted.
     assert eng.contribute(1, 0, 2, np.array([-imax, 1, imax], np.int32)) == []
@@ -468,7 +468,7 @@ def test_int_sum_never_wraps_silently() -> None:
     eng.register(JobSpec(2, (1, 2), "int64", AggOp.SUM, 1, 1))
     eng.contribute(2, 0, 1, np.array([imax64 - 3], np.int64))
     (ev,) = eng.contribute(2, 0, 2, np.array([4], np.int64))
-    assert isinstance(ev, Rejected) and ev.code == "MALFORMED"
+    assert isinstance(ev, Rejected) and ev.code == "INVALID"
     (done,) = eng.contribute(2, 0, 2, np.array([3], np.int64))
     assert isinstance(done, Completed) and done.result is not None
     assert int(done.result[0]) == imax64
@@ -546,7 +546,7 @@ def test_referenced_mode_tracks_bitmaps_only() -> None:
     assert eng.statistics().bytes_reserved == 0 and eng.statistics().slots_in_use == 2
     assert eng.contribute(5, 0, 10, None, length=3) == []
     (ev,) = eng.contribute(5, 0, 20, None, length=4)  # disagrees on the chunk's length
-    assert isinstance(ev, Rejected) and ev.code == "MALFORMED"
+    assert isinstance(ev, Rejected) and ev.code == "INVALID"
     assert eng.contribute(5, 0, 20, None, length=3) == []
     (done,) = eng.contribute(5, 0, 30, None, length=3)
     assert done == Completed(5, 0, 0, None, (10, 20, 30))
@@ -561,17 +561,17 @@ def bad_cases() -> list[tuple[str, tuple, dict, str]]:
     return [
         ("unknown job", (6, 0, 10, good), {}, "UNKNOWN_JOB"),
         ("non-member", (5, 0, 11, good), {}, "PERMISSION"),
-        ("too long", (5, 0, 10, chunk_data(0, 10, 5)), {}, "MALFORMED"),
-        ("empty", (5, 0, 10, chunk_data(0, 10, 0)), {}, "MALFORMED"),
-        ("wrong dtype", (5, 0, 10, good.astype(np.float64)), {}, "MALFORMED"),
-        ("byte-swapped", (5, 0, 10, good.astype(">f4")), {}, "MALFORMED"),
-        ("2-D", (5, 0, 10, good.reshape(2, 2)), {}, "MALFORMED"),
-        ("bytes", (5, 0, 10, good.tobytes()), {}, "MALFORMED"),
-        ("no data", (5, 0, 10, None), {"length": 4}, "MALFORMED"),
-        ("length= disagrees", (5, 0, 10, good), {"length": 3}, "MALFORMED"),
-        ("chunk length disagrees", (5, 0, 20, chunk_data(0, 20, 3)), {}, "MALFORMED"),
-        ("negative chunk", (5, -1, 10, good), {}, "MALFORMED"),
-        ("chunk not an int", (5, 0.5, 10, good), {}, "MALFORMED"),
+        ("too long", (5, 0, 10, chunk_data(0, 10, 5)), {}, "INVALID"),
+        ("empty", (5, 0, 10, chunk_data(0, 10, 0)), {}, "INVALID"),
+        ("wrong dtype", (5, 0, 10, good.astype(np.float64)), {}, "INVALID"),
+        ("byte-swapped", (5, 0, 10, good.astype(">f4")), {}, "INVALID"),
+        ("2-D", (5, 0, 10, good.reshape(2, 2)), {}, "INVALID"),
+        ("bytes", (5, 0, 10, good.tobytes()), {}, "INVALID"),
+        ("no data", (5, 0, 10, None), {"length": 4}, "INVALID"),
+        ("length= disagrees", (5, 0, 10, good), {"length": 3}, "INVALID"),
+        ("chunk length disagrees", (5, 0, 20, chunk_data(0, 20, 3)), {}, "INVALID"),
+        ("negative chunk", (5, -1, 10, good), {}, "INVALID"),
+        ("chunk not an int", (5, 0.5, 10, good), {}, "INVALID"),
         ("fresh version, >= 2S", (5, 7, 10, good), {}, "OUT_OF_WINDOW"),
         ("version holds incomplete chunk 0", (5, 4, 10, good), {}, "OUT_OF_WINDOW"),
         ("did not wait for chunk 0", (5, 2, 10, good), {}, "OUT_OF_WINDOW"),

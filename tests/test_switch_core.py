@@ -262,7 +262,7 @@ def test_an_owned_job_refuses_an_owner_outside_it() -> None:
                                     psn=0, key=999, dtype=fr.dtype_from_name("int32"),
                                     payload=x), x)
     (nack,) = net.take("w0")
-    assert nack.op is Op.NACK and nack.nack_code is NackCode.MALFORMED
+    assert nack.op is Op.NACK and nack.nack_code is NackCode.INVALID
 
 
 def test_a_masked_multicast_frame_reaches_only_the_masked_members() -> None:

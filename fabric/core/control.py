@@ -32,11 +32,12 @@ def parse(payload: bytes | memoryview) -> dict[str, Any]:
 
 
 def need(msg: dict[str, Any], key: str, kind: type | tuple[type, ...]) -> Any:
-    """Field ``key`` of ``msg`` checked against ``kind``, else FrameError(MALFORMED)."""
+    """Field ``key`` of ``msg`` checked against ``kind``, else FrameError(INVALID):
+    the message arrived intact, and is wrong."""
     value = msg.get(key)
     if not isinstance(value, kind) or isinstance(value, bool) and kind is int:
         raise FrameError(
-            NackCode.MALFORMED, f"control message {msg.get('t')!r}: field {key!r} missing or bad"
+            NackCode.INVALID, f"control message {msg.get('t')!r}: field {key!r} missing or bad"
         )
     return value
 

@@ -40,6 +40,8 @@ __all__ = [
     "Flag",
     "DType",
     "NackCode",
+    "TRANSIENT_NACKS",
+    "PERMANENT_NACKS",
     "Frame",
     "FrameError",
     "LocalFrameError",
@@ -179,6 +181,17 @@ class NackCode(IntEnum):
     UNSUPPORTED = 7  # version or header type we do not speak
     UNKNOWN_JOB = 8  # aggregation job not registered
     MISSING = 9  # the switch waits for this contribution (later ones came): send it again
+    INVALID = 10  # intact (decoded, CRC good) but not acceptable here: the sender's mistake
+
+
+#: Refusals a resend can cure: the frame was damaged (MALFORMED: it could not be
+#: decoded, BAD_CHECKSUM), came out of its window or before room was free, or was
+#: lost (MISSING). The reliability layer retries these within its limits.
+TRANSIENT_NACKS = frozenset({NackCode.MALFORMED, NackCode.OUT_OF_WINDOW,
+                             NackCode.NO_RESOURCE, NackCode.BAD_CHECKSUM, NackCode.MISSING})
+#: Refusals no resend can cure (a permission, an unknown key or job, a protocol we
+#: do not speak, an intact frame that is wrong): the call ends, naming the cause.
+PERMANENT_NACKS = frozenset(set(NackCode) - TRANSIENT_NACKS)
 
 
 _OP_VALUES = frozenset(int(o) for o in Op)
@@ -414,13 +427,13 @@ def encode_ack(
 
 def encode_nack(
     *, src: int, dst: int, flow: int, psn: int, code: NackCode, job: int = 0, msg: int = 0,
-    key: int = 0,
+    key: int = 0, crc: bool = False,
 ) -> bytes:
     """A NACK refusing frame ``psn`` of ``flow`` with ``code``; ``key`` is free for
     the code's own use (MISSING: the later PSN that shows ``psn`` was lost)."""
     return encode_header(
         Op.NACK, src=src, dst=dst, job=job, flow=flow, psn=psn, offset=int(code), msg=msg,
-        key=key,
+        key=key, crc=crc,
     )
 
 

@@ -87,9 +87,11 @@ CTRL_RETRY_MIN_S = 0.005
 CTRL_RETRY_MAX_S = 1.0
 #: Floor of the aggregation retransmit timeout (seconds).
 AGG_RTO_MIN_S = 0.02
-#: NACK codes that mean "send it again": damaged on the way, or lost (the switch
-#: saw later chunks of ours and asks for this one).
-RESEND_CODES = frozenset({NackCode.BAD_CHECKSUM, NackCode.MISSING})
+#: NACK codes that mean "send it again now": damaged on the way (undecodable, or
+#: a CRC mismatch), or lost (the switch saw later chunks of ours and asks for this
+#: one). Other transient refusals (fabric.core.frame.TRANSIENT_NACKS) wait for the
+#: chunk's timer; permanent ones end the call naming the code.
+RESEND_CODES = frozenset({NackCode.BAD_CHECKSUM, NackCode.MALFORMED, NackCode.MISSING})
 
 
 @dataclass
@@ -133,7 +135,10 @@ class Group:
 
     def __post_init__(self) -> None:
         self.job_seq = itertools.count(1)
-        self._msg_seq = itertools.count(1)
+        # message ids start where the incarnation says: a group made again with the
+        # same id names its streams apart from the last one's (whose receivers may
+        # still remember them as finished)
+        self._msg_seq = itertools.count(1 + (self.inc & ((1 << GROUP_MSG_BITS) - 2)))
         self.barrier_seq = itertools.count(1)
 
     @property
@@ -724,6 +729,8 @@ class InaAllreduce(Program):
                     self.timers.resent(i, now)  # counted there
                     return [self._frame(i, True)]
                 return []
+            if code in fr.TRANSIENT_NACKS:
+                return []  # late or no room yet: the chunk's timer sends it again
             raise PeerFailed(f"{self.st.name}: switch refused chunk {f.psn} of job {f.job}: "
                              f"{code.name if code is not None else f.offset}")
         if i >= self.nch or self.got[i]:  # a late copy of a result we already have

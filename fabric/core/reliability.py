@@ -44,7 +44,7 @@ from typing import ClassVar, Final, Generic, TypeVar
 
 from mypy_extensions import mypyc_attr
 
-from fabric.core.frame import Flag, NackCode, Op, encode_header
+from fabric.core.frame import PERMANENT_NACKS, Flag, NackCode, Op, encode_header
 from fabric.errors import FabricTimeout, PeerFailed, SemfabError
 
 __all__ = [
@@ -165,10 +165,9 @@ GAP_NACK_CODE: Final = NackCode.OUT_OF_WINDOW
 #: ACK_REQ and are acknowledged at once, while min_rtt may include ACK delay.
 SPURIOUS_RTT_FRACTION: Final = 0.5
 
-#: NACK codes after which retransmitting the same frame cannot succeed.
-_FATAL_NACKS: Final = frozenset(
-    {NackCode.BAD_KEY, NackCode.PERMISSION, NackCode.UNSUPPORTED, NackCode.UNKNOWN_JOB}
-)
+#: NACK codes after which retransmitting the same frame cannot succeed (the one
+#: classification of refusals, in fabric.core.frame).
+_FATAL_NACKS: Final = PERMANENT_NACKS
 
 
 # ---------------------------------------------------------------------------

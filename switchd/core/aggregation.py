@@ -109,11 +109,11 @@ class Aggregation(Service):
             ctx.nack(port, f.src, f.job, f.psn, f.msg, code, f"job {f.job} is not registered")
             return
         if fr.DTYPE_NAMES[f.dtype] != spec.dtype:
-            ctx.nack(port, f.src, f.job, f.psn, f.msg, NackCode.MALFORMED,
+            ctx.nack(port, f.src, f.job, f.psn, f.msg, NackCode.INVALID,
                      f"frame dtype {fr.DTYPE_NAMES[f.dtype]} but job {f.job} is {spec.dtype}")
             return
         if f.job in table.owned and f.key not in table.members.get(f.job, ()):
-            ctx.nack(port, f.src, f.job, f.psn, f.msg, NackCode.MALFORMED,
+            ctx.nack(port, f.src, f.job, f.psn, f.msg, NackCode.INVALID,
                      f"job {f.job} delivers to an owner: key {f.key} is not a member")
             return
         chunk = unwrap_psn(f.psn, table.last.get(f.job, 0))
@@ -121,7 +121,7 @@ class Aggregation(Service):
         had_ref = False
         if spec.referenced:
             if not f.referenced:
-                ctx.nack(port, f.src, f.job, f.psn, f.msg, NackCode.MALFORMED,
+                ctx.nack(port, f.src, f.job, f.psn, f.msg, NackCode.INVALID,
                          "memory-plane job needs REF frames")
                 return
             try:
@@ -140,7 +140,7 @@ class Aggregation(Service):
             data = None
         else:
             if f.referenced:
-                ctx.nack(port, f.src, f.job, f.psn, f.msg, NackCode.MALFORMED,
+                ctx.nack(port, f.src, f.job, f.psn, f.msg, NackCode.INVALID,
                          "frame-plane job needs inline payloads")
                 return
             data = np.frombuffer(f.payload, dtype=DTYPES[spec.dtype])
@@ -273,7 +273,7 @@ class Aggregation(Service):
     def _send_results(self, spec: JobSpec, chunk: int, recipients: tuple[int, ...],
                       result: np.ndarray | None, f: fr.Frame) -> None:
         ctx = self.ctx
-        crc = bool(f.flags & Flag.CRC)  # answer in kind: a sender that checks gets checked
+        crc = True  # every frame a switch originates is checked (SwitchContext)
         owner = f.key if spec.job in self.table.owned else None
         for member in recipients:
             port = ctx.ident[member]
@@ -335,10 +335,8 @@ class Aggregation(Service):
         chunk = unwrap_psn(f.psn, self.table.last.get(f.job, 0))
         partial = self.engine.kept_result(f.job, chunk)
         if (f.job, chunk) in self._awaiting and partial is not None:
-            # checked where the fabric checks
-            flags = Flag.CRC if self.ctx.ctrl_crc else Flag.NONE
             self._send_up(spec, chunk, partial, f._replace(dtype=fr.dtype_from_name(
-                spec.dtype), flags=flags, key=self._await_owner.get((f.job, chunk), 0)),
+                spec.dtype), key=self._await_owner.get((f.job, chunk), 0)),
                 retx=True)
 
     def _send_up(self, spec: JobSpec, chunk: int, partial: np.ndarray | None,
@@ -352,5 +350,5 @@ class Aggregation(Service):
                                   psn=chunk & PSN_MASK, dtype=f.dtype, msg=f.msg,
                                   key=f.key if spec.job in self.table.owned else 0,
                                   payload=body, flags=Flag.RETX if retx else Flag.NONE,
-                                  crc=bool(f.flags & Flag.CRC))
+                                  crc=True)
         ctx.send(ctx.next_hop[parent], header, body)

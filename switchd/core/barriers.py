@@ -55,7 +55,7 @@ class Barriers(Service):
         bid = control.need(msg, "id", int)
         n = control.need(msg, "n", int)
         if not 1 <= n <= len(ctx.topo.nodes):
-            raise FrameError(NackCode.MALFORMED, f"barrier of {n} nodes")
+            raise FrameError(NackCode.INVALID, f"barrier of {n} nodes")
         inc = msg.get("inc", 0)
         key = (bid, inc if isinstance(inc, int) else -1)
         if key in self._done:

@@ -87,19 +87,19 @@ class Combine(Service):
         ctx = self.ctx
         home, n = f.dst, f.offset
         if home not in ctx.worker_ids:
-            raise FrameError(NackCode.MALFORMED, f"combine for node {home}: not a worker")
+            raise FrameError(NackCode.INVALID, f"combine for node {home}: not a worker")
         topo = ctx.topo
         if topo.tenant_of(f.src) != topo.tenant_of(home):
             ctx.counters.unauthorised += 1
             raise AccessError(NackCode.PERMISSION, f"node {f.src} may not contribute to the "
                               f"combine of node {home}: another tenant's")
         if f.dtype not in _FLOAT_CODES or not 0 < f.key <= len(ctx.attached_ids) or n <= 0:
-            raise FrameError(NackCode.MALFORMED,
+            raise FrameError(NackCode.INVALID,
                              f"combine frame: dtype {f.dtype}, {f.key} contributions, {n} tokens")
         dt = DTYPES[fr.DTYPE_NAMES[f.dtype]]
         vec_bytes, rest = divmod(f.length - 4 * n, n)
         if f.length <= 4 * n or rest or vec_bytes % dt.itemsize:
-            raise FrameError(NackCode.MALFORMED, f"combine frame of {f.length} B for {n} tokens")
+            raise FrameError(NackCode.INVALID, f"combine frame of {f.length} B for {n} tokens")
         raw = np.frombuffer(f.payload, np.uint8)
         tokens = raw[:4 * n].view(np.int32)
         vecs = raw[4 * n:].view(dt).reshape(n, -1)
@@ -112,7 +112,7 @@ class Combine(Service):
             if acc is None:
                 acc = self._open[k] = _Sum(np.zeros(v.size, np.float32), set(), f.key, f.dtype)
             if v.size != acc.total.size or f.key != acc.expected or f.dtype != acc.dtype:
-                raise FrameError(NackCode.MALFORMED, f"combine of token {t}: contributions "
+                raise FrameError(NackCode.INVALID, f"combine of token {t}: contributions "
                                  "of different sizes or counts")
             if f.src not in acc.seen:
                 acc.seen.add(f.src)
@@ -127,7 +127,7 @@ class Combine(Service):
             self._done.popitem(last=False)
         ctx.send(ctx.ident[f.src], fr.encode_header(  # key: the tokens' home
             Op.ACK, src=ctx.id, dst=f.src, flow=COMBINE_FLOW + 1, job=f.job, psn=f.psn,
-            key=home, msg=f.msg))
+            key=home, msg=f.msg, crc=True))
         if done_now:
             self._send(home, f.msg, f.job, done_now)
 
@@ -144,4 +144,4 @@ class Combine(Service):
         ctx.send(ctx.next_hop[home], fr.encode_header(
             Op.REDUCE, src=ctx.id, dst=home, flow=COMBINE_FLOW, job=stream, psn=int(ids[0]),
             offset=len(items), msg=msg, dtype=items[0][1].dtype, payload=body,
-            crc=ctx.ctrl_crc), body)
+            crc=True), body)

@@ -57,7 +57,12 @@ class Counters:
 
 class SwitchContext:
     """One switch of ``topo`` as its services see it (read the attributes; send
-    with :meth:`send`, :meth:`nack` and :meth:`ctrl`)."""
+    with :meth:`send`, :meth:`nack` and :meth:`ctrl`).
+
+    Every frame a switch originates (results, combine sums, NACKs, control
+    answers) carries a CRC32C, whatever its sender chose: a receiver can always
+    tell a damaged frame from an intact one. Frames it forwards pass unchanged.
+    """
 
     def __init__(self, topo: Topology, name: str, rng: random.Random | None = None) -> None:
         self.topo = topo
@@ -99,8 +104,6 @@ class SwitchContext:
             for c in topo.tree_children(name):
                 self.child_below[topo.node(c).id] = {
                     topo.node(w).id for w in topo.subtree_workers(c)}
-        #: answer control messages with a CRC once a requester asked with one
-        self.ctrl_crc = False
         #: (src, request id) of the control request being handled: an answer to
         #: that node carries the id, so a late answer to an earlier request is
         #: never taken for the answer to a later one
@@ -131,7 +134,7 @@ class SwitchContext:
         """Refuse a frame of ``f_src`` with ``code`` (counted)."""
         self.count_nack(code.name)
         self.send(port, fr.encode_nack(src=self.id, dst=f_src, flow=0, psn=psn, code=code,
-                                       job=job, msg=msg))
+                                       job=job, msg=msg, crc=True))
 
     def count_nack(self, code: str) -> None:
         """Count one NACK sent, by code."""
@@ -141,9 +144,8 @@ class SwitchContext:
 
     def ctrl(self, port: bytes, dst: int, t: str, **fields: Any) -> None:
         """Send control message ``t`` to node ``dst`` over ``port``."""
-        # CRC whenever the fabric checks (a requester asked with one)
         asker, rid = self.asking
-        self.send(port, fr.encode(Op.CTRL, src=self.id, dst=dst, crc=self.ctrl_crc,
+        self.send(port, fr.encode(Op.CTRL, src=self.id, dst=dst, crc=True,
                                   msg=rid if asker == dst else 0,
                                   payload=control.pack(t, **fields)))
 

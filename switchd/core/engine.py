@@ -362,13 +362,13 @@ class AggregationEngine:
         ``[Rejected]``. A rejection never changes any slot.
         """
         # chunk, data and length come from peers: typed ``object`` so that a wrong type
-        # is a MALFORMED rejection in both builds, never a compiled TypeError
+        # is an INVALID rejection in both builds, never a compiled TypeError
         if chunk.__class__ is int:
             return self._contribute(job, chunk, member, data, length)
         try:
             c = operator.index(chunk)  # type: ignore[arg-type]
         except TypeError:
-            return self._reject(job, -1, member, "MALFORMED", f"chunk {chunk!r} not an int")
+            return self._reject(job, -1, member, "INVALID", f"chunk {chunk!r} not an int")
         return self._contribute(job, c, member, data, length)
 
     def _contribute(self, job: int, chunk: int, member: int, data: object,
@@ -385,37 +385,37 @@ class AggregationEngine:
                 job, chunk, member, "PERMISSION", f"node {member} is not a member of job {job}"
             )
         if chunk < 0:
-            return self._reject(job, chunk, member, "MALFORMED", "negative chunk number")
+            return self._reject(job, chunk, member, "INVALID", "negative chunk number")
 
         # ---- validate the payload before looking at (let alone touching) a slot
         if j.mem is None:
             if data is not None:
                 return self._reject(
-                    job, chunk, member, "MALFORMED", "referenced job takes no inline data"
+                    job, chunk, member, "INVALID", "referenced job takes no inline data"
                 )
             try:
                 n = operator.index(length)  # type: ignore[arg-type]
             except TypeError:
                 why = f"referenced contribution needs an integer length=, got {length!r}"
-                return self._reject(job, chunk, member, "MALFORMED", why)
+                return self._reject(job, chunk, member, "INVALID", why)
             arr = _NO_DATA
         else:
             if not isinstance(data, np.ndarray):
                 return self._reject(
-                    job, chunk, member, "MALFORMED", f"data is {type(data).__name__}, not ndarray"
+                    job, chunk, member, "INVALID", f"data is {type(data).__name__}, not ndarray"
                 )
             if data.dtype != j.dtype or data.ndim != 1:
                 why = f"data is {data.dtype} shape {data.shape}; job {job} wants 1-D {j.dtype}"
-                return self._reject(job, chunk, member, "MALFORMED", why)
+                return self._reject(job, chunk, member, "INVALID", why)
             arr = data
             n = arr.shape[0]
             if length is not None and length != n:
                 return self._reject(
-                    job, chunk, member, "MALFORMED", f"length={length} but data has {n} elements"
+                    job, chunk, member, "INVALID", f"length={length} but data has {n} elements"
                 )
         if not 0 < n <= j.elems:
             return self._reject(
-                job, chunk, member, "MALFORMED", f"{n} elements; 1..{j.elems} allowed"
+                job, chunk, member, "INVALID", f"{n} elements; 1..{j.elems} allowed"
             )
 
         # ---- locate the slot version and classify
@@ -428,7 +428,7 @@ class AggregationEngine:
         if held == chunk:
             if n != j.length[idx]:
                 why = f"chunk {chunk} has {j.length[idx]} elements, this contribution {n}"
-                return self._reject(job, chunk, member, "MALFORMED", why)
+                return self._reject(job, chunk, member, "INVALID", why)
             bm = j.bitmap[idx]
             if bm == j.full:
                 self._resends += 1
@@ -484,7 +484,7 @@ class AggregationEngine:
             if j.int_max:
                 overflow = j.add_int_checked(dst, arr, idx)
                 if overflow is not None:
-                    return self._reject(job, chunk, member, "MALFORMED", overflow)
+                    return self._reject(job, chunk, member, "INVALID", overflow)
             else:
                 j.ufunc(dst, arr, out=dst)  # arrival-order, in place
         bm |= bit

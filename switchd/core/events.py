@@ -50,9 +50,10 @@ DTYPES: Final[dict[str, np.dtype[Any]]] = _DTYPES
 
 #: NACK codes a :class:`Rejected` may carry (names match ``fabric.core.frame.NackCode``).
 #: The engine itself emits UNKNOWN_JOB, NO_RESOURCE, PERMISSION, OUT_OF_WINDOW and
-#: MALFORMED; BAD_KEY is for the daemon's region-key checks on the memory plane.
+#: INVALID (data that is intact but wrong for the job); BAD_KEY is for the
+#: region-key checks on the memory plane.
 NACK_CODES: Final[frozenset[str]] = frozenset(
-    {"BAD_KEY", "PERMISSION", "OUT_OF_WINDOW", "NO_RESOURCE", "MALFORMED", "UNKNOWN_JOB"}
+    {"BAD_KEY", "PERMISSION", "OUT_OF_WINDOW", "NO_RESOURCE", "INVALID", "UNKNOWN_JOB"}
 )
 
 #: Members of one job at one switch (bitmaps are Python ints: no word limit).

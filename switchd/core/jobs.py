@@ -82,10 +82,10 @@ class JobTable:
         self.last: dict[int, int] = {}
 
     def transition(self, job: int, event: str) -> JobPhase:
-        """Move ``job`` by ``event`` (JOB_TRANSITIONS); MALFORMED if it may not."""
+        """Move ``job`` by ``event`` (JOB_TRANSITIONS); INVALID if it may not."""
         new = JOB_TRANSITIONS.get((self.phase.get(job), event))
         if new is None:
-            raise FrameError(NackCode.MALFORMED,
+            raise FrameError(NackCode.INVALID,
                              f"job {job}: cannot {event} while {self.phase.get(job)}")
         self.phase[job] = new
         return new
@@ -144,9 +144,9 @@ class Jobs(Service):
             if deliver == "owner" and spec.referenced:
                 raise ValueError("owner delivery is a frame-plane mode")
         except ValueError as exc:
-            raise FrameError(NackCode.MALFORMED, f"bad job spec: {exc}") from None
+            raise FrameError(NackCode.INVALID, f"bad job spec: {exc}") from None
         if any(not isinstance(m, int) or m not in ctx.worker_ids for m in spec.members):
-            raise FrameError(NackCode.MALFORMED, f"job {spec.job}: members must be worker ids")
+            raise FrameError(NackCode.INVALID, f"job {spec.job}: members must be worker ids")
         from_child = port in ctx.switch_ports
         if not from_child and f.src not in spec.members:
             raise AccessError(NackCode.PERMISSION,

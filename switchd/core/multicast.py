@@ -121,7 +121,7 @@ class Multicast(Service):
         workers = self.ctx.worker_ids
         if not members or any(not isinstance(m, int) or m not in workers for m in members) \
                 or len(set(members)) != len(members) or nth < 0:
-            raise FrameError(NackCode.MALFORMED, "group members must be distinct worker ids")
+            raise FrameError(NackCode.INVALID, "group members must be distinct worker ids")
         if port not in self.ctx.switch_ports and f.src not in members:
             raise AccessError(NackCode.PERMISSION, f"node {f.src} is not in the group it names")
         return tuple(sorted(members)), nth

@@ -201,7 +201,8 @@ class SwitchCore:
             self._hello_due = now + HELLO_INTERVAL_S
             for peer in sorted(self._lower - self._linked):
                 out.append((peer, fr.encode(Op.CTRL, src=self.id, dst=self.topo.node(
-                    peer.decode()).id, payload=control.pack("hello", name=self.name)), None))
+                    peer.decode()).id, payload=control.pack("hello", name=self.name),
+                    crc=True), None))
         for svc in self.services:
             t = svc.get_timer()
             if t is not None and t <= now:
@@ -265,7 +266,6 @@ class SwitchCore:
             self._forward(f, port, header, payload)
         elif f.op is Op.CTRL:
             c.ctrl_frames += 1
-            ctx.ctrl_crc = ctx.ctrl_crc or bool(f.flags & Flag.CRC)
             ctx.asking = (f.src, f.msg)
             try:
                 self._on_ctrl(f, port, control.parse(f.payload), now)
@@ -307,7 +307,7 @@ class SwitchCore:
         elif t == "stats":
             self._stats_reply(f, port)
         else:
-            raise FrameError(NackCode.MALFORMED, f"unknown control message type {t!r}")
+            raise FrameError(NackCode.UNSUPPORTED, f"unknown control message type {t!r}")
 
     def _stats_reply(self, f: fr.Frame, port: bytes) -> None:
         stats = asdict(self.statistics())
