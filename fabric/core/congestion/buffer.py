@@ -13,7 +13,9 @@ A frame that does not fit is dropped at the tail, or, with ``trim_bytes`` set,
 **trimmed**: its payload is cut and its header alone is charged, to the class
 the caller names (a high-priority class, so the receiver learns of the loss at
 once and asks for the frame again: NDP, Handley et al. SIGCOMM 2017; UET). A
-header that does not fit either is dropped.
+header that does not fit either is dropped; ``trim_reserve_bytes`` of the pool
+are kept for headers alone (htsim gives them a queue of their own), so a pool
+full of data still takes them.
 
 Pure accounting: the caller enqueues, dequeues and calls :meth:`release` when a
 frame leaves; nothing here reads a clock.
@@ -58,7 +60,7 @@ class SharedBuffer:
     """Every egress queue of one switch, sharing ``size_bytes`` under dynamic thresholds."""
 
     def __init__(self, size_bytes: float, *, alpha: float = 1.0, trim_bytes: int = 0,
-                 what: str = "buffer") -> None:
+                 trim_reserve_bytes: int = 0, what: str = "buffer") -> None:
         self.size = check_bytes(what, size_bytes)
         if not (alpha > 0):  # also refuses NaN
             raise CongestionConfigError(
@@ -66,6 +68,9 @@ class SharedBuffer:
                 f"got {alpha!r}")
         self.alpha = float(alpha)
         self.trim_bytes = check_bytes(f"{what} trim", trim_bytes)
+        # bytes only trimmed headers may use, so a pool full of data still takes them
+        self.trim_reserve = check_bytes(f"{what} trim reserve", trim_reserve_bytes,
+                                        maximum=self.size)
         self.used = 0
         self.peak = 0
         self.accepted = 0
@@ -89,7 +94,7 @@ class SharedBuffer:
 
     def fits(self, port: int, tc: int, nbytes: int) -> bool:
         """Whether ``nbytes`` more would be admitted to ``(port, tc)`` now."""
-        free = self.size - self.used
+        free = self.size - self.trim_reserve - self.used
         if nbytes > free:
             return False
         if math.isinf(self.alpha):
@@ -111,6 +116,16 @@ class SharedBuffer:
             self._charge((port, trim_tc), self.trim_bytes)
             self.trims += 1
             return Admission.TRIM
+        self.drops += 1
+        return Admission.DROP
+
+    def offer_lossless(self, port: int, tc: int, nbytes: int) -> Admission:
+        """Admit a frame of a lossless class (PFC holds its senders back instead of a
+        threshold): only the pool's size bounds it; beyond, it is dropped and counted."""
+        if nbytes <= self.size - self.used:
+            self._charge((port, tc), nbytes)
+            self.accepted += 1
+            return Admission.ACCEPT
         self.drops += 1
         return Admission.DROP
 

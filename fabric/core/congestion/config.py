@@ -91,8 +91,13 @@ def check_bytes(what: str, value: float, *, minimum: float = 0.0,
         raise CongestionConfigError(f"{what}: {value!r} is not a finite number of bytes")
     if value < minimum:
         raise CongestionConfigError(
-            f"{what}: {value:g} bytes is below the least possible, {minimum:g}; raise it")
+            f"{what}: {_num(value)} bytes is below the least possible, {_num(minimum)}; "
+            "raise it")
     if value > maximum:
         raise CongestionConfigError(
-            f"{what}: {value:g} bytes is absurd (more than {maximum:g}); check the unit")
+            f"{what}: {_num(value)} bytes is absurd (more than {_num(maximum)}); check the unit")
     return int(value)
+
+
+def _num(v: float) -> str:
+    return str(int(v)) if float(v).is_integer() else f"{v:g}"

@@ -12,8 +12,9 @@ keeps a current rate ``Rc``, a target ``Rt`` and a congestion estimate ``alpha``
   events fast recovery ``Rc = (Rt + Rc)/2``; then additive increase
   (``Rt += R_AI``); when both counters pass F, hyper increase (``Rt += i R_HAI``).
 
-The constants are the paper's (g = 1/256, 55 us timers, F = 5, R_AI 40 Mb/s,
-CNP every 50 us); the byte counter is 10 MB as there, and R_HAI is 10 x R_AI.
+The constants are the paper's (g = 1/256, 55 us timers, F = 5, R_AI 40 Mb/s at
+40 Gb/s, scaled with the line rate here, CNP every 50 us); the byte counter is
+10 MB as there, and R_HAI is 10 x R_AI.
 """
 
 from __future__ import annotations
@@ -33,13 +34,20 @@ INCREASE_TIMER_S = 55e-6
 BYTE_COUNTER = 10 * 1000 * 1000
 #: Fast-recovery steps before additive increase.
 FAST_RECOVERY_STEPS = 5
-#: Additive and hyper increase steps (bit/s).
+#: Additive and hyper increase steps (bit/s) at the paper's 40 Gb/s; scaled with
+#: the line rate (the same fraction of it per step).
 RATE_AI_BPS = 40e6
 RATE_HAI_BPS = 400e6
+REFERENCE_LINE_BPS = 40e9
 #: The rate never falls below this fraction of the line rate.
 MIN_RATE_FRACTION = 1e-3
 #: The receiver sends at most one CNP per flow per this period (seconds).
 CNP_INTERVAL_S = 50e-6
+#: The switches' RED profile DCQCN was tuned with (the paper's section 5):
+#: Kmin 5 KB, Kmax 200 KB, Pmax 1%.
+ECN_KMIN = 5 * 1000
+ECN_KMAX = 200 * 1000
+ECN_PMAX = 0.01
 
 
 class CnpPacer:
@@ -73,6 +81,8 @@ class Dcqcn(CongestionControl):
         self.target = self.line
         self.alpha = 1.0
         self.min_rate = self.line * MIN_RATE_FRACTION
+        self.rate_ai = RATE_AI_BPS * self.line / REFERENCE_LINE_BPS
+        self.rate_hai = RATE_HAI_BPS * self.line / REFERENCE_LINE_BPS
         self._alpha_at: float | None = None
         self._increase_at: float | None = None
         self._t_count = 0
@@ -123,9 +133,9 @@ class Dcqcn(CongestionControl):
         if max(t, b) < FAST_RECOVERY_STEPS:
             pass  # fast recovery: towards the target, which stays
         elif min(t, b) > FAST_RECOVERY_STEPS:
-            self.target += (min(t, b) - FAST_RECOVERY_STEPS) * RATE_HAI_BPS
+            self.target += (min(t, b) - FAST_RECOVERY_STEPS) * self.rate_hai
         else:
-            self.target += RATE_AI_BPS
+            self.target += self.rate_ai
         if self.target > self.line:
             self.target = self.line
         self.rate_bps = (self.target + self.rate_bps) / 2

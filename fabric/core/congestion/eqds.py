@@ -42,6 +42,11 @@ class Eqds(CongestionControl):
         self.credit += nbytes
         self.granted += nbytes
 
+    def on_timeout(self, nbytes: int, now: float) -> None:
+        # the frame vanished whole: the receiver never saw it, so it will not grant
+        # it again; the credit it used is the sender's to reuse
+        self.credit += nbytes
+
     def statistics(self) -> dict[str, Any]:
         return {"credit": self.credit, "granted": self.granted,
                 "unsolicited": self.unsolicited}

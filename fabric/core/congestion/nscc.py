@@ -23,7 +23,8 @@ end of each window of ``base_rtt + target``, after a loss (a trimmed frame's
 NACK) or an average delay above 4 x target, the window drops at once to what was
 ACKed in that window (what the path actually carried), and CE marks are
 ignored until the frames then in flight are ACKed. The window stays within
-[1 MTU, 1.5 BDP].
+[0.05 MTU, 1.5 BDP]; under one MTU the flow sends one frame at a time, paced at
+``cwnd`` per base RTT (so a 1000-to-1 incast need not hold 1000 MTUs in flight).
 
 Constants (htsim's ``initNsccParams``, scaled like it by ``a = BDP / (100 Gb/s
 x 12 us)`` and ``b = target / 12 us``): gamma 0.8, delay EWMA gain 0.0125,
@@ -55,7 +56,7 @@ DELAY_EWMA = 0.0125
 #: Quick adapt when the average delay passes this many targets.
 QUICK_ADAPT_TARGETS = 4.0
 #: Fair increase per RTT of ACKs (MTUs, x a); proportional increase at zero delay (x a x b).
-FAIR_MTUS = 1.0
+FAIR_MTUS = 4.0
 PROPORTIONAL_MTUS = 4.0
 #: Additive drift per base RTT (MTUs, x a).
 ETA_MTUS = 0.15
@@ -63,6 +64,10 @@ ETA_MTUS = 0.15
 ADJUST_MTUS = 8
 #: Delay below which a window of ACKs counts as an empty path (fast increase).
 FAST_INCREASE_DELAY_S = 1e-6
+#: Smallest window, in MTUs. Below one MTU the flow is paced at ``cwnd`` per base
+#: RTT instead (one frame in flight): with many senders on one port, even one
+#: frame each is more than the port's BDP and buffer.
+MIN_WINDOW_MTUS = 0.05
 
 
 class Nscc(CongestionControl):
@@ -80,7 +85,8 @@ class Nscc(CongestionControl):
         a = path.bdp / REFERENCE_BDP
         b = self.target / HTSIM_BASE_RTT_S
         self.maxwnd = max(MAX_WINDOW_BDP * path.bdp, mtu)
-        self.min_cwnd = mtu
+        self.min_cwnd = MIN_WINDOW_MTUS * mtu
+        self.mtu = mtu
         self.cwnd = self.maxwnd
         self.fair = FAIR_MTUS * mtu * a
         self.prop = PROPORTIONAL_MTUS * mtu * a * b
@@ -141,7 +147,11 @@ class Nscc(CongestionControl):
 
     def on_nack(self, nbytes: int, now: float) -> None:
         self.inflight = max(self.inflight - nbytes, 0)
-        self.cwnd -= nbytes
+        # a frame in flight at the quick adapt, answered (trimmed) after it
+        self._ignore = max(self._ignore - nbytes, 0)
+        # a loss takes the frame's bytes off, never below one MTU: a burst of trims
+        # must not leave a flow paced at a crawl (only delay drives it lower)
+        self.cwnd = max(self.cwnd - nbytes, min(self.cwnd, self.mtu))
         self._loss = True
         self._clamp()
         if self._ignore == 0:
@@ -168,7 +178,9 @@ class Nscc(CongestionControl):
         fired = False
         if (self._loss or self.avg_delay > QUICK_ADAPT_TARGETS * self.target) \
                 and self._achieved < self.cwnd:
-            self.cwnd = max(float(self._achieved), self.min_cwnd)
+            # never below one MTU here: a flow that got nothing through in the
+            # window (others' burst came first) must not be starved by it
+            self.cwnd = max(float(self._achieved), min(self.cwnd, self.mtu))
             self._ignore = self.inflight
             self.quick_adapts += 1
             fired = True
@@ -182,6 +194,9 @@ class Nscc(CongestionControl):
             self.cwnd = self.min_cwnd
         elif self.cwnd > self.maxwnd:
             self.cwnd = self.maxwnd
+        # under one MTU: one frame at a time, paced to cwnd per base RTT
+        self.rate_bps = (self.path.line_rate_bps if self.cwnd >= self.mtu
+                         else self.cwnd * 8 / self.base_rtt)
 
 
 register_cc("nscc", Nscc)

@@ -1,0 +1,119 @@
+"""`semfab sim incast`: congestion scenarios in virtual time, frames at MTU through
+queued ports (:mod:`fabric.sim.incast`).
+
+Prints one line per run and, with ``--json``, writes every figure and setting.
+Bad settings (Kmin above Kmax, a PFC headroom below one MTU, a negative or
+absurd buffer, an unknown policy) are one line and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from typing import Any
+
+from bench import report
+from fabric.core.congestion import CC_POLICIES, CongestionConfigError
+from fabric.errors import UsageError
+
+NOTE = "simulated (virtual time)"
+
+
+def add_incast_parser(sub: Any) -> None:
+    """The ``incast`` subcommand of `semfab sim`."""
+    p = sub.add_parser(
+        "incast", help="N senders to one receiver through one switch: queues, ECN, "
+        "trimming, PFC and congestion control, frames at MTU",
+        description="Every sender starts at once and sends --size bytes to one receiver "
+        "through one switch, in virtual time; defaults are htsim's (100 Gb/s, MTU 4150 B, "
+        "12 us base RTT, a buffer of 1 BDP with --trim, 5 BDP without, ECN 0.2-0.8 BDP).")
+    p.add_argument("--senders", type=int, required=True, help="how many senders (N -> 1)")
+    p.add_argument("--size", required=True,
+                   help="bytes each sender sends (plain bytes, or 2M = 2 MiB)")
+    p.add_argument("--link-gbps", type=float, default=100.0, help="every link's bandwidth")
+    p.add_argument("--mtu", type=int, default=4150,
+                   help="bytes of a full frame on the wire, header included")
+    p.add_argument("--base-rtt-us", type=float, default=12.0,
+                   help="round trip of one frame and its ACK on the idle fabric (sets the "
+                   "links' latency)")
+    p.add_argument("--cc", default="nscc",
+                   help=f"sender congestion control: {', '.join(sorted(CC_POLICIES))}")
+    p.add_argument("--buffer", default=None,
+                   help="the switch's shared buffer in bytes (default: 1 BDP with --trim, "
+                   "5 BDP without, 32 MB with --pfc)")
+    p.add_argument("--buffer-alpha", type=float, default=math.inf,
+                   help="dynamic threshold: one queue may hold alpha x the free buffer "
+                   "(default inf: only the buffer's size)")
+    p.add_argument("--trim", action="store_true",
+                   help="cut the payload of a frame that does not fit and forward its header "
+                   "first (else: tail drop)")
+    p.add_argument("--pfc", action="store_true",
+                   help="lossless data class: PFC pauses senders (XOFF 1/8 of the free "
+                   "buffer, headroom 3 x rate x link delay)")
+    p.add_argument("--kmin", default=None, help="ECN: no mark at or below (bytes)")
+    p.add_argument("--kmax", default=None, help="ECN: every frame marked above (bytes)")
+    p.add_argument("--pmax", type=float, default=None,
+                   help="ECN: marking probability at Kmax (default 1; dcqcn: 0.01)")
+    p.add_argument("--no-ecn", action="store_true", help="switches mark nothing")
+    p.add_argument("--seed", type=int, default=0, help="data, marks and spraying")
+    p.add_argument("--json", metavar="PATH", help="write the figures and every setting")
+    p.set_defaults(sim_func=run_incast_command)
+
+
+def _bytes(flag: str, text: str | None) -> int | None:
+    if text is None:
+        return None
+    try:
+        return report.parse_size(text)
+    except ValueError as exc:
+        raise UsageError(f"{flag}: {exc}") from None
+
+
+def settings_from_args(args: argparse.Namespace) -> Any:
+    """The checked :class:`~fabric.sim.incast.IncastSettings` of a command line."""
+    from fabric.sim.incast import IncastSettings
+
+    size = _bytes("--size", args.size)
+    assert size is not None
+    s = IncastSettings(
+        senders=args.senders, size=size, link_gbps=args.link_gbps, mtu=args.mtu,
+        base_rtt_us=args.base_rtt_us, cc=args.cc, buffer=_bytes("--buffer", args.buffer),
+        buffer_alpha=args.buffer_alpha, trim=args.trim, pfc=args.pfc,
+        kmin=_bytes("--kmin", args.kmin), kmax=_bytes("--kmax", args.kmax), pmax=args.pmax,
+        ecn=not args.no_ecn, seed=args.seed)
+    try:
+        return s.resolved()
+    except CongestionConfigError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def run_incast_command(args: argparse.Namespace) -> int:
+    """`semfab sim incast`."""
+    from fabric.emulation.launch_cli import check_output_file
+    from fabric.info import build
+    from fabric.sim.incast import run_incast
+
+    s = settings_from_args(args)
+    if args.json:
+        check_output_file("--json", args.json)
+    print(f"# semfab sim incast ({NOTE}, {build()} build): {s.senders} -> 1, "
+          f"{report.format_size(s.size)} each, {s.link_gbps:g} Gbit/s, mtu {s.mtu}, base RTT "
+          f"{s.base_rtt_us:g} us, cc {s.cc}, buffer {s.buffer} B, "
+          + ("pfc" if s.pfc else "trim" if s.trim else "tail drop")
+          + (f", ECN {s.kmin}..{s.kmax} B pmax {s.pmax:g}" if s.ecn else ", no ECN"), flush=True)
+    r = run_incast(s)
+    fct = r["fct_slowdown"]
+    state = "" if r["finished"] else "  NOT FINISHED (stalled)"
+    print(f"completion {r['completion_s'] * 1e3:.3f} ms = {r['of_ideal']:.3f} x ideal "
+          f"({r['ideal_s'] * 1e3:.3f} ms); goodput {r['goodput_gbps']:.2f} Gbit/s; FCT "
+          f"slowdown p50/p95/p99 {fct['p50']:.1f}/{fct['p95']:.1f}/{fct['p99']:.1f}; jain "
+          f"{r['jain']:.3f}{state}")
+    print(f"drops {r['drops']}, trims {r['trims']}, ECN marks {r['ecn_marks']}, pauses "
+          f"{r['pauses']} ({r['paused_s'] * 1e6:.1f} us), retransmits {r['retransmits']} "
+          f"(timeouts {r['timeouts']}); bottleneck queue peak {r['peak_queue_bytes']} B, "
+          f"mean {r['mean_queue_bytes']:.0f} B; wrong {r['wrong']}")
+    print(f"# {r['events']} events in {r['wall_s']:.2f} s of wall time")
+    if args.json:
+        report.write_json(args.json, "sim-incast", [r], extra={"note": NOTE})
+        print(f"# wrote {args.json}")
+    return 0 if r["finished"] and r["wrong"] == 0 else 1

@@ -1,0 +1,319 @@
+"""A packet-level fabric in virtual time: frames at MTU through queued ports.
+
+Where :class:`fabric.sim.engine.Simulation` moves whole frames of up to the
+topology's MTU through link pipelines that never fill, this model is for the
+questions where queues decide: every frame is at most one MTU, every switch
+egress port has a FIFO per traffic class drawing on the switch's
+:class:`~fabric.core.congestion.SharedBuffer`, and the pure mechanisms of
+:mod:`fabric.core.congestion` decide admission (tail drop or trimming), ECN
+marks and PFC pauses. Endpoints (:mod:`fabric.sim.transport`) send and
+receive real semfab frame headers; the switch sets the header's CE bit.
+
+Traffic classes: ``CTRL`` (ACKs, NACKs, CNPs, credits, PFC frames and trimmed
+headers) is served first, strictly; ``DATA`` carries payload, and is the class
+PFC pauses. Control frames are not charged to the buffer, except trimmed
+headers (they stand for data).
+
+One event loop (:class:`Net`): a heap of ``(time, seq, callback, argument)``;
+nothing reads the wall clock, and one seed gives one run.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import random
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+from fabric.core.congestion import (
+    Admission,
+    PauseState,
+    PfcEvent,
+    PfcIngress,
+    RedMarker,
+    SharedBuffer,
+)
+from fabric.core.congestion.config import TRIM_HEADER_BYTES
+from fabric.core.frame import Flag
+
+__all__ = ["CTRL", "DATA", "CONTROL_WIRE_BYTES", "Net", "Node", "Packet", "Port", "Switch"]
+
+#: Traffic classes: control (strict priority) and data.
+CTRL, DATA = 0, 1
+#: Bytes a control frame occupies on the wire: the minimum Ethernet frame
+#: (IEEE 802.3), which also holds our 32-byte header.
+CONTROL_WIRE_BYTES = 64
+#: Packet kinds (what the header's opcode says, kept for cheap dispatch).
+K_DATA, K_ACK, K_NACK, K_CNP, K_PULL, K_PAUSE, K_RESUME = range(7)
+
+_ECN = int(Flag.ECN)
+
+
+class Packet:
+    """One frame on the wire: its header bytes (the CE bit is set in place), its
+    payload (None: none, or trimmed away) and what the model needs to move it."""
+
+    __slots__ = ("header", "payload", "size", "kind", "src", "dst", "flow", "psn", "tc",
+                 "in_port", "sent_at")
+
+    def __init__(self, header: bytearray, payload: Any, size: int, kind: int, src: int,
+                 dst: int, flow: int, psn: int, tc: int, sent_at: float = 0.0) -> None:
+        self.header = header
+        self.payload = payload
+        self.size = size
+        self.kind = kind
+        self.src = src
+        self.dst = dst
+        self.flow = flow
+        self.psn = psn
+        self.tc = tc
+        self.in_port = -1
+        self.sent_at = sent_at
+
+    @property
+    def ecn(self) -> bool:
+        """The congestion-experienced bit of the header."""
+        return bool(self.header[2] & _ECN)
+
+    @property
+    def trimmed(self) -> bool:
+        """A data frame whose payload a switch cut away."""
+        return self.kind == K_DATA and self.payload is None
+
+
+class Net:
+    """The event loop."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.events = 0
+        self._heap: list[tuple[float, int, Callable[[Any, float], None], Any]] = []
+        self._seq = itertools.count()
+
+    def at(self, t: float, fn: Callable[[Any, float], None], arg: Any = None) -> None:
+        """Call ``fn(arg, t)`` at virtual time ``t``."""
+        heapq.heappush(self._heap, (t, next(self._seq), fn, arg))
+
+    def run(self, until: Callable[[], bool], limit_s: float) -> bool:
+        """Run events until ``until()`` or nothing is left or ``limit_s`` passes;
+        True when ``until()`` holds."""
+        heap = self._heap
+        pop = heapq.heappop
+        while heap:
+            if until():
+                return True
+            t, _s, fn, arg = pop(heap)
+            if t > limit_s:
+                heapq.heappush(heap, (t, _s, fn, arg))
+                break
+            self.now = t
+            self.events += 1
+            fn(arg, t)
+        return until()
+
+
+class Node:
+    """Something with ports: a switch or a host."""
+
+    name = ""
+
+    def receive(self, arrival: tuple[Packet, int], t: float) -> None:
+        raise NotImplementedError
+
+    def pull(self, port: Port, t: float) -> Packet | None:
+        """A free port with empty queues asks its owner for a frame (hosts send this way)."""
+        return None
+
+    def departed(self, port: Port, pkt: Packet, t: float) -> None:
+        """``pkt`` finished leaving through ``port``."""
+
+
+class Port:
+    """One egress port and its link: a FIFO per class, serialisation at ``rate``, then
+    ``latency`` to the peer's ingress ``peer_in``."""
+
+    __slots__ = ("net", "owner", "index", "peer", "peer_in", "rate", "latency", "ctrl", "data",
+                 "busy", "pause", "data_bytes", "peak_bytes", "sent_frames", "sent_bytes",
+                 "depth", "name", "q_area", "q_t")
+
+    def __init__(self, net: Net, owner: Node, index: int, rate_bps: float,
+                 latency_s: float) -> None:
+        self.net = net
+        self.owner = owner
+        self.index = index
+        self.peer: Node = owner
+        self.peer_in = -1
+        self.rate = rate_bps
+        self.latency = latency_s
+        self.ctrl: deque[Packet] = deque()
+        self.data: deque[Packet] = deque()
+        self.busy = False
+        self.pause = PauseState()
+        self.data_bytes = 0
+        self.peak_bytes = 0
+        self.sent_frames = 0
+        self.sent_bytes = 0
+        self.depth: list[tuple[float, int]] | None = None  # (t, data bytes) when traced
+        self.q_area = 0.0  # integral of the data queue over time (byte-seconds)
+        self.q_t = 0.0
+        self.name = f"{owner.name}:{index}"
+
+    def connect(self, peer: Node, peer_in: int) -> None:
+        self.peer, self.peer_in = peer, peer_in
+
+    def enqueue(self, pkt: Packet, t: float) -> None:
+        """Queue ``pkt`` (admission is the owner's business) and start if idle."""
+        if pkt.tc == CTRL:
+            self.ctrl.append(pkt)
+        else:
+            self.data.append(pkt)
+            self.q_area += self.data_bytes * (t - self.q_t)
+            self.q_t = t
+            self.data_bytes += pkt.size
+            if self.data_bytes > self.peak_bytes:
+                self.peak_bytes = self.data_bytes
+            if self.depth is not None:
+                self.depth.append((t, self.data_bytes))
+        if not self.busy:
+            self._start(t)
+
+    def mean_queue(self, t: float) -> float:
+        """Time-average bytes in the data queue from 0 to ``t``."""
+        area = self.q_area + self.data_bytes * (t - self.q_t)
+        return area / t if t > 0 else 0.0
+
+    def kick(self, t: float) -> None:
+        """Something may be ready to send (a host's flow, a resumed class)."""
+        if not self.busy:
+            self._start(t)
+
+    def set_paused(self, tc: int, paused: bool, t: float) -> None:
+        """A PFC frame from the peer arrived."""
+        if paused:
+            self.pause.pause(tc, t)
+        else:
+            self.pause.resume(tc, t)
+            self.kick(t)
+
+    def _start(self, t: float) -> None:
+        pkt: Packet | None
+        if self.ctrl:
+            pkt = self.ctrl.popleft()
+        elif self.pause.is_paused(DATA):
+            pkt = None
+        elif self.data:
+            pkt = self.data.popleft()
+            self.q_area += self.data_bytes * (t - self.q_t)
+            self.q_t = t
+            self.data_bytes -= pkt.size
+            if self.depth is not None:
+                self.depth.append((t, self.data_bytes))
+        else:
+            pkt = self.owner.pull(self, t)
+        if pkt is None:
+            self.busy = False
+            return
+        self.busy = True
+        self.net.at(t + pkt.size * 8 / self.rate, self._done, pkt)
+
+    def _done(self, pkt: Packet, t: float) -> None:
+        self.sent_frames += 1
+        self.sent_bytes += pkt.size
+        self.owner.departed(self, pkt, t)
+        self.net.at(t + self.latency, self.peer.receive, (pkt, self.peer_in))
+        self._start(t)
+
+
+class Switch(Node):
+    """A switch: routes by destination, admits to its shared buffer (drop or trim),
+    marks CE by RED, and runs PFC on the data class."""
+
+    def __init__(self, net: Net, name: str, buffer: SharedBuffer, *,
+                 marker: RedMarker | None = None, pfc: PfcIngress | None = None,
+                 trim: bool = False, rng: random.Random | None = None) -> None:
+        self.net = net
+        self.name = name
+        self.buffer = buffer
+        self.marker = marker
+        self.pfc = pfc
+        self.trim = trim
+        self.rng = rng or random.Random(0)
+        self.ports: list[Port] = []
+        #: destination host id -> the egress ports that lead there (ECMP choices)
+        self.routes: dict[int, list[int]] = {}
+        self.spray = False
+        #: buffer bytes kept for PFC headroom (every port's): the XOFF threshold is a
+        #: fraction of the free bytes outside it, so what a paused sender still has
+        #: in flight always fits
+        self.pfc_reserve = 0
+        self.ecn_marks = 0
+        self.lossless_drops = 0  # frames PFC should have held back (headroom too small)
+
+    def add_port(self, rate_bps: float, latency_s: float) -> Port:
+        port = Port(self.net, self, len(self.ports), rate_bps, latency_s)
+        self.ports.append(port)
+        return port
+
+    def receive(self, arrival: tuple[Packet, int], t: float) -> None:
+        pkt, in_port = arrival
+        if pkt.kind == K_PAUSE or pkt.kind == K_RESUME:
+            self.ports[in_port].set_paused(pkt.flow, pkt.kind == K_PAUSE, t)
+            return
+        choices = self.routes[pkt.dst]
+        if len(choices) == 1:
+            out = choices[0]
+        elif self.spray:
+            out = choices[self.rng.randrange(len(choices))]
+        else:  # ECMP: one path per flow
+            out = choices[hash((pkt.src, pkt.dst, pkt.flow)) % len(choices)]
+        port = self.ports[out]
+        if pkt.tc == CTRL:
+            port.enqueue(pkt, t)
+            return
+        pkt.in_port = in_port
+        buf = self.buffer
+        if self.pfc is not None:
+            # lossless: PFC, not a threshold, keeps the pool from filling
+            verdict = buf.offer_lossless(out, DATA, pkt.size)
+            if verdict is Admission.ACCEPT:
+                ev = self.pfc.on_enqueue(in_port, DATA, pkt.size,
+                                         max(buf.free - self.pfc_reserve, 0))
+                if ev is not None:
+                    self._pfc_frame(ev, t)
+            else:
+                self.lossless_drops += 1
+        else:
+            verdict = buf.offer(out, DATA, pkt.size, trim_tc=CTRL if self.trim else None)
+        if verdict is Admission.ACCEPT:
+            if self.marker is not None and self.marker.mark(port.data_bytes):
+                pkt.header[2] |= _ECN
+                self.ecn_marks += 1
+            port.enqueue(pkt, t)
+        elif verdict is Admission.TRIM:
+            pkt.payload = None
+            pkt.size = TRIM_HEADER_BYTES
+            pkt.tc = CTRL
+            port.enqueue(pkt, t)
+
+    def departed(self, port: Port, pkt: Packet, t: float) -> None:
+        if pkt.kind != K_DATA:
+            return
+        if pkt.payload is None:  # a trimmed header, charged to the control class
+            self.buffer.release(port.index, CTRL, pkt.size)
+            return
+        self.buffer.release(port.index, DATA, pkt.size)
+        if self.pfc is not None:
+            ev = self.pfc.on_dequeue(pkt.in_port, DATA, pkt.size,
+                                     max(self.buffer.free - self.pfc_reserve, 0))
+            if ev is not None:
+                self._pfc_frame(ev, t)
+
+    def _pfc_frame(self, ev: PfcEvent, t: float) -> None:
+        """PAUSE or resume to the sender on ingress ``ev.port``: a control frame that
+        goes out of our port on that link, ahead of data."""
+        kind = K_PAUSE if ev.pause else K_RESUME
+        pkt = Packet(bytearray(CONTROL_WIRE_BYTES), None, CONTROL_WIRE_BYTES, kind, -1, -1,
+                     ev.tc, 0, CTRL)
+        self.ports[ev.port].enqueue(pkt, t)
