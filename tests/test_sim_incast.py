@@ -12,7 +12,8 @@ import pytest
 
 from fabric.cli import main
 from fabric.sim import transport
-from fabric.sim.incast import IncastSettings, jain, percentile, run_incast
+from fabric.sim.figures import jain, percentile
+from fabric.sim.incast import IncastSettings, run_incast
 
 KEYS = ("completion_s", "ideal_s", "fct_slowdown", "goodput_gbps", "jain", "drops", "trims",
         "ecn_marks", "pauses", "paused_s", "retransmits", "wrong", "settings")

@@ -269,9 +269,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         return calibrate.run(args)
 
     c.set_defaults(sim_func=_calibrate)
-    from fabric.sim.congestion_cli import add_incast_parser
+    from fabric.sim.congestion_cli import add_incast_parser, add_permutation_parser
 
     add_incast_parser(sub)
+    add_permutation_parser(sub)
     p.set_defaults(sim_func=None)
 
 
@@ -322,8 +323,8 @@ def _add_outputs(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Entry of `semfab sim`."""
     if args.sim_func is None:
-        raise UsageError("say what to simulate: `semfab sim allreduce`, `semfab sim scale` "
-                         "or `semfab sim incast` (see `semfab sim --help`)")
+        raise UsageError("say what to simulate: `semfab sim allreduce`, `sim scale`, "
+                         "`sim incast` or `sim permutation` (see `semfab sim --help`)")
     return int(args.sim_func(args))
 
 

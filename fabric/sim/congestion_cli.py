@@ -1,5 +1,6 @@
-"""`semfab sim incast`: congestion scenarios in virtual time, frames at MTU through
-queued ports (:mod:`fabric.sim.incast`).
+"""`semfab sim incast` and `semfab sim permutation`: congestion scenarios in virtual
+time, frames at MTU through queued ports (:mod:`fabric.sim.incast`,
+:mod:`fabric.sim.permutation`).
 
 Prints one line per run and, with ``--json``, writes every figure and setting.
 Bad settings (Kmin above Kmax, a PFC headroom below one MTU, a negative or
@@ -60,6 +61,85 @@ def add_incast_parser(sub: Any) -> None:
     p.set_defaults(sim_func=run_incast_command)
 
 
+def add_permutation_parser(sub: Any) -> None:
+    """The ``permutation`` subcommand of `semfab sim`."""
+    p = sub.add_parser(
+        "permutation", help="every host sends to another on a leaf/spine: ECMP or per-frame "
+        "spraying, queues, ECN, trimming and congestion control, frames at MTU",
+        description="Leaves x per-leaf hosts, each leaf with one uplink to each spine; every "
+        "host sends --size bytes to the host a seeded permutation gives it, all at once, in "
+        "virtual time. Defaults: 100 Gb/s, 1 us links, MTU 4150 B, a queue per port of 1 BDP "
+        "with --trim (5 BDP without), ECN 0.2-0.8 BDP.")
+    p.add_argument("--leaves", type=int, required=True, help="leaf switches")
+    p.add_argument("--per-leaf", type=int, required=True, help="hosts per leaf")
+    p.add_argument("--spines", type=int, required=True, help="spine switches")
+    p.add_argument("--oversubscription", type=float, default=1.0,
+                   help="a leaf's host bandwidth over its uplink bandwidth (1, 4, 8, ...)")
+    p.add_argument("--size", required=True, help="bytes each host sends")
+    p.add_argument("--link-gbps", type=float, default=100.0, help="host links' bandwidth")
+    p.add_argument("--latency-us", type=float, default=1.0, help="every link's latency")
+    p.add_argument("--mtu", type=int, default=4150,
+                   help="bytes of a full frame on the wire, header included")
+    p.add_argument("--cc", default="nscc",
+                   help=f"sender congestion control: {', '.join(sorted(CC_POLICIES))}")
+    p.add_argument("--spray", action="store_true",
+                   help="leaves spread every frame over the uplinks at random (else ECMP: one "
+                   "uplink per flow, by hash)")
+    p.add_argument("--trim", action="store_true", help="trim instead of tail drop")
+    p.add_argument("--buffer", default=None, help="bytes of queue per port")
+    p.add_argument("--no-ecn", action="store_true", help="switches mark nothing")
+    p.add_argument("--seed", type=int, default=0, help="permutation, data, marks, spraying")
+    p.add_argument("--json", metavar="PATH", help="write the figures and every setting")
+    p.set_defaults(sim_func=run_permutation_command)
+
+
+def run_permutation_command(args: argparse.Namespace) -> int:
+    """`semfab sim permutation`."""
+    from fabric.emulation.launch_cli import check_output_file
+    from fabric.info import build
+    from fabric.sim.permutation import PermutationSettings, run_permutation
+
+    size = _bytes("--size", args.size)
+    assert size is not None
+    try:
+        s = PermutationSettings(
+            leaves=args.leaves, per_leaf=args.per_leaf, spines=args.spines, size=size,
+            oversubscription=args.oversubscription, link_gbps=args.link_gbps,
+            latency_us=args.latency_us, mtu=args.mtu, cc=args.cc, spray=args.spray,
+            trim=args.trim, buffer=_bytes("--buffer", args.buffer), ecn=not args.no_ecn,
+            seed=args.seed).resolved()
+    except CongestionConfigError as exc:
+        raise UsageError(str(exc)) from None
+    if args.json:
+        check_output_file("--json", args.json)
+    print(f"# semfab sim permutation ({NOTE}, {build()} build): {s.leaves} leaves x "
+          f"{s.per_leaf} hosts, {s.spines} spines, {s.oversubscription:g}:1 "
+          f"({s.uplink_gbps:g} Gbit/s uplinks), {report.format_size(s.size)} per host, "
+          f"{s.link_gbps:g} Gbit/s, {s.latency_us:g} us links, mtu {s.mtu}, cc {s.cc}, "
+          f"{'spray' if s.spray else 'ECMP'}, {'trim' if s.trim else 'tail drop'}, "
+          f"{s.buffer} B per port", flush=True)
+    r = run_permutation(s)
+    _print_figures(r)
+    if args.json:
+        report.write_json(args.json, "sim-permutation", [r], extra={"note": NOTE})
+        print(f"# wrote {args.json}")
+    return 0 if r["finished"] and r["wrong"] == 0 else 1
+
+
+def _print_figures(r: dict[str, Any]) -> None:
+    fct = r["fct_slowdown"]
+    state = "" if r["finished"] else "  NOT FINISHED (stalled)"
+    print(f"completion {r['completion_s'] * 1e3:.3f} ms = {r['of_ideal']:.3f} x ideal "
+          f"({r['ideal_s'] * 1e3:.3f} ms); goodput {r['goodput_gbps']:.2f} Gbit/s; FCT "
+          f"slowdown p50/p95/p99 {fct['p50']:.2f}/{fct['p95']:.2f}/{fct['p99']:.2f}; jain "
+          f"{r['jain']:.3f}{state}")
+    print(f"drops {r['drops']}, trims {r['trims']}, ECN marks {r['ecn_marks']}, pauses "
+          f"{r['pauses']} ({r['paused_s'] * 1e6:.1f} us), retransmits {r['retransmits']} "
+          f"(timeouts {r['timeouts']}); peak queue {r['peak_queue_bytes']} B; wrong "
+          f"{r['wrong']}")
+    print(f"# {r['events']} events in {r['wall_s']:.2f} s of wall time")
+
+
 def _bytes(flag: str, text: str | None) -> int | None:
     if text is None:
         return None
@@ -102,17 +182,8 @@ def run_incast_command(args: argparse.Namespace) -> int:
           + ("pfc" if s.pfc else "trim" if s.trim else "tail drop")
           + (f", ECN {s.kmin}..{s.kmax} B pmax {s.pmax:g}" if s.ecn else ", no ECN"), flush=True)
     r = run_incast(s)
-    fct = r["fct_slowdown"]
-    state = "" if r["finished"] else "  NOT FINISHED (stalled)"
-    print(f"completion {r['completion_s'] * 1e3:.3f} ms = {r['of_ideal']:.3f} x ideal "
-          f"({r['ideal_s'] * 1e3:.3f} ms); goodput {r['goodput_gbps']:.2f} Gbit/s; FCT "
-          f"slowdown p50/p95/p99 {fct['p50']:.1f}/{fct['p95']:.1f}/{fct['p99']:.1f}; jain "
-          f"{r['jain']:.3f}{state}")
-    print(f"drops {r['drops']}, trims {r['trims']}, ECN marks {r['ecn_marks']}, pauses "
-          f"{r['pauses']} ({r['paused_s'] * 1e6:.1f} us), retransmits {r['retransmits']} "
-          f"(timeouts {r['timeouts']}); bottleneck queue peak {r['peak_queue_bytes']} B, "
-          f"mean {r['mean_queue_bytes']:.0f} B; wrong {r['wrong']}")
-    print(f"# {r['events']} events in {r['wall_s']:.2f} s of wall time")
+    _print_figures(r)
+    print(f"# bottleneck queue mean {r['mean_queue_bytes']:.0f} B")
     if args.json:
         report.write_json(args.json, "sim-incast", [r], extra={"note": NOTE})
         print(f"# wrote {args.json}")

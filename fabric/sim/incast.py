@@ -67,10 +67,11 @@ from fabric.core.congestion.config import (
 )
 from fabric.core.congestion.dcqcn import CnpPacer
 from fabric.core.congestion.eqds import CreditPacer
+from fabric.sim.figures import count_wrong, jain, slowdowns, steady_jain
 from fabric.sim.network import CONTROL_WIRE_BYTES, Net, Switch
 from fabric.sim.transport import Host, ReceiverFlow, SenderFlow
 
-__all__ = ["IncastSettings", "run_incast", "jain", "percentile"]
+__all__ = ["IncastSettings", "run_incast"]
 
 #: The retransmission timer: at least this many base RTTs, and at least a base
 #: RTT plus twice the time to drain a full buffer (a frame may wait that long).
@@ -184,35 +185,8 @@ class IncastSettings:
         return int(HPCC_HEADROOM_LINK_DELAYS * self.link_gbps * 1e9 / 8 * self.link_latency_s)
 
 
-def jain(xs: list[float]) -> float:
-    """Jain's fairness index: 1 when all equal, 1/n when one has everything."""
-    if not xs:
-        return 1.0
-    s, q = sum(xs), sum(x * x for x in xs)
-    return s * s / (len(xs) * q) if q > 0 else 1.0
-
-
-def percentile(xs: list[float], p: float) -> float:
-    """The ``p``-th percentile (nearest rank)."""
-    ys = sorted(xs)
-    if not ys:
-        return 0.0
-    k = max(math.ceil(p / 100 * len(ys)) - 1, 0)
-    return ys[min(k, len(ys) - 1)]
-
-
 def _kick(port: Any, t: float) -> None:
     port.kick(t)
-
-
-def _steady_jain(samples: list[tuple[float, list[int]]]) -> float:
-    """Jain's index of what each flow delivered in the second half of the time all
-    were running (the share they converged to, not how they started)."""
-    if len(samples) < 3:
-        return 1.0
-    end_t, end = samples[-1]
-    mid = min(samples, key=lambda smp: abs(smp[0] - end_t / 2))[1]
-    return jain([float(b - a) for a, b in zip(mid, end, strict=True)])
 
 
 def run_incast(settings: IncastSettings) -> dict[str, Any]:
@@ -258,7 +232,7 @@ def run_incast(settings: IncastSettings) -> dict[str, Any]:
         hosts[i].add_sender(f)
         flows.append(f)
         receiver.receivers[i] = ReceiverFlow(i, i, s.size, s.mtu)
-    receiver.pending = s.senders
+    net.pending = s.senders
     if policy.receiver_driven:
         receiver.unsolicited_bytes = int(flows[0].cc.credit)
     wire_total = sum(f.wire_bytes for f in flows)
@@ -274,28 +248,23 @@ def run_incast(settings: IncastSettings) -> dict[str, Any]:
 
     def sample(_a: Any, t: float) -> None:
         samples.append((t, [rx.count for rx in rx_list]))
-        if receiver.pending == s.senders:  # until the first flow is done
+        if net.pending == s.senders:  # until the first flow is done
             net.at(t + period, sample)
 
     net.at(0.0, sample)
 
     def finished() -> bool:
-        if not first_done and receiver.pending < s.senders:
+        if not first_done and net.pending < s.senders:
             first_done.extend(rx.count for rx in rx_list)
-        return receiver.pending == 0
+        return net.pending == 0
 
     done = net.run(finished, STALL_IDEALS * ideal + 1.0)
     wall = time.perf_counter() - wall0
     rxs = [receiver.receivers[i] for i in range(s.senders)]
     end = max((rx.done_at or net.now) for rx in rxs)
-    wrong = 0
-    for f, rx in zip(flows, rxs, strict=True):
-        missing = sum(min(rx.chunk, rx.size - k * rx.chunk) for k in range(rx.nframes)
-                      if not rx.got[k])
-        wrong += int(np.count_nonzero(rx.out != f.data)) if missing == 0 else missing
+    wrong = count_wrong(list(zip(flows, rxs, strict=True)))
     fcts = [(rx.done_at if rx.done_at is not None else end) for rx in rxs]
     alone = [f.wire_bytes * 8 / rate + first_hop for f in flows]
-    slow = [fct / a for fct, a in zip(fcts, alone, strict=True)]
     ports = [h.nic for h in hosts] + sw.ports
     settings_out = dataclasses.asdict(s)
     return {
@@ -304,12 +273,11 @@ def run_incast(settings: IncastSettings) -> dict[str, Any]:
         "completion_s": end,
         "ideal_s": ideal,
         "of_ideal": end / ideal,
-        "fct_slowdown": {"p50": percentile(slow, 50), "p95": percentile(slow, 95),
-                         "p99": percentile(slow, 99)},
+        "fct_slowdown": slowdowns(fcts, alone),
         "goodput_gbps": s.senders * s.size * 8 / end / 1e9 if end > 0 else 0.0,
         "jain": jain([f.size / fct for f, fct in zip(flows, fcts, strict=True)]),
         "jain_first_done": jain([float(c) for c in first_done]) if first_done else 1.0,
-        "jain_steady": _steady_jain(samples),
+        "jain_steady": steady_jain(samples),
         "drops": buf.drops,
         "trims": buf.trims,
         "ecn_marks": sw.ecn_marks,

@@ -89,6 +89,8 @@ class Net:
     def __init__(self) -> None:
         self.now = 0.0
         self.events = 0
+        #: flows not yet received whole (receivers count down; scenarios stop at 0)
+        self.pending = 0
         self._heap: list[tuple[float, int, Callable[[Any, float], None], Any]] = []
         self._seq = itertools.count()
 
@@ -236,6 +238,9 @@ class Switch(Node):
         self.net = net
         self.name = name
         self.buffer = buffer
+        #: per port, the pool its queues draw on: ``buffer`` for all (a shared
+        #: buffer), unless :meth:`add_port` is given one of the port's own
+        self.buffers: list[SharedBuffer] = []
         self.marker = marker
         self.pfc = pfc
         self.trim = trim
@@ -251,10 +256,19 @@ class Switch(Node):
         self.ecn_marks = 0
         self.lossless_drops = 0  # frames PFC should have held back (headroom too small)
 
-    def add_port(self, rate_bps: float, latency_s: float) -> Port:
+    def add_port(self, rate_bps: float, latency_s: float,
+                 buffer: SharedBuffer | None = None) -> Port:
         port = Port(self.net, self, len(self.ports), rate_bps, latency_s)
         self.ports.append(port)
+        self.buffers.append(buffer if buffer is not None else self.buffer)
         return port
+
+    def pools(self) -> list[SharedBuffer]:
+        """Every distinct buffer of the switch."""
+        seen: dict[int, SharedBuffer] = {}
+        for b in [self.buffer, *self.buffers]:
+            seen.setdefault(id(b), b)
+        return list(seen.values())
 
     def receive(self, arrival: tuple[Packet, int], t: float) -> None:
         pkt, in_port = arrival
@@ -269,11 +283,12 @@ class Switch(Node):
         else:  # ECMP: one path per flow
             out = choices[hash((pkt.src, pkt.dst, pkt.flow)) % len(choices)]
         port = self.ports[out]
-        if pkt.tc == CTRL:
+        if pkt.tc == CTRL:  # not charged to the buffer here (a trimmed header was, where
+            pkt.in_port = -1  # it was trimmed)
             port.enqueue(pkt, t)
             return
         pkt.in_port = in_port
-        buf = self.buffer
+        buf = self.buffers[out]
         if self.pfc is not None:
             # lossless: PFC, not a threshold, keeps the pool from filling
             verdict = buf.offer_lossless(out, DATA, pkt.size)
@@ -298,15 +313,16 @@ class Switch(Node):
             port.enqueue(pkt, t)
 
     def departed(self, port: Port, pkt: Packet, t: float) -> None:
-        if pkt.kind != K_DATA:
-            return
+        if pkt.kind != K_DATA or pkt.in_port < 0:
+            return  # control frames are not charged
+        buf = self.buffers[port.index]
         if pkt.payload is None:  # a trimmed header, charged to the control class
-            self.buffer.release(port.index, CTRL, pkt.size)
+            buf.release(port.index, CTRL, pkt.size)
             return
-        self.buffer.release(port.index, DATA, pkt.size)
+        buf.release(port.index, DATA, pkt.size)
         if self.pfc is not None:
             ev = self.pfc.on_dequeue(pkt.in_port, DATA, pkt.size,
-                                     max(self.buffer.free - self.pfc_reserve, 0))
+                                     max(buf.free - self.pfc_reserve, 0))
             if ev is not None:
                 self._pfc_frame(ev, t)
 

@@ -253,8 +253,6 @@ class Host(Node):
         self._credit_at: float | None = None
         #: bytes each flow sends before its first credit (receiver-driven policies)
         self.unsolicited_bytes = 0
-        #: flows still to be received completely (the scenario's stop condition)
-        self.pending = 0
 
     def attach(self, rate_bps: float, latency_s: float) -> Port:
         self.nic = Port(self.net, self, 0, rate_bps, latency_s)
@@ -350,7 +348,7 @@ class Host(Node):
             rx.out[offset:offset + length] = np.frombuffer(pkt.payload, np.uint8)
             if rx.count == rx.nframes:
                 rx.done_at = t
-                self.pending -= 1
+                self.net.pending -= 1
         if self.cnp is not None:
             if ce and self.cnp.on_ce(rx.fid, t):
                 self._control(K_CNP, rx.src, rx.fid, psn, t, msg=MSG_CNP)
