@@ -147,7 +147,7 @@ def measure_row(path: str, workers: int, size: int, dtype: str = "float32", op: 
     """One row: a first call that registers the job, ``warmup`` more untimed calls,
     then ``iters`` timed ones; every call checked. ``profile``: collects the
     timed calls' protocol code (and slows it: its row's times are not the row's)."""
-    from fabric.emulation.shm import SharedRegion
+    from fabric.emulation.shm import SharedRegion, region_name
     from kernels.checking import expected_allreduce, make_input
     from kernels.dtypes import np_dtype
     from kernels.reference import count_wrong
@@ -165,16 +165,15 @@ def measure_row(path: str, workers: int, size: int, dtype: str = "float32", op: 
         keys: dict[str, int] = {}
         if path == "ina-mem":  # each member registers one region, as an endpoint's alloc does
             reqs: dict[str, Program] = {}
-            for i, name in enumerate(names):
-                r = SharedRegion.create(f"semfab-core-{os.getpid()}-{time.monotonic_ns()}-{i}",
-                                        count * itemsize)
-                regions.append(r)
+            run = f"core{os.getpid()}_{time.monotonic_ns()}"
+            for name in names:
                 key = wire.states[name].node_id << 16 | 1
+                r = SharedRegion.create(region_name(run, name, key), count * itemsize)
+                regions.append(r)
                 keys[name] = key
                 bufs[name] = outs[name] = r.array(np_dtype(dtype), count)
                 reqs[name] = Request(wire.states[name], "region", "region_reply", key=key,
-                                     size=count * itemsize, path=str(r.path),
-                                     match=_key_is(key))
+                                     size=count * itemsize, run=run, match=_key_is(key))
             wire.run(reqs)
             for name, req in reqs.items():
                 if not req.result.get("ok"):
@@ -326,6 +325,9 @@ def _parse(args: argparse.Namespace) -> tuple[list[str], list[int], list[int], l
         raise UsageError("--iters must be at least 1 and --warmup not negative")
     if args.profile < 0:
         raise UsageError("--profile N: N must not be negative")
+    from fabric.emulation.launch_cli import check_outputs
+
+    check_outputs(args, ("json", "markdown"))  # before the run, not after it
     return paths, workers, sizes, dtypes
 
 

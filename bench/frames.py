@@ -134,6 +134,9 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--sizes: {exc}") from None
     if args.iters < 1 or args.reps < 1:
         raise UsageError("--iters and --reps must be at least 1")
+    from fabric.emulation.launch_cli import check_outputs
+
+    check_outputs(args, ("json", "markdown"))  # before the run, not after it
     rows = measure(sizes, args.iters, args.reps)
     table = format_table(rows)
     print(table)

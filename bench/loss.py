@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from bench import report
-from fabric.errors import UsageError
+from fabric.errors import UsageError, check_seconds
 
 PATHS = ("p2p", "ina")
 POLICIES = ("selective", "gbn")
@@ -144,6 +144,17 @@ def _parse(args: argparse.Namespace) -> tuple[list[float], list[str], list[str],
         raise UsageError("--iters must be at least 1")
     if args.repeat < 1:
         raise UsageError("--repeat must be at least 1")
+    check_seconds("--timeout", args.timeout)
+    if args.reorder and args.reorder != "none":
+        from fabric.core.faults import FaultSpecError, parse_faults
+
+        try:
+            parse_faults(f"reorder={args.reorder}")
+        except FaultSpecError as exc:
+            raise UsageError(f"--reorder {args.reorder}: {exc}; or 'none' to skip") from None
+    from fabric.emulation.launch_cli import check_outputs
+
+    check_outputs(args, dirs=("run_dir",))  # before any fabric starts
     return losses, policies, paths, size, frame
 
 

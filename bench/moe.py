@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from bench import report
-from fabric.errors import UsageError
+from fabric.errors import UsageError, check_seconds
 
 DTYPES = ("bfloat16", "float32")
 DEFAULT_VARIANTS = "flat,hierarchical,in-network"
@@ -74,6 +74,7 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
                                                             args.bandwidth_gbps)):
         if not math.isfinite(value) or value < 0:
             raise UsageError(f"{flag} {value:g}: must be a number >= 0")
+    check_seconds("--timeout", args.timeout)
     if args.leaves < 1 or args.per_leaf < 1:
         raise UsageError("--leaves and --per-leaf must be at least 1")
     ranks = args.leaves * args.per_leaf

@@ -260,8 +260,8 @@ def size_range(begin: int | str, end: int | str, factor: float = 2) -> list[int]
         raise ValueError(f"size_range: begin must be > 0, got {begin!r}")
     if hi < lo:
         raise ValueError(f"size_range: end {end!r} is smaller than begin {begin!r}")
-    if not factor > 1:
-        raise ValueError(f"size_range: factor must be > 1, got {factor!r}")
+    if not 1 < factor < math.inf:
+        raise ValueError(f"size_range: factor must be a finite number > 1, got {factor!r}")
     sizes: list[int] = []
     size = lo
     while size <= hi:

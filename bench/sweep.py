@@ -94,7 +94,8 @@ def add_arguments(p: argparse.ArgumentParser, all_paths: Sequence[str], *, sim_h
         p.add_argument("-r", "--root", type=int, default=0, help="the root rank")
     p.add_argument("-w", "--warmup", type=int, default=3, help="untimed iterations per size")
     p.add_argument("-n", "--iters", type=int, default=10, help="timed iterations per size")
-    p.add_argument("-c", "--check", type=int, default=1, help="1: count wrong elements")
+    p.add_argument("-c", "--check", type=int, default=1, choices=(0, 1),
+                   help="1: count wrong elements, 0: do not")
     p.add_argument("--inplace", default="both", choices=("0", "1", "both"),
                    help="nccl-tests' halves: 0 out-of-place only, 1 in-place only, both "
                    "(default: out-of-place, then in-place, each size)")
@@ -301,7 +302,7 @@ def worker_counts(args: argparse.Namespace) -> list[int]:
 def check_run_inputs(args: argparse.Namespace, workers: list[int], fabric: bool) -> None:
     """Files, folders and links, checked before any process starts (not after a long run)."""
     from fabric.core.topology import TopologyError, load, star
-    from fabric.emulation.launch_cli import check_dir, check_output_file
+    from fabric.emulation.launch_cli import check_outputs
     from fabric.errors import check_seconds
 
     check_seconds("--timeout", args.timeout)
@@ -322,11 +323,7 @@ def check_run_inputs(args: argparse.Namespace, workers: list[int], fabric: bool)
             parse_faults(args.faults)
         except FaultSpecError as exc:
             raise UsageError(f"--faults: {exc}") from None
-    for flag in ("json", "markdown", "plot", "trace"):
-        if getattr(args, flag, None):
-            check_output_file(f"--{flag}", getattr(args, flag))
-    if args.run_dir:
-        check_dir("--run-dir", args.run_dir)
+    check_outputs(args, ("json", "markdown", "plot", "trace"), ("run_dir",))
 
 
 # --------------------------------------------------------------------------

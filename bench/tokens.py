@@ -64,6 +64,9 @@ DEFAULT_CONCURRENCY = "1,8,32"
 #: Flags that set up our own chain: refused beside --base-url.
 CHAIN_FLAGS = ("transport", "detok", "detok_at", "detokenizer", "batch_tokens", "batch_ms",
                "step_ms", "prefill_ms", "workers", "backend", "trace", "run_dir", "keep_runs")
+#: Longest prompt the benchmark builds, in tokens (the corpus dataset holds less;
+#: a longer one would be cut short without a word).
+MAX_INPUT_LEN = 32768
 #: Default requests per level of an open loop: this many seconds of arrivals...
 OPEN_LOOP_SECONDS = 5.0
 #: ...and at most this many.
@@ -275,8 +278,17 @@ def options(args: argparse.Namespace) -> Options:
                              f"choose from {', '.join(valid)}")
     if args.tokens < 2:
         raise UsageError("--tokens must be >= 2 (TPOT needs two tokens)")
-    if args.input_len is not None and args.input_len < 1:
-        raise UsageError("--input-len must be >= 1")
+    if args.input_len is not None and not 1 <= args.input_len <= MAX_INPUT_LEN:
+        raise UsageError(f"--input-len {args.input_len}: must be 1..{MAX_INPUT_LEN} tokens")
+    if not base_url:  # semfab's own chain: its settings, checked before it starts
+        from fabric.serving.config import ServeConfig
+
+        cfg = ServeConfig(detokenizer=args.detokenizer, batch_tokens=args.batch_tokens,
+                          batch_ms=args.batch_ms, step_ms=args.step_ms,
+                          prefill_ms=args.prefill_ms, backend=args.backend).check()
+        if args.tokens > cfg.max_tokens_limit:
+            raise UsageError(f"--tokens {args.tokens}: semfab's server takes at most "
+                             f"{cfg.max_tokens_limit} output tokens per request")
     if args.workers < 1 or args.repeat < 1 or args.num_prompts < 0:
         raise UsageError("--workers and --repeat must be >= 1, --num-prompts >= 0")
     if not (math.isfinite(args.burstiness) and args.burstiness > 0):

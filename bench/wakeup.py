@@ -29,7 +29,7 @@ import numpy as np
 from fabric.core import frame as fr
 from fabric.core.frame import Flag, Op
 from fabric.emulation import doorbell as db
-from fabric.errors import UsageError
+from fabric.errors import UsageError, check_number
 
 #: A reader that has not answered within this many seconds failed the row.
 READER_TIMEOUT_S = 60.0
@@ -148,12 +148,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Entry point for `semfab bench wakeup`."""
     from bench import report
+    from fabric.emulation.launch_cli import check_outputs
 
     if args.rings < 1:
         raise UsageError("--rings must be at least 1")
-    if args.period_ms <= 0 or args.work_us < 0 or args.reader_work_us < 0:
-        raise UsageError("--period-ms must be positive, --work-us and --reader-work-us "
-                         "not negative")
+    # a post a second at the slowest: beyond that the row is a long sleep, not a measure
+    check_number("--period-ms", args.period_ms, above=0, most=1000)
+    check_number("--work-us", args.work_us, least=0, most=1e6)
+    check_number("--reader-work-us", args.reader_work_us, least=0, most=1e6)
+    check_outputs(args, ("json", "markdown"))
     if args.work_us / 1e3 + 0.1 >= args.period_ms or args.reader_work_us / 1e3 >= args.period_ms:
         raise UsageError("--period-ms must leave the reader time to fall asleep: make it "
                          "longer than --work-us and --reader-work-us")

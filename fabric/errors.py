@@ -48,6 +48,23 @@ def check_seconds(flag: str, value: float, *, allow_zero: bool = False,
     return float(value)
 
 
+def check_number(flag: str, value: float, *, least: float | None = None,
+                 above: float | None = None, most: float | None = None) -> float:
+    """``value`` if it is a finite number within the bounds (``least`` <= value,
+    ``above`` < value, value <= ``most``), else UsageError naming ``flag``."""
+    ok = (isinstance(value, (int, float)) and not isinstance(value, bool)
+          and math.isfinite(value) and (least is None or value >= least)
+          and (above is None or value > above) and (most is None or value <= most))
+    if not ok:
+        bounds = [f">= {least:g}" if least is not None else "",
+                  f"> {above:g}" if above is not None else "",
+                  f"<= {most:g}" if most is not None else ""]
+        shown = f"{value:g}" if isinstance(value, float) else repr(value)
+        raise UsageError(f"{flag} {shown}: must be a finite number "
+                         f"{' and '.join(b for b in bounds if b)}".rstrip())
+    return float(value)
+
+
 def parse_json(text: str | bytes, what: str) -> Any:
     """``text`` parsed as JSON, or UsageError naming ``what`` (a flag or a file).
 

@@ -73,6 +73,25 @@ def check_output_file(flag: str, path: str | Path) -> Path:
     return p
 
 
+def check_outputs(args: argparse.Namespace, files: tuple[str, ...] = ("json", "markdown", "plot"),
+                  dirs: tuple[str, ...] = ()) -> None:
+    """Check every output a command was given (``args.<name>``, flag ``--<name>``)
+    before it runs: files with :func:`check_output_file`, folders with :func:`check_dir`
+    (created). An empty path is refused rather than read as "no output"."""
+    for name in (*files, *dirs):
+        value = getattr(args, name, None)
+        if value is None:
+            continue
+        flag = "--" + name.replace("_", "-")
+        if not str(value).strip():
+            raise UsageError(f"{flag}: an empty path; give a file or folder name, or leave "
+                             f"{flag} out")
+        if name in files:
+            check_output_file(flag, value)
+        else:
+            check_dir(flag, value)
+
+
 def _split_ref(ref: str) -> tuple[str, str, str | None]:
     target, sep, func = ref.rpartition(":")
     if not sep or not target or not func:

@@ -101,6 +101,13 @@ class ServeConfig:
             raise UsageError(f"port {self.port} is not 0..65535")
         if self.ring_slots < self.max_batch:
             raise UsageError("ring-slots must hold at least one step (>= max-batch)")
+        if not 0 <= self.temperature <= 2:  # also refuses NaN
+            raise UsageError(f"temperature {self.temperature:g} must be in 0..2")
+        from kernels.backends import VALID_NAMES
+
+        if self.backend not in VALID_NAMES:  # now, not in a worker after the launch
+            raise UsageError(f"unknown backend {self.backend!r}; choose one of "
+                             f"{', '.join(VALID_NAMES)}")
         return self
 
     def label(self) -> str:

@@ -290,7 +290,8 @@ def add_allreduce_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-o", "--op", default="sum", help="sum, max or min")
     p.add_argument("-w", "--warmup", type=int, default=1, help="untimed iterations per size")
     p.add_argument("-n", "--iters", type=int, default=3, help="timed iterations per size")
-    p.add_argument("-c", "--check", type=int, default=1, help="1: count wrong elements")
+    p.add_argument("-c", "--check", type=int, default=1, choices=(0, 1),
+                   help="1: count wrong elements, 0: do not")
     p.add_argument("--seed", type=int, default=0, help="input and fault seed")
     p.add_argument("--topology", help="a topology file (default: a star of --workers)")
     p.add_argument("--link-gbps", type=float, default=100.0,
