@@ -28,6 +28,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="inject faults on every link, e.g. 'loss=0.01,reorder=0.05:3,"
                    "corrupt=1e-4' (see docs/RELIABILITY.md); default: each link's `loss`")
     p.add_argument("--seed", type=int, default=0, help="seed of the fault injectors")
+    p.add_argument("--run-id", default=None, metavar="ID",
+                   help="the run whose workers' memory-plane regions it maps (default: any "
+                   "run's, by the registering node's own name and key)")
     p.add_argument("--service", action="append", default=[], metavar="MODULE:CLASS",
                    help="add an in-network service (a switchd.core.Service subclass, "
                    "module:Class or file.py:Class); repeatable")
@@ -75,7 +78,8 @@ def run(args: argparse.Namespace) -> int:
     load_services(args.service)  # a bad name is one line here, not a daemon's traceback
     daemon = SwitchDaemon(topo, args.name, Path(args.sock_dir), ctl_addr=args.ctl,
                           memory_budget=args.memory_mb * 2**20, io_threads=args.io_threads,
-                          faults=args.faults, seed=args.seed, services=args.service)
+                          faults=args.faults, seed=args.seed, services=args.service,
+                          run_id=args.run_id)
     daemon.serve()
     return 0
 

@@ -73,6 +73,7 @@ class SwitchDaemon:
         seed: int = 0,
         ctl_silence_s: float | None = None,
         services: Sequence[str] = (),
+        run_id: str | None = None,
     ) -> None:
         self.topo = topo
         # a placed run's coordinator pings; silence this long ends the daemon
@@ -82,7 +83,7 @@ class SwitchDaemon:
         self.name = name
         self.node = topo.node(name)
         self.address = topo.endpoint_address(name, sock_dir)
-        self.memory = SharedMemoryPlane()
+        self.memory = SharedMemoryPlane(run_id=run_id)  # maps this run's regions only
         # memory-plane descriptors of the workers on this host, by port (fabric.emulation.doorbell)
         self._bells: dict[bytes, db.Doorbell] = {}
         self._bells_changed = False

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from fabric.emulation.shm import SharedRegion
+from fabric.emulation.shm import SHM_DIR, SharedRegion, region_name
 
 #: Chunk views kept (each a few hundred bytes); beyond it they are made anew.
 VIEWS_KEPT = 4096
@@ -30,8 +30,9 @@ SERIAL_MAX_BYTES = 512 * 1024
 class SharedMemoryPlane:
     """Regions by key, mapped from shared-memory files; the kernel loaded on demand."""
 
-    def __init__(self, backend: str = "numba-cpu") -> None:
+    def __init__(self, backend: str = "numba-cpu", run_id: str | None = None) -> None:
         self.backend_name = backend
+        self.run_id = run_id  # when set, regions of other runs are refused
         self._kernel: Any = None
         self._mapped: dict[int, SharedRegion] = {}
         # array views of the chunks reduced so far, by (key, offset, count, dtype):
@@ -55,9 +56,12 @@ class SharedMemoryPlane:
             # the process's shared backend: in a switch daemon the plane is its only user
             self._kernel.serial_bytes = SERIAL_MAX_BYTES
 
-    def attach(self, key: int, path: str, size: int) -> None:
-        """Map the region file at ``path`` (OSError / ValueError when it cannot be)."""
-        region = SharedRegion.attach(path, size)
+    def attach(self, key: int, owner: str, run: str, size: int) -> None:
+        """Map node ``owner``'s region ``key`` of run ``run``: the file the fabric made
+        for it, nothing else (OSError / ValueError when it cannot be)."""
+        if self.run_id is not None and run != self.run_id:
+            raise ValueError(f"region of run {run!r}: this switch serves run {self.run_id!r}")
+        region = SharedRegion.attach_checked(SHM_DIR / region_name(run, owner, key), size)
         self._forget_views(key)  # a key mapped anew: its old views are of the old map
         self._mapped[key] = region
 

@@ -7,16 +7,19 @@ import os
 import numpy as np
 import pytest
 
-from fabric.emulation.shm import SharedRegion
+from fabric.emulation.shm import SharedRegion, region_name
 from switchd.memplane import SharedMemoryPlane
+
+RUN = f"t{os.getpid()}"
 
 
 @pytest.fixture
 def regions():
     made: list[SharedRegion] = []
 
-    def make(tag: str, values: np.ndarray) -> SharedRegion:
-        r = SharedRegion.create(f"semfab-test-{os.getpid()}-{tag}", values.nbytes)
+    def make(tag: str, values: np.ndarray, key: int) -> SharedRegion:
+        """Node ``tag``'s region ``key`` (the switch finds it by that handle)."""
+        r = SharedRegion.create(region_name(RUN, tag, key), values.nbytes)
         r.array(values.dtype, values.size)[:] = values
         made.append(r)
         return r
@@ -29,10 +32,10 @@ def regions():
 def test_reduce_in_place_into_every_member(regions) -> None:
     rng = np.random.default_rng(4)
     a, b = rng.random(1001, dtype=np.float32), rng.random(1001, dtype=np.float32)
-    ra, rb = regions("a", a), regions("b", b)
+    ra, rb = regions("a", a, 1), regions("b", b, 2)
     plane = SharedMemoryPlane()
-    plane.attach(1, str(ra.path), ra.size)
-    plane.attach(2, str(rb.path), rb.size)
+    plane.attach(1, "a", RUN, ra.size)
+    plane.attach(2, "b", RUN, rb.size)
     dt = np.dtype(np.float32)
     plane.reduce(dt, "max", [(1, 400), (2, 400)], 500)  # one chunk, in the middle
     want = np.maximum(a[100:600], b[100:600])
@@ -50,14 +53,14 @@ def test_a_key_mapped_anew_reduces_the_new_memory(regions) -> None:
     rng = np.random.default_rng(5)
     dt = np.dtype(np.int32)
     vals = {t: rng.integers(-1000, 1000, 64, dtype=np.int32) for t in "abcd"}
-    ra, rb, rc, rd = (regions(t, vals[t]) for t in "abcd")
+    ra, rb, rc, rd = (regions(t, vals[t], k) for t, k in zip("abcd", (1, 2, 1, 2), strict=True))
     plane = SharedMemoryPlane()
-    plane.attach(1, str(ra.path), ra.size)
-    plane.attach(2, str(rb.path), rb.size)
+    plane.attach(1, "a", RUN, ra.size)
+    plane.attach(2, "b", RUN, rb.size)
     plane.reduce(dt, "sum", [(1, 0), (2, 0)], 64)
     plane.detach(1)
-    plane.attach(1, str(rc.path), rc.size)  # after an unregister
-    plane.attach(2, str(rd.path), rd.size)  # over a live key
+    plane.attach(1, "c", RUN, rc.size)  # after an unregister
+    plane.attach(2, "d", RUN, rd.size)  # over a live key
     plane.reduce(dt, "sum", [(1, 0), (2, 0)], 64)
     want = vals["c"] + vals["d"]
     np.testing.assert_array_equal(rc.array(dt, 64), want)
@@ -85,12 +88,12 @@ def test_chunks_either_side_of_the_serial_limit(regions, count: int,
     monkeypatch.setattr(numba_cpu, "_pair_inplace", lambda *a: (serial.append(1), pair(*a)))
     rng = np.random.default_rng(count)
     a, b = rng.random(count, dtype=np.float32), rng.random(count, dtype=np.float32)
-    ra, rb = regions(f"sa{count}", a), regions(f"sb{count}", b)
+    ra, rb = regions(f"sa{count}", a, 1), regions(f"sb{count}", b, 2)
     plane = SharedMemoryPlane()
     plane.prepare("numba-cpu")
     assert kernel.serial_bytes == SERIAL_MAX_BYTES
-    plane.attach(1, str(ra.path), ra.size)
-    plane.attach(2, str(rb.path), rb.size)
+    plane.attach(1, f"sa{count}", RUN, ra.size)
+    plane.attach(2, f"sb{count}", RUN, rb.size)
     dt = np.dtype(np.float32)
     plane.reduce(dt, "sum", [(1, 0), (2, 0)], count)
     assert len(serial) == (count * 4 <= SERIAL_MAX_BYTES)

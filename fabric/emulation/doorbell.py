@@ -268,7 +268,7 @@ class Doorbell:
         p = Path(path)
         if not is_semfab_file(p):
             raise ValueError(f"doorbell {p} is not a semfab file in {SHM_DIR}")
-        region = SharedRegion.attach(p, FILE_BYTES)
+        region = SharedRegion.attach_checked(p, FILE_BYTES)  # no link to another's file
         try:
             return cls(region, 1)
         except BaseException:

@@ -38,7 +38,7 @@ from fabric.core.topology import Topology
 from fabric.emulation import doorbell as db
 from fabric.emulation import transport
 from fabric.emulation.frametrace import FrameLog
-from fabric.emulation.shm import SharedRegion
+from fabric.emulation.shm import SharedRegion, region_name
 from fabric.errors import FabricTimeout, PeerFailed, UsageError
 from kernels.dtypes import DTYPES as _REGISTRY_DTYPES
 from kernels.dtypes import OPS as _REGISTRY_OPS
@@ -481,9 +481,9 @@ class Endpoint:
         key = 0
         while not key or any(k == key for _, _, k, _ in self.regions):
             key = secrets.randbits(32)
-        region = SharedRegion.create(f"semfab-{self.run_id}-{self.name}-{key:x}", size)
-        reply = self.request("region", "region_reply", key=key, size=size,
-                             path=str(region.path), match=lambda m: m.get("key") == key)
+        region = SharedRegion.create(region_name(self.run_id, self.name, key), size)
+        reply = self.request("region", "region_reply", key=key, size=size, run=self.run_id,
+                             match=lambda m: m.get("key") == key)
         if not reply.get("ok"):
             region.close()
             raise PeerFailed(f"{self.name}: switch refused region {key:#x}: {reply.get('reason')}")

@@ -223,7 +223,7 @@ class Fabric:
                 self._spawn(sw.name, "switch", [
                     sys.executable, "-m", "switchd", "--topology", str(topo_path),
                     "--name", sw.name, "--sock-dir", str(self.sock_dir), "--ctl", ctl_addr,
-                    *self.switch_args, *(["-v"] if self.verbose else []),
+                    "--run-id", self.run_id, *self.switch_args, *(["-v"] if self.verbose else []),
                 ])
             # switches first: their links must be up before nodes send over them
             self._wait_ready()

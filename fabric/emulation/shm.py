@@ -11,11 +11,31 @@ from __future__ import annotations
 
 import mmap
 import os
+import stat
 from pathlib import Path
 
 import numpy as np
 
 SHM_DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path("/tmp")
+
+
+# What a run id and a node name (the topology's rule) may hold in a region's file
+# name: no '/' or leading '.', and no '-' in the run id, so that no (run, owner)
+# pair spells another pair's file
+_RUN_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_")
+_OWNER_CHARS = _RUN_CHARS | {"-"}
+
+
+def region_name(run: str, owner: str, key: int) -> str:
+    """The file name of node ``owner``'s memory-plane region ``key`` in run ``run``:
+    the worker creates it, the switch derives it from the region's handle (run,
+    the registering node, key) and maps nothing else. ValueError on a name that
+    could leave SHM_DIR or pose as another node's."""
+    if not run or not set(run) <= _RUN_CHARS:
+        raise ValueError(f"run id {run!r}: letters, digits and '_' only")
+    if not owner or not set(owner) <= _OWNER_CHARS:
+        raise ValueError(f"node name {owner!r}: letters, digits, '_' and '-' only")
+    return f"semfab-{run}-{owner}-{key:x}"
 
 
 def is_semfab_file(path: str | Path) -> bool:
@@ -57,6 +77,22 @@ class SharedRegion:
         if actual < size:
             raise ValueError(f"shared region {p} has {actual} B, expected {size} B")
         return cls(p, size, owner=False)
+
+    @classmethod
+    def attach_checked(cls, path: Path, size: int) -> SharedRegion:
+        """Map a region a peer names, only if it is what the fabric creates: a
+        regular file of ours in SHM_DIR, not a symbolic link and with no other
+        name (a hard link could make another tenant's file look like ours)."""
+        if not is_semfab_file(path):
+            raise ValueError(f"{path} is not a semfab file in {SHM_DIR}")
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+        try:
+            st = os.fstat(fd)
+        finally:
+            os.close(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1 or st.st_uid != os.geteuid():
+            raise ValueError(f"{path} is not a region file the fabric created")
+        return cls.attach(path, size)
 
     def buffer(self) -> memoryview:
         """The whole region as a writable byte view."""

@@ -143,12 +143,18 @@ class ArrayMemoryPlane:
     def prepare(self, backend: str) -> None:
         """Any backend: the simulator reduces with NumPy."""
 
-    def attach(self, key: int, path: str, size: int) -> None:
+    @staticmethod
+    def name(run: str, owner: str, key: int) -> str:
+        """Where node ``owner``'s region ``key`` lives in ``registry``."""
+        return f"{run}:{owner}:{key}"
+
+    def attach(self, key: int, owner: str, run: str, size: int) -> None:
+        path = self.name(run, owner, key)
         arr = self.registry.get(path)
         if arr is not None and arr.nbytes < size:
             raise ValueError(f"region {path} has {arr.nbytes} B, asked {size} B")
-        if arr is None and not path.startswith("sim-timing:"):
-            raise ValueError(f"no simulated region at {path}")
+        if arr is None and run != "sim-timing":
+            raise ValueError(f"no simulated region {key} of {owner}")
         self._regions[key] = arr
 
     def detach(self, key: int) -> None:
@@ -541,11 +547,12 @@ class Simulation:
             reg = self._node_regions.get(node.name)
             if reg is None or reg[1] < nbytes:
                 key = next(self._keys)
-                path = f"sim:{node.name}:{key}" if x is not None else f"sim-timing:{key}"
+                run = "sim" if x is not None else "sim-timing"
+                path = ArrayMemoryPlane.name(run, node.name, key)
                 if x is not None:
                     self.regions[path] = np.zeros(nbytes, np.uint8)
                 reply = yield Request(st, "region", "region_reply", key=key, size=nbytes,
-                                      path=path, match=lambda m: m.get("key") == key)
+                                      run=run, match=lambda m: m.get("key") == key)
                 if not reply.get("ok"):
                     raise SimulationError(f"{node.name}: region refused: {reply.get('reason')}")
                 reg = (key, nbytes, path)

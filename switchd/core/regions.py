@@ -1,10 +1,13 @@
 """The memory plane's regions and doorbells at a switch.
 
 A worker on the switch's host registers its "device memory" as a region
-(``region``: key, size, where it lives); only the owner unregisters it, and
+(``region``: key, size and its run id); only the owner unregisters it, and
 never while a chunk in progress names it. The regions are mapped by an
 injected :class:`MemoryPlane` (shared memory in emulation, arrays or nothing
-in simulation). A worker may also offer a shared-memory doorbell for its
+in simulation) by *handle*: (run, owner, key), the owner being the node the
+request came from. No free path crosses the wire, so a worker can name only
+memory the fabric made for it: never another node's region, never any other
+file on the host. A worker may also offer a shared-memory doorbell for its
 memory-plane descriptors (``doorbell``), which the driver maps.
 """
 
@@ -38,8 +41,9 @@ class MemoryPlane(Protocol):
     def prepare(self, backend: str) -> None:
         """Get ready to reduce with kernel ``backend``; ValueError if it cannot."""
 
-    def attach(self, key: int, path: str, size: int) -> None:
-        """Make region ``key`` usable; raise OSError or ValueError if it cannot be."""
+    def attach(self, key: int, owner: str, run: str, size: int) -> None:
+        """Map region ``key`` of node ``owner`` in run ``run`` (the memory the fabric
+        made for it; nothing else); raise OSError or ValueError if it cannot be."""
 
     def detach(self, key: int) -> None:
         """Forget region ``key`` (unknown keys are ignored)."""
@@ -79,7 +83,12 @@ class Regions(Service):
         ctx = self.ctx
         key = control.need(msg, "key", int)
         size = control.need(msg, "size", int)
-        path = control.need(msg, "path", str)
+        run = control.need(msg, "run", str)
+        if "path" in msg:
+            ctx.ctrl(port, f.src, "region_reply", key=key, ok=False,
+                     reason="a region is named by its run and key, not a path: the switch "
+                            "maps only memory the fabric made for the registering node")
+            return
         if size <= 0:
             ctx.ctrl(port, f.src, "region_reply", key=key, ok=False,
                      reason=f"region size {size} must be positive")
@@ -95,9 +104,10 @@ class Regions(Service):
             return
         existed = key in self.table
         try:
-            self.table.add(RegionInfo(key=key, owner=f.src, size=size, path=path))
+            owner = ctx.topo.by_id(f.src).name
+            self.table.add(RegionInfo(key=key, owner=f.src, size=size, path=f"{run}/{owner}"))
             self.memory.detach(key)
-            self.memory.attach(key, path, size)
+            self.memory.attach(key, owner, run, size)
         except (AccessError, OSError, ValueError) as exc:
             # never remove a region we did not just add (it may be another owner's)
             if not existed and key in self.table and self.table.get(key).owner == f.src:
