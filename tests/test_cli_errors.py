@@ -84,10 +84,17 @@ def _files(tmp_path: Path) -> dict[str, str]:
     deep_json = tmp_path / "deep.json"
     deep_json.write_text('{"kind": "allreduce", "results": ' + "[" * 100_000 + "]" * 100_000
                          + "}")
+    deep_run = tmp_path / "deep-run"
+    deep_run.mkdir()
+    (deep_run / "fabric.json").write_text("[" * 100_000)
+    calibration = tmp_path / "calibration-negative.json"
+    calibration.write_text(json.dumps({"timing": {"switch_frame_s": -1e-6, "switch_byte_s": 0,
+                                                  "node_frame_s": 0, "node_byte_s": 0}}))
     huge_int = tmp_path / "huge-int.json"
     huge_int.write_text('{"kind": "allreduce", "results": [], "x": ' + "9" * 5000 + "}")
     return {**out, "bad": str(bad), "invalid": str(invalid), "under_file": f"{plain}/sub",
             "deep": str(deep), "deep_json": str(deep_json), "huge_int": str(huge_int),
+            "deep_run": str(deep_run), "calibration_negative": str(calibration),
             "fake_run": str(fake_run), "broken_run": str(broken_run),
             "missing": str(tmp_path / "missing.toml"), "tmp": str(tmp_path)}
 
@@ -141,6 +148,15 @@ CASES = [
     (["bench", "tokens", "--step-ms", "nan"], "must be finite"),
     (["bench", "tokens", "--random-output-len", "99999"], "at most 4096 output tokens"),
     (["bench", "tokens", "--random-input-len", "99999999999"], "must be 1..32768 tokens"),
+    (["launch", "--workers", "1", "--args", "[" * 100_000], "--args: JSON nested too deeply"),
+    (["launch", "--workers", "1", "--args", "[1,"], "--args: not JSON"),
+    (["run", "--topology", "{good}", "--workload", "x.py:f", "--rank", "0", "--world", "1",
+      "--args", "[" * 100_000], "--args: JSON nested too deeply"),
+    (["stats", "{deep_run}"], "is not a fabric.json written by `semfab launch`"),
+    (["sim", "allreduce", "--workers", "2", "--calibration", "{deep_json}"],
+     "deep.json: JSON nested too deeply"),
+    (["sim", "allreduce", "--workers", "2", "--calibration", "{calibration_negative}"],
+     "switch_frame_s must be from 0 to 1 s"),
     # unwritable outputs, refused before any process starts
     (["launch", "--workers", "1", "--run-dir", "/proc/x/y"], "--run-dir /proc/x/y"),
     (["launch", "--workers", "1", "--run-dir", "{under_file}"], "--run-dir"),
@@ -480,3 +496,19 @@ def test_stale_socket_folders_of_dead_launchers_are_swept(tmp_path: Path) -> Non
         listener.close()
     assert removed == [stale]
     assert not stale.exists() and young.exists() and alive.exists() and answering.exists()
+
+
+def test_a_calibration_file_is_read_back(tmp_path: Path) -> None:
+    from fabric.sim.calibrate import load
+
+    costs = {"switch_frame_s": 2e-6, "switch_byte_s": 3e-10, "node_frame_s": 4e-6,
+             "node_byte_s": 0.0}
+    path = tmp_path / "cal.json"
+    path.write_text(json.dumps({"timing": costs, "measured": []}))
+    model = load(str(path))
+    assert {k: getattr(model, k) for k in costs} == costs
+    for bad in ([], {"timing": []}, {"timing": {**costs, "node_frame_s": "x"}},
+                {"timing": {**costs, "node_byte_s": math.inf}}):
+        path.write_text(json.dumps(bad))
+        with pytest.raises(UsageError, match="--calibration"):
+            load(str(path))

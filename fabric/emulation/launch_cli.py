@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from fabric.errors import UsageError, check_seconds
+from fabric.errors import UsageError, check_seconds, parse_json
 
 #: A client that is not a node of the topology uses this id in frame headers.
 
@@ -109,10 +109,7 @@ def run(args: argparse.Namespace) -> int:
     from fabric.core.topology import TopologyError, load
     from fabric.emulation.launcher import check_workers, launch
 
-    try:
-        extra = json.loads(args.args)
-    except json.JSONDecodeError as exc:
-        raise UsageError(f"--args is not JSON: {exc}") from None
+    extra = parse_json(args.args, "--args")
     if not isinstance(extra, list):
         raise UsageError("--args must be a JSON list, e.g. '[1024, \"ina\"]'")
     ref = _split_ref(args.run) if args.run else None
@@ -204,10 +201,10 @@ def run_stats(args: argparse.Namespace) -> int:
     def running(info_path: Path) -> bool:
         """True while the launcher that wrote ``info_path`` is alive and its sockets exist."""
         try:
-            info = json.loads(info_path.read_text())
+            info = parse_json(info_path.read_bytes(), str(info_path))
             pid = int(info["pid"])
             sock_dir = Path(str(info["sock_dir"]))
-        except (OSError, ValueError, KeyError, TypeError):
+        except (OSError, ValueError, KeyError, TypeError, UsageError):
             return False
         try:
             os.kill(pid, 0)
@@ -233,10 +230,10 @@ def run_stats(args: argparse.Namespace) -> int:
     if not info_path.is_file():
         raise UsageError(f"{run_dir} has no fabric.json: is it a `semfab launch` run folder?")
     try:
-        info = json.loads(info_path.read_text())
+        info = parse_json(info_path.read_bytes(), str(info_path))
         switches = {name: (str(sw["address"]), int(sw["id"]))
                     for name, sw in info["switches"].items()}
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, UsageError):
         raise UsageError(f"{info_path} is not a fabric.json written by `semfab launch`; "
                          "give the run folder of a running fabric") from None
     if not running(info_path):

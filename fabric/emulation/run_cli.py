@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from fabric.errors import UsageError, check_seconds
+from fabric.errors import UsageError, check_seconds, parse_json
 
 log = logging.getLogger("semfab.run")
 
@@ -84,10 +84,7 @@ def run(args: argparse.Namespace) -> int:
             topo.node(args.name)
         except TopologyError as exc:
             raise UsageError(f"--name: {exc}") from None
-    try:
-        extra: Any = json.loads(args.args)
-    except json.JSONDecodeError as exc:
-        raise UsageError(f"--args is not JSON: {exc}") from None
+    extra: Any = parse_json(args.args, "--args")
     if not isinstance(extra, (list, dict)):
         raise UsageError("--args must be a JSON list or object, e.g. '[1024]'")
     driver = None

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from fabric.errors import UsageError
+from fabric.errors import UsageError, parse_json
 from fabric.sim.engine import TimingModel
 
 SMALL, LARGE = 4096, 4 << 20
@@ -89,16 +89,18 @@ def measure(workers: tuple[int, ...] = (2, 4), iters: int = 20) -> dict[str, Any
 
 def load(path: str) -> TimingModel:
     """The TimingModel a calibration file holds (UsageError when it is not one)."""
+    how = "write one with `semfab sim calibrate --json FILE`"
     try:
-        doc = json.loads(Path(path).read_text())
+        doc = parse_json(Path(path).read_bytes(), f"--calibration {path}")
         t = doc["timing"]
-        return TimingModel(switch_frame_s=float(t["switch_frame_s"]),
-                           switch_byte_s=float(t["switch_byte_s"]),
-                           node_frame_s=float(t["node_frame_s"]),
-                           node_byte_s=float(t["node_byte_s"]))
+        costs = {k: float(t[k]) for k in ("switch_frame_s", "switch_byte_s", "node_frame_s",
+                                          "node_byte_s")}
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise UsageError(f"--calibration {path}: not a calibration file ({exc}); write one "
-                         "with `semfab sim calibrate --json FILE`") from None
+        raise UsageError(f"--calibration {path}: not a calibration file ({exc}); {how}") from None
+    bad = [k for k, v in costs.items() if not 0 <= v < 1]  # NaN too: seconds per frame or byte
+    if bad:
+        raise UsageError(f"--calibration {path}: {', '.join(bad)} must be from 0 to 1 s; {how}")
+    return TimingModel(**costs)
 
 
 def run(args: argparse.Namespace) -> int:
