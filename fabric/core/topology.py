@@ -32,6 +32,9 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Literal, cast
 
+from fabric.core.congestion.config import CongestionConfigError
+from fabric.core.congestion.settings import CONGESTION_KEYS, CongestionSettings
+
 __all__ = [
     "BUILTIN_DEFAULTS",
     "DEFAULT_BASE_PORT",
@@ -90,7 +93,7 @@ _MAX_HOSTNAME = 253  # RFC 1035
 _MIN_BANDWIDTH_GBPS = 1e-6  # 1 kbit/s
 _MAX_BANDWIDTH_GBPS = 1e6  # 1 Pbit/s
 _MAX_LATENCY_US = 1e7  # 10 s
-_TOP_KEYS = ("fabric", "defaults", "node", "link", "tenants")
+_TOP_KEYS = ("fabric", "defaults", "node", "link", "tenants", "congestion")
 #: Keys of one ``[tenants.<name>]`` quota table (each optional: absent = no limit).
 _TENANT_KEYS = ("slots", "memory_bytes", "groups")
 #: The tenant of a worker that names none.
@@ -286,8 +289,10 @@ class Topology:
         defaults: Mapping[str, LinkParams] | None = None,
         tenants: Mapping[str, TenantQuota] | None = None,
         source: str = "<topology>",
+        congestion: CongestionSettings | None = None,
     ) -> None:
         self._nodes = tuple(sorted(nodes, key=lambda n: n.id))
+        self._congestion = congestion if congestion is not None else CongestionSettings()
         self._tenants = MappingProxyType(dict(tenants or {}))
         self._links = tuple(links)
         self._name = name
@@ -330,6 +335,7 @@ class Topology:
             tuple(sorted(self._host_addresses.items())),
             tuple(sorted(self._defaults.items())),
             tuple(sorted(self._tenants.items())),
+            self._congestion,
         )
 
     def __eq__(self, other: object) -> bool:
@@ -380,6 +386,19 @@ class Topology:
     def host_addresses(self) -> Mapping[str, str]:
         """Explicit node -> hostname/IP entries (others run on 127.0.0.1)."""
         return self._host_addresses
+
+    @property
+    def congestion(self) -> CongestionSettings:
+        """The fabric's queue, marking, PFC and congestion-control settings
+        (``[congestion]``; docs/CONGESTION.md)."""
+        return self._congestion
+
+    def with_congestion(self, congestion: CongestionSettings) -> Topology:
+        """The same fabric with other ``[congestion]`` settings."""
+        return Topology(self._nodes, self._links, name=self._name, transport=self._transport,
+                        base_port=self._base_port, host_addresses=self._host_addresses,
+                        defaults=self._defaults, tenants=self._tenants, source=self._source,
+                        congestion=congestion)
 
     @property
     def defaults(self) -> Mapping[str, LinkParams]:
@@ -753,6 +772,8 @@ class Topology:
                                                   ("groups", q.groups))
                                 if v is not None}
                             for t, q in self._tenants.items()}} if self._tenants else {}),
+            **({"congestion": self._congestion.to_table()}
+               if not self._congestion.is_default else {}),
         }
 
     def to_toml(self) -> str:
@@ -785,6 +806,9 @@ class Topology:
         for tenant, quota in d.get("tenants", {}).items():
             out += ["", f"[tenants.{_toml_value(tenant)}]"]
             out += [f"{k} = {_toml_value(v)}" for k, v in quota.items()]
+        if "congestion" in d:
+            out += ["", "[congestion]"]
+            out += [f"{k} = {_toml_value(v)}" for k, v in d["congestion"].items()]
         return "\n".join(out) + "\n"
 
     def summary(self) -> str:
@@ -841,6 +865,9 @@ class Topology:
             hosts = [x for x in self.attached(sw) if self._by_name[x].kind == "host"]
             extra = f"  hosts: {_short_list(hosts)}" if hosts else ""
             lines.append(f"  {sw}  (not in the tree: forwards only){extra}")
+        if not self._congestion.is_default:
+            lines.append("congestion: " + ", ".join(
+                f"{k} {v}" for k, v in self._congestion.to_table().items()))
         return "\n".join(lines)
 
 
@@ -1169,7 +1196,18 @@ def _build(doc: Mapping[str, Any], source: str) -> Topology:
         defaults=defaults,
         tenants=tenants,
         source=source,
+        congestion=_congestion(doc, source),
     )
+
+
+def _congestion(doc: Mapping[str, Any], source: str) -> CongestionSettings:
+    """The ``[congestion]`` table (docs/CONGESTION.md), checked."""
+    table = _table(doc.get("congestion", {}), source, "[congestion]",
+                   f"write [congestion] with keys {', '.join(CONGESTION_KEYS)}")
+    try:
+        return CongestionSettings.from_table(table)
+    except CongestionConfigError as exc:
+        raise _fail(source, "[congestion]", str(exc)) from None
 
 
 def loads(text: str, source: str = "<string>") -> Topology:
@@ -1411,6 +1449,20 @@ def _run_parser(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argpars
         return exc.code if isinstance(exc.code, int) else 2
 
 
+def _gen_congestion(args: argparse.Namespace) -> CongestionSettings:
+    """`semfab topo gen`'s congestion flags as settings (a refusal as a TopologyError)."""
+    fields: dict[str, Any] = {"buffer_bytes": args.buffer_bytes, "buffer_alpha": args.buffer_alpha,
+                              "trim": args.trim, "pfc": args.pfc,
+                              "ecn_kmin_bytes": args.ecn_kmin_bytes,
+                              "ecn_kmax_bytes": args.ecn_kmax_bytes, "ecn_pmax": args.ecn_pmax}
+    if args.cc is not None:
+        fields["cc"] = args.cc
+    try:
+        return CongestionSettings(**fields)
+    except CongestionConfigError as exc:
+        raise TopologyError(f"semfab topo gen: {exc}") from None
+
+
 def check_main(argv: Sequence[str]) -> int:
     """``semfab topo check FILE``: print a summary (exit 0) or the error (exit 2)."""
     parser = argparse.ArgumentParser(
@@ -1484,6 +1536,22 @@ def gen_main(argv: Sequence[str]) -> int:
     parser.add_argument("--transport", choices=TRANSPORTS, default="ipc", help="default ipc")
     parser.add_argument("--base-port", type=int, default=DEFAULT_BASE_PORT, help="tcp base port")
     parser.add_argument("-o", "--output", metavar="FILE", help="write here instead of stdout")
+    cong = parser.add_argument_group(
+        "congestion ([congestion], docs/CONGESTION.md; absent: the scenario's defaults)")
+    cong.add_argument("--buffer-bytes", type=int, default=None, metavar="B",
+                      help="each switch's shared buffer")
+    cong.add_argument("--buffer-alpha", type=float, default=math.inf, metavar="A",
+                      help="dynamic threshold: a queue may hold A x the free buffer")
+    cong.add_argument("--trim", action="store_true", help="trim payloads instead of dropping")
+    cong.add_argument("--pfc", action="store_true", help="lossless data class (PFC)")
+    cong.add_argument("--ecn-kmin-bytes", type=int, default=None, metavar="B",
+                      help="ECN: no mark at or below")
+    cong.add_argument("--ecn-kmax-bytes", type=int, default=None, metavar="B",
+                      help="ECN: every frame marked above")
+    cong.add_argument("--ecn-pmax", type=float, default=None, metavar="P",
+                      help="ECN: marking probability at Kmax")
+    cong.add_argument("--cc", default=None, metavar="POLICY",
+                      help="sender congestion control (nscc, dcqcn, eqds, none)")
     args = _run_parser(parser, argv)
     if isinstance(args, int):
         return args
@@ -1523,6 +1591,7 @@ def gen_main(argv: Sequence[str]) -> int:
                 transport=args.transport,
                 base_port=args.base_port,
             )
+        topo = topo.with_congestion(_gen_congestion(args))
         text = topo.to_toml()
         if args.output:
             with open(args.output, "w", encoding="utf-8") as f:

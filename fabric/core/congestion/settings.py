@@ -1,0 +1,111 @@
+"""The congestion settings a topology file carries: its ``[congestion]`` table.
+
+One table per fabric, applied to every switch (buffers, marking, trimming, PFC)
+and every sender (the policy). Absent keys keep the scenario's defaults (htsim's
+for queues and marking, HPCC's for PFC: :mod:`fabric.core.congestion.config`)::
+
+    [congestion]
+    buffer_bytes = 150000      # each switch's shared buffer
+    buffer_alpha = inf         # dynamic threshold (inf: the buffer's size only)
+    trim = true                # cut payloads instead of dropping frames
+    ecn_kmin_bytes = 30000     # RED marking: none at or below ...
+    ecn_kmax_bytes = 120000    # ... every frame above
+    ecn_pmax = 1.0
+    pfc = false                # lossless data class (not with trim)
+    cc = "nscc"                # sender policy: none, dcqcn, nscc, eqds, or registered
+
+Pure: parsing and checks, one-line :class:`CongestionConfigError` on anything
+impossible.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from fabric.core.congestion.config import CongestionConfigError, check_bytes
+from fabric.core.congestion.policy import CC_POLICIES
+
+__all__ = ["CONGESTION_KEYS", "CongestionSettings"]
+
+#: Keys of ``[congestion]``.
+CONGESTION_KEYS = ("buffer_bytes", "buffer_alpha", "trim", "ecn_kmin_bytes", "ecn_kmax_bytes",
+                   "ecn_pmax", "pfc", "cc")
+#: The policy a fabric's senders use when the file names none.
+DEFAULT_CC = "nscc"
+
+
+@dataclass(frozen=True)
+class CongestionSettings:
+    """A fabric's queue, marking, PFC and congestion-control settings (None: the
+    scenario's default)."""
+
+    buffer_bytes: int | None = None
+    buffer_alpha: float = math.inf
+    trim: bool = False
+    ecn_kmin_bytes: int | None = None
+    ecn_kmax_bytes: int | None = None
+    ecn_pmax: float | None = None
+    pfc: bool = False
+    cc: str = DEFAULT_CC
+
+    def __post_init__(self) -> None:
+        if self.buffer_bytes is not None:
+            check_bytes("buffer_bytes", self.buffer_bytes)
+        if not (isinstance(self.buffer_alpha, (int, float)) and self.buffer_alpha > 0):
+            raise CongestionConfigError(f"buffer_alpha must be a positive number (inf: no "
+                                        f"threshold), got {self.buffer_alpha!r}")
+        for key in ("ecn_kmin_bytes", "ecn_kmax_bytes"):
+            v = getattr(self, key)
+            if v is not None:
+                check_bytes(key, v)
+        lo, hi = self.ecn_kmin_bytes, self.ecn_kmax_bytes
+        if lo is not None and hi is not None and lo > hi:
+            raise CongestionConfigError(f"ecn_kmin_bytes {lo} is above ecn_kmax_bytes {hi}; "
+                                        "Kmin must be <= Kmax")
+        p = self.ecn_pmax
+        if p is not None and not (isinstance(p, (int, float)) and 0.0 < p <= 1.0):
+            raise CongestionConfigError(f"ecn_pmax must be in (0, 1], got {p!r}")
+        if self.pfc and self.trim:
+            raise CongestionConfigError("pfc and trim: a lossless class is never trimmed; "
+                                        "choose one")
+        if self.cc not in CC_POLICIES:
+            raise CongestionConfigError(f"cc {self.cc!r} is not a known policy; choose "
+                                        f"{', '.join(sorted(CC_POLICIES))}")
+
+    @classmethod
+    def from_table(cls, table: Mapping[str, Any]) -> CongestionSettings:
+        """Read a ``[congestion]`` table (as TOML parses it), checking every key and type."""
+        unknown = sorted(set(table) - set(CONGESTION_KEYS))
+        if unknown:
+            raise CongestionConfigError(f"unknown key {unknown[0]!r}; valid keys: "
+                                        f"{', '.join(CONGESTION_KEYS)}")
+        out: dict[str, Any] = {}
+        for key, value in table.items():
+            if key in ("trim", "pfc"):
+                if not isinstance(value, bool):
+                    raise CongestionConfigError(f"{key} must be true or false, got {value!r}")
+            elif key == "cc":
+                if not isinstance(value, str):
+                    raise CongestionConfigError(f"cc must be a policy name, got {value!r}")
+            elif key.endswith("_bytes"):
+                if isinstance(value, bool) or not isinstance(value, int):
+                    raise CongestionConfigError(f"{key} must be a whole number of bytes, "
+                                                f"got {value!r}")
+            elif isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise CongestionConfigError(f"{key} must be a number, got {value!r}")
+            out[key] = float(value) if key in ("buffer_alpha", "ecn_pmax") else value
+        return cls(**out)
+
+    def to_table(self) -> dict[str, Any]:
+        """The settings that differ from the defaults, as a ``[congestion]`` table."""
+        default = CongestionSettings()
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if getattr(self, f.name) != getattr(default, f.name)}
+
+    @property
+    def is_default(self) -> bool:
+        return not self.to_table()

@@ -1,0 +1,98 @@
+"""The topology file's ``[congestion]`` table (fabric/core/congestion/settings.py,
+fabric/core/topology.py): read, checked, written back, generated."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from fabric.cli import main
+from fabric.core.congestion.settings import CongestionSettings
+from fabric.core.topology import TopologyError, load, loads, star
+
+BODY = """
+[[node]]
+name = "w0"
+kind = "worker"
+
+[[node]]
+name = "sw0"
+kind = "switch"
+
+[[link]]
+a = "w0"
+b = "sw0"
+class = "scaleup"
+"""
+
+
+def test_a_topology_without_the_table_has_the_defaults() -> None:
+    t = loads(BODY)
+    assert t.congestion == CongestionSettings() and t.congestion.is_default
+    assert "[congestion]" not in t.to_toml()
+
+
+def test_settings_are_read_checked_and_round_trip() -> None:
+    t = loads(BODY + """
+[congestion]
+buffer_bytes = 150000
+buffer_alpha = 0.5
+trim = true
+ecn_kmin_bytes = 30000
+ecn_kmax_bytes = 120000
+ecn_pmax = 1
+cc = "eqds"
+""")
+    c = t.congestion
+    assert (c.buffer_bytes, c.buffer_alpha, c.trim, c.pfc, c.cc) == (150000, 0.5, True, False,
+                                                                     "eqds")
+    assert c.ecn_pmax == 1.0 and isinstance(c.ecn_pmax, float)
+    again = loads(t.to_toml())
+    assert again == t and again.congestion == c
+    assert t != loads(BODY)  # the settings are part of the fabric's identity
+    assert "congestion: buffer_bytes 150000" in t.summary()
+
+
+@pytest.mark.parametrize("table,words", [
+    ('cc = "reno"', ["cc 'reno' is not a known policy"]),
+    ("ecn_kmin_bytes = 5\necn_kmax_bytes = 2", ["Kmin must be <= Kmax"]),
+    ("buffer_bytes = -1", ["buffer_bytes", "below"]),
+    ("buffer_bytes = 1e3", ["whole number of bytes"]),
+    ("pfc = true\ntrim = true", ["never trimmed"]),
+    ("ecn_pmax = 2.0", ["ecn_pmax"]),
+    ('trim = "yes"', ["true or false"]),
+    ("buffer_alpha = 0", ["buffer_alpha"]),
+    ("colour = 1", ["unknown key 'colour'"]),
+])
+def test_impossible_settings_are_one_line_topology_errors(table: str, words: list[str]) -> None:
+    with pytest.raises(TopologyError) as err:
+        loads(BODY + "\n[congestion]\n" + table + "\n", "f.toml")
+    msg = str(err.value)
+    assert msg.startswith("f.toml: [congestion]: ") and "\n" not in msg
+    for w in words:
+        assert w in msg, msg
+
+
+def test_with_congestion_keeps_everything_else() -> None:
+    t = star(3, bandwidth_gbps=100)
+    c = CongestionSettings(pfc=True, buffer_bytes=32_000_000, cc="dcqcn")
+    u = t.with_congestion(c)
+    assert u.congestion == c and u.links == t.links and u.nodes == t.nodes
+    assert u.with_congestion(CongestionSettings()) == t
+    assert math.isinf(CongestionSettings().buffer_alpha)
+
+
+def test_topo_gen_writes_the_settings(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "t.toml"
+    assert main(["topo", "gen", "--leaves", "2", "--per-leaf", "2", "--spines", "2",
+                 "--bandwidth-gbps", "100", "--trim", "--buffer-bytes", "150000", "--cc", "nscc",
+                 "--ecn-kmin-bytes", "30000", "--ecn-kmax-bytes", "120000", "-o",
+                 str(out)]) == 0
+    c = load(out).congestion
+    assert (c.trim, c.buffer_bytes, c.ecn_kmin_bytes, c.ecn_kmax_bytes) == (True, 150000,
+                                                                            30000, 120000)
+    assert main(["topo", "gen", "--workers", "2", "--cc", "cubic"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("semfab: error: ") and "cubic" in err and len(err.splitlines()) == 1
