@@ -140,3 +140,27 @@ def test_impossible_settings_are_one_line_and_exit_2(
     assert "Traceback" not in captured.err
     for w in words:
         assert w in err, err
+
+
+def test_topology_file_settings_apply_and_flags_win(tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    topo = tmp_path / "t.toml"
+    assert main(["topo", "gen", "--workers", "4", "--bandwidth-gbps", "50", "--trim", "--cc",
+                 "eqds", "--buffer-bytes", "200000", "-o", str(topo)]) == 0
+    out = tmp_path / "r.json"
+    assert main(["sim", "incast", "--senders", "4", "--size", "50000", "--topology", str(topo),
+                 "--json", str(out)]) == 0
+    st = json.loads(out.read_text())["results"][0]["settings"]
+    assert (st["link_gbps"], st["trim"], st["cc"], st["buffer"]) == (50.0, True, "eqds", 200000)
+    assert main(["sim", "incast", "--senders", "4", "--size", "50000", "--topology", str(topo),
+                 "--cc", "none", "--buffer", "100000", "--link-gbps", "25", "--json",
+                 str(out)]) == 0
+    st = json.loads(out.read_text())["results"][0]["settings"]
+    assert (st["link_gbps"], st["trim"], st["cc"], st["buffer"]) == (25.0, True, "none", 100000)
+    capsys.readouterr()
+    unshaped = tmp_path / "u.toml"
+    assert main(["topo", "gen", "--workers", "4", "-o", str(unshaped)]) == 0
+    assert main(["sim", "incast", "--senders", "4", "--size", "5000", "--topology",
+                 str(unshaped)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "one shaped link rate" in err and len(err.splitlines()) == 1

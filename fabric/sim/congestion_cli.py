@@ -31,18 +31,23 @@ def add_incast_parser(sub: Any) -> None:
     p.add_argument("--senders", type=int, required=True, help="how many senders (N -> 1)")
     p.add_argument("--size", required=True,
                    help="bytes each sender sends (plain bytes, or 2M = 2 MiB)")
-    p.add_argument("--link-gbps", type=float, default=100.0, help="every link's bandwidth")
+    p.add_argument("--topology", metavar="FILE",
+                   help="take the switch and sender settings of the file's [congestion] table "
+                   "and its links' bandwidth (one rate for all); flags given here win")
+    p.add_argument("--link-gbps", type=float, default=None,
+                   help="every link's bandwidth (default 100)")
     p.add_argument("--mtu", type=int, default=4150,
                    help="bytes of a full frame on the wire, header included")
     p.add_argument("--base-rtt-us", type=float, default=12.0,
                    help="round trip of one frame and its ACK on the idle fabric (sets the "
                    "links' latency)")
-    p.add_argument("--cc", default="nscc",
-                   help=f"sender congestion control: {', '.join(sorted(CC_POLICIES))}")
+    p.add_argument("--cc", default=None,
+                   help=f"sender congestion control: {', '.join(sorted(CC_POLICIES))} "
+                   "(default nscc)")
     p.add_argument("--buffer", default=None,
                    help="the switch's shared buffer in bytes (default: 1 BDP with --trim, "
                    "5 BDP without, 32 MB with --pfc)")
-    p.add_argument("--buffer-alpha", type=float, default=math.inf,
+    p.add_argument("--buffer-alpha", type=float, default=None,
                    help="dynamic threshold: one queue may hold alpha x the free buffer "
                    "(default inf: only the buffer's size)")
     p.add_argument("--trim", action="store_true",
@@ -149,18 +154,50 @@ def _bytes(flag: str, text: str | None) -> int | None:
         raise UsageError(f"{flag}: {exc}") from None
 
 
+def _from_topology(path: str | None, need_rate: bool) -> tuple[Any, float | None]:
+    """A ``--topology`` file's congestion settings and, when ``need_rate``, its one link
+    rate (None: no file, or not needed)."""
+    from fabric.core.congestion.settings import CongestionSettings
+
+    if path is None:
+        return CongestionSettings(), None
+    from fabric.core.topology import TopologyError, load
+
+    try:
+        topo = load(path)
+    except TopologyError as exc:
+        raise UsageError(f"--topology: {exc}") from None
+    if not need_rate:
+        return topo.congestion, None
+    rates = sorted({link.params.bandwidth_gbps for link in topo.links})
+    if len(rates) != 1 or rates[0] <= 0:
+        raise UsageError(f"--topology {path}: the incast takes one shaped link rate; the file's "
+                         f"links have {', '.join(f'{r:g}' for r in rates)} Gbit/s (0: "
+                         "unshaped); give --link-gbps or make them equal")
+    return topo.congestion, rates[0]
+
+
+def _pick(given: Any, from_file: Any, default: Any) -> Any:
+    return given if given is not None else from_file if from_file is not None else default
+
+
 def settings_from_args(args: argparse.Namespace) -> Any:
-    """The checked :class:`~fabric.sim.incast.IncastSettings` of a command line."""
+    """The checked :class:`~fabric.sim.incast.IncastSettings` of a command line: flags,
+    then the ``--topology`` file's settings, then the defaults."""
     from fabric.sim.incast import IncastSettings
 
     size = _bytes("--size", args.size)
     assert size is not None
+    c, file_gbps = _from_topology(getattr(args, "topology", None), args.link_gbps is None)
     s = IncastSettings(
-        senders=args.senders, size=size, link_gbps=args.link_gbps, mtu=args.mtu,
-        base_rtt_us=args.base_rtt_us, cc=args.cc, buffer=_bytes("--buffer", args.buffer),
-        buffer_alpha=args.buffer_alpha, trim=args.trim, pfc=args.pfc,
-        kmin=_bytes("--kmin", args.kmin), kmax=_bytes("--kmax", args.kmax), pmax=args.pmax,
-        ecn=not args.no_ecn, seed=args.seed)
+        senders=args.senders, size=size, link_gbps=_pick(args.link_gbps, file_gbps, 100.0),
+        mtu=args.mtu, base_rtt_us=args.base_rtt_us, cc=_pick(args.cc, c.cc, "nscc"),
+        buffer=_pick(_bytes("--buffer", args.buffer), c.buffer_bytes, None),
+        buffer_alpha=_pick(args.buffer_alpha, c.buffer_alpha, math.inf),
+        trim=args.trim or c.trim, pfc=args.pfc or c.pfc,
+        kmin=_pick(_bytes("--kmin", args.kmin), c.ecn_kmin_bytes, None),
+        kmax=_pick(_bytes("--kmax", args.kmax), c.ecn_kmax_bytes, None),
+        pmax=_pick(args.pmax, c.ecn_pmax, None), ecn=not args.no_ecn, seed=args.seed)
     try:
         return s.resolved()
     except CongestionConfigError as exc:
