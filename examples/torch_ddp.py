@@ -12,6 +12,7 @@ Rank 0 prints one JSON line (``--json`` only that line).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import time
@@ -31,8 +32,8 @@ def make_model(seed: int = 0) -> nn.Module:
                          nn.Linear(256, 10))
 
 
-def train(pg: Any, steps: int, batch: int = 32, hook: Any = None
-          ) -> tuple[list[torch.Tensor], float]:
+def train(pg: Any, steps: int, batch: int = 32, hook: Any = None,
+          record: str | None = None) -> tuple[list[torch.Tensor], float]:
     """``steps`` SGD steps of DDP over ``pg`` (gradients through ``fabric.torch``'s
     comm hook on group ``hook`` when given); (parameters, seconds per step after
     the first, which builds DDP's buckets)."""
@@ -46,11 +47,14 @@ def train(pg: Any, steps: int, batch: int = 32, hook: Any = None
     for step in range(steps):
         if step == 1:
             t0 = time.perf_counter()
-        x = torch.randn(batch, 64, generator=gen)
-        y = torch.randint(0, 10, (batch,), generator=gen)
-        opt.zero_grad()
-        nn.functional.cross_entropy(model(x), y).backward()
-        opt.step()
+        # the last step on the fabric, recorded when asked (--record)
+        last = record is not None and step == steps - 1 and pg is None
+        with fabric.torch.record(record) if last else contextlib.nullcontext():
+            x = torch.randn(batch, 64, generator=gen)
+            y = torch.randint(0, 10, (batch,), generator=gen)
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
     per_step = (time.perf_counter() - t0) / max(steps - 1, 1)
     return [p.detach().clone() for p in model.parameters()], per_step
 
@@ -60,13 +64,13 @@ def _engine(stats: dict[str, Any]) -> tuple[int, int]:
     return int(stats.get("reduce_frames", 0)), int(engine.get("completions", 0))
 
 
-def compare(steps: int) -> dict[str, Any]:
+def compare(steps: int, record: str | None = None) -> dict[str, Any]:
     """Train on gloo, on semfab (the default group), and on gloo with the gradients
     through fabric.torch.allreduce_hook; the summary."""
     gloo = dist.new_group(backend="gloo")
     ref, gloo_s = train(gloo, steps)
     frames0, done0 = _engine(fabric.torch.switch_stats())
-    ours, semfab_s = train(None, steps)
+    ours, semfab_s = train(None, steps, record=record)
     frames1, done1 = _engine(fabric.torch.switch_stats())
     # gloo for DDP's setup, the fabric for the gradients only
     hooked, hook_s = train(gloo, steps, hook=dist.group.WORLD)
@@ -85,12 +89,12 @@ def compare(steps: int) -> dict[str, Any]:
     }
 
 
-def main(ep: Any = None, steps: int = 20) -> dict[str, Any]:
+def main(ep: Any = None, steps: int = 20, record: str | None = None) -> dict[str, Any]:
     """Entry of ``semfab launch --run examples/torch_ddp.py:main`` (``ep`` given) and
     of torchrun (below)."""
     fabric.torch.init(ep)
     try:
-        return compare(steps)
+        return compare(steps, record)
     finally:
         fabric.torch.shutdown()
 
@@ -99,8 +103,10 @@ if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--json", action="store_true", help="print only the JSON line")
+    p.add_argument("--record", metavar="TRACE.json",
+                   help="record the last semfab step (replay: python -m fabric.torch.replay)")
     args = p.parse_args()
-    summary = main(steps=args.steps)
+    summary = main(steps=args.steps, record=args.record)
     if int(os.environ.get("RANK", "0")) == 0:
         if not args.json:
             print(f"DDP, {summary['world']} ranks, {args.steps} steps: gloo "

@@ -13,6 +13,7 @@ on the fabric's ``ina`` collectives by default. Rank 0 prints one JSON line.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import time
@@ -33,7 +34,8 @@ def make_model(seed: int = 0) -> nn.Module:
                          nn.Linear(128, 10))
 
 
-def train(pg: Any, steps: int, batch: int = 16) -> tuple[list[torch.Tensor], float]:
+def train(pg: Any, steps: int, batch: int = 16,
+          record: str | None = None) -> tuple[list[torch.Tensor], float]:
     """``steps`` Adam steps of the model sharded over ``pg``; (full parameters,
     seconds per step after the first)."""
     mesh = DeviceMesh.from_group(pg, "cpu")
@@ -48,22 +50,25 @@ def train(pg: Any, steps: int, batch: int = 16) -> tuple[list[torch.Tensor], flo
     for step in range(steps):
         if step == 1:
             t0 = time.perf_counter()
-        x = torch.randn(batch, 64, generator=gen)
-        y = torch.randint(0, 10, (batch,), generator=gen)
-        opt.zero_grad()
-        nn.functional.cross_entropy(model(x), y).backward()
-        opt.step()
+        # the last step on the fabric, recorded when asked (--record)
+        last = record is not None and step == steps - 1 and pg is dist.group.WORLD
+        with fabric.torch.record(record) if last else contextlib.nullcontext():
+            x = torch.randn(batch, 64, generator=gen)
+            y = torch.randint(0, 10, (batch,), generator=gen)
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
     per_step = (time.perf_counter() - t0) / max(steps - 1, 1)
     full = [p.full_tensor().detach().clone() for p in model.parameters()]  # type: ignore[attr-defined]
     return full, per_step
 
 
-def compare(steps: int) -> dict[str, Any]:
+def compare(steps: int, record: str | None = None) -> dict[str, Any]:
     """Train on gloo then on semfab; the summary."""
     gloo = dist.new_group(backend="gloo")
     ref, gloo_s = train(gloo, steps)
     frames0 = int(fabric.torch.switch_stats().get("reduce_frames", 0))
-    ours, semfab_s = train(dist.group.WORLD, steps)
+    ours, semfab_s = train(dist.group.WORLD, steps, record=record)
     frames1 = int(fabric.torch.switch_stats().get("reduce_frames", 0))
     return {
         "example": "fsdp2", "world": dist.get_world_size(), "steps": steps,
@@ -77,11 +82,11 @@ def compare(steps: int) -> dict[str, Any]:
     }
 
 
-def main(ep: Any = None, steps: int = 10) -> dict[str, Any]:
+def main(ep: Any = None, steps: int = 10, record: str | None = None) -> dict[str, Any]:
     """Entry of ``semfab launch --run examples/torch_fsdp2.py:main`` and of torchrun."""
     fabric.torch.init(ep)
     try:
-        return compare(steps)
+        return compare(steps, record)
     finally:
         fabric.torch.shutdown()
 
@@ -90,8 +95,10 @@ if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--json", action="store_true", help="print only the JSON line")
+    p.add_argument("--record", metavar="TRACE.json",
+                   help="record the last semfab step (replay: python -m fabric.torch.replay)")
     args = p.parse_args()
-    summary = main(steps=args.steps)
+    summary = main(steps=args.steps, record=args.record)
     if int(os.environ.get("RANK", "0")) == 0:
         if not args.json:
             print(f"FSDP2, {summary['world']} ranks, {args.steps} steps: gloo "

@@ -13,6 +13,7 @@ Rank 0 prints one JSON line.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import time
@@ -65,7 +66,7 @@ class ExpertParallelMoE(nn.Module):
         return x + y * weight.unsqueeze(1)
 
 
-def train(pg: Any, steps: int) -> tuple[list[torch.Tensor], float]:
+def train(pg: Any, steps: int, record: str | None = None) -> tuple[list[torch.Tensor], float]:
     """``steps`` SGD steps; (parameters, seconds per step after the first)."""
     model = ExpertParallelMoE(pg)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -75,23 +76,26 @@ def train(pg: Any, steps: int) -> tuple[list[torch.Tensor], float]:
     for step in range(steps):
         if step == 1:
             t0 = time.perf_counter()
-        x = torch.randn(TOKENS, HIDDEN, generator=gen)
-        opt.zero_grad()
-        model(x).pow(2).mean().backward()
-        for p in model.gate.parameters():  # the replicated gate: average its gradients
-            assert p.grad is not None
-            p.grad.div_(world)
-            dist.all_reduce(p.grad, group=pg)
-        opt.step()
+        # the last step on the fabric, recorded when asked (--record)
+        last = record is not None and step == steps - 1 and pg is dist.group.WORLD
+        with fabric.torch.record(record) if last else contextlib.nullcontext():
+            x = torch.randn(TOKENS, HIDDEN, generator=gen)
+            opt.zero_grad()
+            model(x).pow(2).mean().backward()
+            for p in model.gate.parameters():  # the replicated gate: average its gradients
+                assert p.grad is not None
+                p.grad.div_(world)
+                dist.all_reduce(p.grad, group=pg)
+            opt.step()
     per_step = (time.perf_counter() - t0) / max(steps - 1, 1)
     return [p.detach().clone() for p in model.parameters()], per_step
 
 
-def compare(steps: int) -> dict[str, Any]:
+def compare(steps: int, record: str | None = None) -> dict[str, Any]:
     """Train on gloo then on semfab; the summary."""
     gloo = dist.new_group(backend="gloo")
     ref, gloo_s = train(gloo, steps)
-    ours, semfab_s = train(dist.group.WORLD, steps)
+    ours, semfab_s = train(dist.group.WORLD, steps, record=record)
     return {
         "example": "moe_ep", "world": dist.get_world_size(), "steps": steps,
         "path": os.environ.get("SEMFAB_PATH", "ina"),
@@ -103,11 +107,11 @@ def compare(steps: int) -> dict[str, Any]:
     }
 
 
-def main(ep: Any = None, steps: int = 10) -> dict[str, Any]:
+def main(ep: Any = None, steps: int = 10, record: str | None = None) -> dict[str, Any]:
     """Entry of ``semfab launch --run examples/torch_moe_ep.py:main`` and of torchrun."""
     fabric.torch.init(ep)
     try:
-        return compare(steps)
+        return compare(steps, record)
     finally:
         fabric.torch.shutdown()
 
@@ -116,8 +120,10 @@ if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--json", action="store_true", help="print only the JSON line")
+    p.add_argument("--record", metavar="TRACE.json",
+                   help="record the last semfab step (replay: python -m fabric.torch.replay)")
     args = p.parse_args()
-    summary = main(steps=args.steps)
+    summary = main(steps=args.steps, record=args.record)
     if int(os.environ.get("RANK", "0")) == 0:
         if not args.json:
             print(f"MoE EP, {summary['world']} ranks, {args.steps} steps: gloo "

@@ -29,9 +29,11 @@ from fabric.torch.errors import TorchCommError, TorchOpError
 from fabric.torch.group import BACKEND, SemfabProcessGroup
 from fabric.torch.options import Options, timeout_from_env
 from fabric.torch.runtime import current, from_endpoint, from_store
+from fabric.torch.trace import record
 
 __all__ = ["BACKEND", "FabricWork", "Options", "SemfabProcessGroup", "TorchCommError",
-           "TorchOpError", "allreduce_hook", "fallbacks", "init", "shutdown", "switch_stats"]
+           "TorchOpError", "allreduce_hook", "fallbacks", "init", "record", "shutdown",
+           "switch_stats"]
 
 
 def _create(dist_opts: Any, backend_options: Any = None) -> SemfabProcessGroup:

@@ -32,6 +32,7 @@ from fabric.torch.tensors import (
     stage_in,
     stage_out,
 )
+from fabric.torch.trace import active as recording
 
 __all__ = ["BACKEND", "SemfabProcessGroup"]
 
@@ -93,7 +94,11 @@ class SemfabProcessGroup(dist.ProcessGroup):
     # ------------------------------------------------------------ plumbing
     @property
     def _target(self) -> Any:
-        return self.comm if self.comm is not None else self.rt.ep
+        """The group's fabric side (read on the comm thread: a recording in force
+        at run time sees the call)."""
+        target = self.comm if self.comm is not None else self.rt.ep
+        rec = recording()
+        return rec.proxy(target, self.ranks) if rec is not None else target
 
     def _refuse(self, what: str, reason: str) -> TorchOpError:
         return TorchOpError(self.rt.rank, what, reason)
