@@ -25,6 +25,11 @@ class PeerFailed(SemfabError):
     """A peer (switch, worker, host) died or refused an operation."""
 
 
+class SumOverflowError(SemfabError, OverflowError):
+    """An integer sum would wrap: raised on every member of the collective, which
+    ran to its end (the communicator stays usable; the output is not a sum)."""
+
+
 #: Longest wait a timeout flag may ask for: zmq polls take milliseconds as a C
 #: integer, and a wait of more than ~11 days is a typo, not a plan.
 MAX_TIMEOUT_S = 1e6

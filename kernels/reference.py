@@ -271,6 +271,18 @@ def reduce_into(acc: np.ndarray, x: np.ndarray, op: str) -> None:
     multicast_reduce([acc, x], [acc], op)
 
 
+def first_wrap(a: np.ndarray, b: np.ndarray) -> int | None:
+    """The first index where the signed-integer sum ``a + b`` would wrap, or None
+    (also None for other dtypes: floats overflow to inf, as IEEE says)."""
+    if a.dtype.kind != "i":
+        return None
+    with np.errstate(over="ignore"):
+        s = a + b  # wraps
+    # overflow iff both operands have the sign the wrapped sum lacks
+    bad = ((a ^ s) & (b ^ s)) < 0
+    return int(np.argmax(bad)) if bad.any() else None
+
+
 # --------------------------------------------------------------------------
 # Fixed point (SwitchML-style)
 # --------------------------------------------------------------------------

@@ -27,6 +27,7 @@ from switchd.core.events import (
     DuplicateIgnored,
     Granted,
     JobSpec,
+    Overflowed,
     Refused,
     Rejected,
     ResendResult,
@@ -452,24 +453,34 @@ def test_int_sum_never_wraps_silently() -> None:
     imax = np.iinfo(np.int32).max
     eng = AggregationEngine()
     eng.register(JobSpec(1, (1, 2, 3), "int32", AggOp.SUM, 1, 3))
-    assert eng.contribute(1, 0, 1, np.array([imax, 5, -imax], np.int32)) == []
-    before = snapshot(eng, 1)
-    # Would wrap at element 0: refused, nothing changes.
-    (ev,) = eng.contribute(1, 0, 2, np.array([1, 1, 1], np.int32))
-    assert isinstance(ev, Rejected) and ev.code == "INVALID" and "wrap" in ev.reason
-    assert snapshot(eng, 1) == before
     # The cheap bound fails but the exact check passes (cancellation): accepted.
-    assert eng.contribute(1, 0, 2, np.array([-imax, 1, imax], np.int32)) == []
+    assert eng.contribute(1, 0, 1, np.array([imax, 5, -imax], np.int32)) == []
+    assert eng.contribute(1, 0, 2, np.array([-imax, 1, -1], np.int32)) == []
     (done,) = eng.contribute(1, 0, 3, np.array([7, 1, 7], np.int32))
     assert isinstance(done, Completed) and done.result is not None
-    assert done.result.tolist() == [7, 7, 7]
+    assert done.result.tolist() == [7, 7, 6 - imax]
+    # Chunk 1 would wrap at element 0: it ends for every member, told once each ...
+    assert eng.contribute(1, 1, 1, np.array([imax, 5, 0], np.int32)) == []
+    (ev,) = eng.contribute(1, 1, 2, np.array([1, 1, 1], np.int32))
+    assert isinstance(ev, Overflowed) and ev.recipients == (1, 2, 3) and "wrap" in ev.reason
+    # ... a member that sends to it later (or again) is told again, never given a sum
+    (again,) = eng.contribute(1, 1, 3, np.array([1, 1, 1], np.int32))
+    assert isinstance(again, Overflowed) and again.recipients == (3,)
+    assert eng.kept_result(1, 1) is None
+    # ... and the next chunk reuses the slot, exact.
+    for m in (1, 2):
+        assert eng.contribute(1, 2, m, np.array([m, -m, 3], np.int32)) == []
+    (done,) = eng.contribute(1, 2, 3, np.array([3, -3, 3], np.int32))
+    assert isinstance(done, Completed) and done.result is not None
+    assert done.result.tolist() == [6, -6, 9]
     # int64 likewise, at its own limit.
     imax64 = np.iinfo(np.int64).max
     eng.register(JobSpec(2, (1, 2), "int64", AggOp.SUM, 1, 1))
     eng.contribute(2, 0, 1, np.array([imax64 - 3], np.int64))
     (ev,) = eng.contribute(2, 0, 2, np.array([4], np.int64))
-    assert isinstance(ev, Rejected) and ev.code == "INVALID"
-    (done,) = eng.contribute(2, 0, 2, np.array([3], np.int64))
+    assert isinstance(ev, Overflowed)
+    eng.contribute(2, 1, 1, np.array([imax64 - 3], np.int64))
+    (done,) = eng.contribute(2, 1, 2, np.array([3], np.int64))
     assert isinstance(done, Completed) and done.result is not None
     assert int(done.result[0]) == imax64
 

@@ -182,6 +182,7 @@ class NackCode(IntEnum):
     UNKNOWN_JOB = 8  # aggregation job not registered
     MISSING = 9  # the switch waits for this contribution (later ones came): send it again
     INVALID = 10  # intact (decoded, CRC good) but not acceptable here: the sender's mistake
+    OVERFLOW = 11  # the chunk's integer sum would wrap: told to every member, once each
 
 
 #: Refusals a resend can cure: the frame was damaged (MALFORMED: it could not be

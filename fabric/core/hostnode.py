@@ -30,6 +30,7 @@ class _Pending:
     acc: np.ndarray
     members: tuple[int, ...]
     seen: set[int] = field(default_factory=set)
+    overflow: str = ""  # why the integer sum would wrap (then it is no sum)
 
 
 @dataclass
@@ -61,6 +62,7 @@ class HostAggregator:
     def on_message(self, src: int, body: bytes | memoryview) -> list[tuple[int, bytes]]:
         """Handle one host-ps message from node ``src``; returns ``[(dst, reply)]``."""
         from kernels.dtypes import UFUNCS, byte_view, np_dtype
+        from kernels.reference import first_wrap
 
         try:
             m: dict[str, Any] = msgpack.unpackb(body)
@@ -94,9 +96,14 @@ class HostAggregator:
             return []
         else:
             if data.size != p.acc.size or data.dtype != p.acc.dtype:
-                raise FrameError(NackCode.MALFORMED,
+                raise FrameError(NackCode.INVALID,
                                  f"chunk {chunk} sizes or dtypes differ between members")
-            reduce(p.acc, data, out=p.acc)
+            at = first_wrap(p.acc, data) if m["op"] == "sum" and not p.overflow else None
+            if at is not None:  # never wrap silently: every member is told
+                p.overflow = (f"{data.dtype} sum would wrap at element {at} of chunk "
+                              f"{chunk}")
+            if not p.overflow:
+                reduce(p.acc, data, out=p.acc)
         self.stats.copies += 1  # into the accumulator
         p.seen.add(src)
         if len(p.seen) < len(p.members):
@@ -106,6 +113,7 @@ class HostAggregator:
         # Per member chunk, what the host did: unpack + accumulate, plus a share
         # of the one reply it packs for everybody.
         reply = msgpack.packb({"seq": seq, "chunk": chunk, "data": byte_view(p.acc).data,
+                               "overflow": p.overflow,
                                "h_copies": 2 + 1 / n, "h_encodes": 1 + 1 / n})
         self.stats.encodes += 1
         self.stats.copies += 1

@@ -39,7 +39,7 @@ from fabric.core.reliability import PSN_MASK, SACK_BITS, get_policy
 from fabric.core.semantic import SemanticCounts
 from fabric.core.timers import ChunkTimers, RttEstimator
 from fabric.core.topology import Topology
-from fabric.errors import FabricTimeout, PeerFailed, UsageError
+from fabric.errors import FabricTimeout, PeerFailed, SumOverflowError, UsageError
 from kernels.dtypes import UFUNCS, byte_view, np_dtype
 
 __all__ = [
@@ -634,6 +634,7 @@ class InaAllreduce(Program):
         self.nch = self._layout()
         self.base = js.next_chunk
         js.next_chunk += self.nch
+        self.members = (group or st.world_group).size
         self.msg = (group or st.world_group).next_msg()
         self.code = fr.dtype_from_name(t.dtype)
         # A lost contribution is asked for by the switch (MISSING) as soon as a later
@@ -650,6 +651,7 @@ class InaAllreduce(Program):
         self.last_sent = [0] * self.nch
         self._sends = 0
         self.left = self.nch
+        self.overflow = ""  # the first chunk whose sum would wrap (OVERFLOW)
         self.flags = Flag.CRC if st.crc else Flag.NONE
         # the header's flag bits as ints, first copy and resend (Flag arithmetic
         # costs a microsecond a frame)
@@ -729,6 +731,13 @@ class InaAllreduce(Program):
                     self.timers.resent(i, now)  # counted there
                     return [self._frame(i, True)]
                 return []
+            if code is NackCode.OVERFLOW:
+                # the chunk's sum would wrap: it is over for every member; the call
+                # runs to its end (the others need our other chunks) and then fails
+                if i >= self.nch or self.got[i]:
+                    return []
+                self.overflow = self.overflow or f"chunk {i}"
+                return self.landed(i, now)
             if code in fr.TRANSIENT_NACKS:
                 return []  # late or no room yet: the chunk's timer sends it again
             raise PeerFailed(f"{self.st.name}: switch refused chunk {f.psn} of job {f.job}: "
@@ -792,6 +801,11 @@ class InaAllreduce(Program):
             self.done = True
             self.st.retransmits += self.timers.retransmits
             self.st.timeouts += self.timers.expiries
+            if self.overflow:
+                raise SumOverflowError(
+                    f"{self.st.name}: {self.label} allreduce of {self.t.dtype}: the sum of "
+                    f"{self.overflow} (and perhaps others) would wrap; scale the inputs to "
+                    f"leave headroom for {self.members} members")
             sem = self.st.sem(self.label)
             sem.chunks += self.nch
             sem.hops += self.nch
@@ -1065,6 +1079,7 @@ class HostPsAllreduce(Program):
         self.staged = np.array(t.x, copy=True)
         self.got = bytearray(self.nch)
         self.left = self.nch
+        self.overflow = ""  # why a chunk's integer sum would wrap (the host says)
         self.hops, self.crossings = st.route_cost(st.host_id)
         self.result = t.out
         # a lost message or reply is sent again: the host answers a chunk it already
@@ -1147,7 +1162,11 @@ class HostPsAllreduce(Program):
         out = [self._frame(k) for k in fast]
         self.st.retransmits += len(fast)
         assert self.t.out is not None
-        np.copyto(self.t.out[i * E:(i + 1) * E], data)
+        wrapped = reply.get("overflow")
+        if wrapped:
+            self.overflow = self.overflow or str(wrapped)
+        else:
+            np.copyto(self.t.out[i * E:(i + 1) * E], data)
         sem.copies += 1 + float(reply["h_copies"])
         sem.encodes += float(reply["h_encodes"])
         sem.hops += self.hops
@@ -1156,6 +1175,10 @@ class HostPsAllreduce(Program):
             self.done = True
             sem.copies += self.nch
             sem.chunks += self.nch
+            if self.overflow:
+                raise SumOverflowError(f"{self.st.name}: host-ps allreduce: {self.overflow}; "
+                                       f"scale the inputs to leave headroom for "
+                                       f"{len(self.group.ids)} members")
             return []
         if i + self.S < self.nch:
             out.append(self._frame(i + self.S))

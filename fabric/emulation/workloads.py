@@ -30,7 +30,7 @@ from fabric.core.workload import (
     program_of,
     stream_program,
 )
-from fabric.errors import UsageError
+from fabric.errors import SemfabError, UsageError
 
 __all__ = ["run_in_emulation"]
 
@@ -42,34 +42,46 @@ def run_in_emulation(ep: Any, fn: Callable[..., Generator[Any, Any, Any]], *args
     ctx = Context(ep.rank, ep.world, ep.name)
     gen = fn(ctx, *args, **kwargs)
     value: Any = None
+    error: SemfabError | None = None
     while True:
         try:
-            op = gen.send(value)
+            if error is not None:  # raised where the workload waits: it may catch it
+                thrown, error = error, None
+                op = gen.throw(thrown)
+            else:
+                op = gen.send(value)
         except StopIteration as stop:
             return stop.value
-        if isinstance(op, Allreduce):
-            if op.x is None:
-                raise UsageError("timing-only allreduce (x=None) runs in simulation only")
-            value = ep.allreduce(op.x, op=op.op, path=op.path, out=op.out,
-                                 numerics=op.numerics, group=op.group)
-        elif isinstance(op, (Collective, MakeGroup, CloseGroup, MoeDispatch, MoeCombine,
-                           Control)):
-            if isinstance(op, (Collective, MoeDispatch)) and op.x is None:
-                raise UsageError(f"timing-only {type(op).__name__} (x=None) runs in "
-                                 "simulation only")
-            value = ep.run(program_of(ep.state, op), type(op).__name__)
-        elif isinstance(op, (Send, Recv, Together)):
-            parts = op.ops if isinstance(op, Together) else (op,)
-            if any((o.x if isinstance(o, Send) else o.out) is None for o in parts):
-                raise UsageError("timing-only streams (no array) run in simulation only")
-            value = ep.run(stream_program(ep.state, op), f"{type(op).__name__.lower()}")
-        elif isinstance(op, Barrier):
-            ep.barrier(op.group)
-            value = None
-        elif isinstance(op, Compute):
-            time.sleep(op.seconds)
-            value = None
-        elif isinstance(op, Clock):
-            value = time.monotonic()
-        else:
-            raise UsageError(f"a workload yielded {op!r}, not an operation of its context")
+        try:
+            value = _perform(ep, op)
+        except SemfabError as exc:
+            value, error = None, exc
+
+
+def _perform(ep: Any, op: Any) -> Any:
+    """Do one operation a workload yielded, on ``ep``; returns what it gives back."""
+    if isinstance(op, Allreduce):
+        if op.x is None:
+            raise UsageError("timing-only allreduce (x=None) runs in simulation only")
+        return ep.allreduce(op.x, op=op.op, path=op.path, out=op.out,
+                             numerics=op.numerics, group=op.group)
+    if isinstance(op, (Collective, MakeGroup, CloseGroup, MoeDispatch, MoeCombine,
+                       Control)):
+        if isinstance(op, (Collective, MoeDispatch)) and op.x is None:
+            raise UsageError(f"timing-only {type(op).__name__} (x=None) runs in "
+                             "simulation only")
+        return ep.run(program_of(ep.state, op), type(op).__name__)
+    if isinstance(op, (Send, Recv, Together)):
+        parts = op.ops if isinstance(op, Together) else (op,)
+        if any((o.x if isinstance(o, Send) else o.out) is None for o in parts):
+            raise UsageError("timing-only streams (no array) run in simulation only")
+        return ep.run(stream_program(ep.state, op), f"{type(op).__name__.lower()}")
+    if isinstance(op, Barrier):
+        ep.barrier(op.group)
+        return None
+    if isinstance(op, Compute):
+        time.sleep(op.seconds)
+        return None
+    if isinstance(op, Clock):
+        return time.monotonic()
+    raise UsageError(f"a workload yielded {op!r}, not an operation of its context")

@@ -402,8 +402,9 @@ class Simulation:
         """Run one program step; send what it says; move on when it is done."""
         try:
             sends = action()
-        except SemfabError as exc:
-            self._fail(node, exc)
+        except SemfabError as exc:  # the workload may catch it (as in emulation)
+            node.prog = None
+            self._resume(node, None, exc)
             return
         self._node_send(node, sends, t)
         prog = node.prog
@@ -444,13 +445,18 @@ class Simulation:
         node.prog = None
         node.done = True
 
-    def _resume(self, node: _Node, value: Any) -> None:
-        """Give the workload ``value``; start the program of what it yields next."""
+    def _resume(self, node: _Node, value: Any, error: SemfabError | None = None) -> None:
+        """Give the workload ``value`` (or raise ``error`` where it waits: a workload
+        may catch what its operation raised); start the program of what it yields next."""
         assert node.gen is not None
         t = max(self.now, node.busy)
         while True:
             try:
-                op = node.gen.send(value)
+                if error is not None:
+                    thrown, error = error, None
+                    op = node.gen.throw(thrown)
+                else:
+                    op = node.gen.send(value)
             except StopIteration as stop:
                 node.result = stop.value
                 node.done = True
@@ -469,8 +475,8 @@ class Simulation:
             try:
                 prog = self._program(node, op)
             except SemfabError as refused:  # not ``exc``: see docs/ARCHITECTURE.md (mypyc)
-                self._fail(node, refused)
-                return
+                error = refused
+                continue
             node.prog = prog
             self._step(node, lambda p=prog: p.start(t), t)  # type: ignore[misc]
             if _running(node) is prog:  # not finished at once: frames that came early

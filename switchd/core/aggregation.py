@@ -24,7 +24,7 @@ from fabric.core.reliability import PSN_MASK, unwrap_psn
 from kernels.dtypes import DTYPES, byte_view
 from switchd.core.context import SwitchContext
 from switchd.core.engine import AggregationEngine
-from switchd.core.events import Completed, JobSpec, Rejected, ResendResult
+from switchd.core.events import Completed, JobSpec, Overflowed, Rejected, ResendResult
 from switchd.core.jobs import JobPhase, JobTable
 from switchd.core.regions import Regions
 from switchd.core.service import Service
@@ -168,6 +168,14 @@ class Aggregation(Service):
                     self._send_results(spec, ev.chunk, (ev.member,), ev.result, f)
             elif isinstance(ev, Rejected):
                 ctx.nack(port, f.src, f.job, f.psn, f.msg, NackCode[ev.code], ev.reason)
+            elif isinstance(ev, Overflowed):
+                completed = True  # the chunk is over: the window moves on
+                table.last[f.job] = max(table.last.get(f.job, 0), ev.chunk)
+                self._mark_done(f.job, ev.chunk)
+                for member in ev.recipients:  # every member learns it, once
+                    if member in ctx.ident:
+                        ctx.nack(ctx.ident[member], member, f.job, f.psn, f.msg,
+                                 NackCode.OVERFLOW, ev.reason)
             # DuplicateIgnored, Stale: counted by the engine; nothing to send
         counted = completed or not events
         if counted:

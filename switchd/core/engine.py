@@ -39,6 +39,7 @@ from switchd.core.events import (
     Event,
     Granted,
     JobSpec,
+    Overflowed,
     Refused,
     Rejected,
     ResendResult,
@@ -68,6 +69,7 @@ class _Job:
     """Per-job slot state. Lists indexed by ``2 * slot + version``."""
 
     __slots__ = (
+        "overflowed",
         "spec",
         "slots",
         "elems",
@@ -108,6 +110,8 @@ class _Job:
         self.int_max = int(np.iinfo(self.dtype).max) if sum_int else 0
         self.bound = [0] * (2 * s) if sum_int else []
         self.scratch: np.ndarray | None = None
+        # per slot version: why its chunk ended in an overflow (None: it did not)
+        self.overflowed: list[str | None] = [None] * (2 * s)
 
     def view(self, idx: int, n: int) -> np.ndarray | None:
         if self.mem is None:
@@ -255,7 +259,7 @@ class AggregationEngine:
         idx = 2 * slot + (q & 1)
         n = j.length[idx]
         if (j.held[idx] != chunk or j.bitmap[idx] != j.full or data.dtype != j.dtype
-                or data.shape != (n,)):
+                or data.shape != (n,) or j.overflowed[idx] is not None):
             return False
         np.copyto(j.mem[slot, q & 1, :n], data)
         return True
@@ -303,7 +307,7 @@ class AggregationEngine:
             return None
         q, slot = divmod(chunk, j.slots)
         idx = 2 * slot + (q & 1)
-        if j.held[idx] != chunk or j.bitmap[idx] != j.full:
+        if j.held[idx] != chunk or j.bitmap[idx] != j.full or j.overflowed[idx] is not None:
             return None
         return j.view(idx, j.length[idx])
 
@@ -432,6 +436,9 @@ class AggregationEngine:
             bm = j.bitmap[idx]
             if bm == j.full:
                 self._resends += 1
+                wrapped = j.overflowed[idx]
+                if wrapped is not None:
+                    return [Overflowed(job, chunk, (member,), wrapped)]
                 return [ResendResult(job, chunk, member, j.view(idx, n))]
             if bm & bit:
                 self._duplicates += 1
@@ -479,12 +486,18 @@ class AggregationEngine:
                     j.bound[idx] = _absmax(dst)
             j.held[idx] = chunk
             j.length[idx] = n
+            j.overflowed[idx] = None
         elif j.mem is not None:
             dst = j.mem[slot, ver, :n]
             if j.int_max:
                 overflow = j.add_int_checked(dst, arr, idx)
                 if overflow is not None:
-                    return self._reject(job, chunk, member, "INVALID", overflow)
+                    # the chunk ends here for everyone (no member waits for a sum
+                    # that cannot be), and the window moves on
+                    j.overflowed[idx] = overflow
+                    j.bitmap[idx] = j.full
+                    self._rejected += 1
+                    return [Overflowed(job, chunk, j.spec.members, overflow)]
             else:
                 j.ufunc(dst, arr, out=dst)  # arrival-order, in place
         bm |= bit

@@ -27,6 +27,7 @@ __all__ = [
     "Event",
     "Granted",
     "JobSpec",
+    "Overflowed",
     "Refused",
     "Rejected",
     "ResendResult",
@@ -168,8 +169,21 @@ class Rejected:
     reason: str
 
 
+@dataclass(frozen=True, slots=True)
+class Overflowed:
+    """A contribution would make ``chunk``'s integer sum wrap: the chunk ends
+    without a result and every one of ``recipients`` is told (a member that
+    sends to it later is told again). Its slot is free for the next chunks."""
+
+    job: int
+    chunk: int
+    recipients: tuple[int, ...]
+    reason: str
+
+
 Event: TypeAlias = (
     Granted | Refused | Completed | ResendResult | DuplicateIgnored | Stale | Rejected
+    | Overflowed
 )
 
 
