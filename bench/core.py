@@ -325,6 +325,8 @@ def _parse(args: argparse.Namespace) -> tuple[list[str], list[int], list[int], l
         raise UsageError("--iters must be at least 1 and --warmup not negative")
     if args.profile < 0:
         raise UsageError("--profile N: N must not be negative")
+    report.check_memory(f"--end {args.end} with {max(workers)} workers",
+                        3 * max(sizes) * max(workers))
     from fabric.emulation.launch_cli import check_outputs
 
     check_outputs(args, ("json", "markdown"))  # before the run, not after it

@@ -134,6 +134,10 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--sizes: {exc}") from None
     if args.iters < 1 or args.reps < 1:
         raise UsageError("--iters and --reps must be at least 1")
+    if sizes and max(sizes) > fr.MAX_PAYLOAD:
+        raise UsageError(f"--sizes: a frame carries at most {fr.MAX_PAYLOAD} bytes")
+    if sizes:
+        report.check_memory("--sizes", 4 * max(sizes))  # payload, frame and two decodes
     from fabric.emulation.launch_cli import check_outputs
 
     check_outputs(args, ("json", "markdown"))  # before the run, not after it

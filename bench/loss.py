@@ -140,6 +140,7 @@ def _parse(args: argparse.Namespace) -> tuple[list[float], list[str], list[str],
         raise UsageError(str(exc)) from None
     if size % 4 or size < 4 or frame < 256:
         raise UsageError("--size must be a positive multiple of 4 and --frame at least 256")
+    report.check_memory(f"--size {args.size}", 2 * 4 * size)  # two workers' buffers
     if args.iters < 1:
         raise UsageError("--iters must be at least 1")
     if args.repeat < 1:

@@ -112,6 +112,9 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
         raise UsageError("--topk must be in 1..experts, --tokens and --hidden at least 1")
     if args.iters < 1 or args.warmup < 0:
         raise UsageError("--iters must be at least 1 and --warmup at least 0")
+    # every rank builds every rank's tokens (for the reference) and receives its top-k
+    report.check_memory(f"--tokens {args.tokens} x --hidden {args.hidden}",
+                        args.tokens * args.hidden * 4 * ranks * (ranks + 2 * args.topk))
     parse_routing(args.routing)
     from fabric.sim.cli import check_executor
 

@@ -272,6 +272,25 @@ def size_range(begin: int | str, end: int | str, factor: float = 2) -> list[int]
     return sizes
 
 
+def physical_memory() -> int | None:
+    """Bytes of memory this machine has (None where the system does not say)."""
+    try:
+        return int(os.sysconf("SC_PHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_memory(what: str, nbytes: int) -> None:
+    """UsageError now when a run would hold more than this machine's memory (it
+    would fail with a MemoryError, or swap for hours, after starting)."""
+    from fabric.errors import UsageError
+
+    have = physical_memory()
+    if have is not None and nbytes > have:
+        raise UsageError(f"{what}: needs about {nbytes / (1 << 30):,.0f} GiB, more than this "
+                         f"machine's {have / (1 << 30):,.1f} GiB of memory; make it smaller")
+
+
 _COLLECTIVE_ALIASES = {
     "allreduce": "allreduce",
     "allgather": "allgather",

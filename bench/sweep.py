@@ -246,6 +246,9 @@ def parse_plan(args: argparse.Namespace, all_paths: Sequence[str], *,
         item = report.dtype_itemsize(dtype)
         if any(s % item for s in sizes):
             raise UsageError(f"every size must be a multiple of the {dtype} size ({item} B)")
+    # every worker's input, output and in-place buffer live on this machine
+    report.check_memory(f"--end {args.end} with {max(workers)} workers",
+                        3 * max(sizes) * max(workers))
     plan = Plan(sizes, workers, paths, dtypes, op_list)
     check_run_inputs(args, workers, bool(plan.ours))
     from fabric.sim.cli import check_executor

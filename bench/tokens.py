@@ -278,6 +278,8 @@ def options(args: argparse.Namespace) -> Options:
                              f"choose from {', '.join(valid)}")
     if args.tokens < 2:
         raise UsageError("--tokens must be >= 2 (TPOT needs two tokens)")
+    if args.trace_requests < 0:
+        raise UsageError(f"--trace-requests {args.trace_requests}: must be 0 or more")
     if args.input_len is not None and not 1 <= args.input_len <= MAX_INPUT_LEN:
         raise UsageError(f"--input-len {args.input_len}: must be 1..{MAX_INPUT_LEN} tokens")
     if not base_url:  # semfab's own chain: its settings, checked before it starts

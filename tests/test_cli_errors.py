@@ -157,6 +157,16 @@ CASES = [
      "deep.json: JSON nested too deeply"),
     (["sim", "allreduce", "--workers", "2", "--calibration", "{calibration_negative}"],
      "switch_frame_s must be from 0 to 1 s"),
+    # sizes no machine holds: refused now, not a MemoryError after the launch
+    ([*BENCH[:-8], "-b", "64T", "-e", "64T", "-n", "1", "-w", "0"],
+     "--end 64T with 1 workers: needs about"),
+    ([*BENCH[:-8], "-b", "64T", "-e", "64T", "--sim"], "more than this machine's"),
+    (["bench", "core", "-b", "64T", "-e", "64T"], "--end 64T with 2 workers: needs about"),
+    (["bench", "frames", "--sizes", "5G"], "--sizes: a frame carries at most 4294967295"),
+    (["bench", "loss", "--size", "64T"], "--size 64T: needs about"),
+    (["bench", "moe", "--sim", "--tokens", "1000000000", "--hidden", "1000000"],
+     "--tokens 1000000000 x --hidden 1000000: needs about"),
+    (["bench", "tokens", "--trace-requests", "-1"], "--trace-requests -1: must be 0 or more"),
     # unwritable outputs, refused before any process starts
     (["launch", "--workers", "1", "--run-dir", "/proc/x/y"], "--run-dir /proc/x/y"),
     (["launch", "--workers", "1", "--run-dir", "{under_file}"], "--run-dir"),
