@@ -198,8 +198,17 @@ class NodeState:
         self.switch_id = topo.node(self.switch_name).id
         self.host_id = topo.hosts[0].id if topo.hosts else None
         self.root_switch_id = topo.node(topo.tree_root()).id
-        link = topo.link_between(self.name, self.switch_name)
-        self.mtu = link.params.mtu if link is not None else 256 * 1024
+        # one frame size for every member: the smallest MTU among the links a
+        # collective crosses (workers' and switches'), from the topology alone; a
+        # member's own link would let members that differ chunk differently
+        hosts = {h.name for h in topo.hosts}
+        mtus = [lk.params.mtu for lk in topo.links if lk.a not in hosts and lk.b not in hosts]
+        self.mtu = min(mtus, default=256 * 1024)
+        host_link = topo.link_between(topo.hosts[0].name, topo.switch_of(topo.hosts[0].name)) \
+            if topo.hosts else None
+        #: the frame size of the host-staged paths (their route includes the host's link)
+        self.host_mtu = min(self.mtu, host_link.params.mtu) if host_link is not None \
+            else self.mtu
         # any shaped worker link: every member agrees on memory-plane chunking from it
         self.fabric_shaped = any(
             (lk := topo.link_between(w.name, topo.switch_of(w.name))) is not None
@@ -287,7 +296,9 @@ class NodeState:
     def chunk_elems(self, path: str, itemsize: int) -> int:
         """Elements of one chunk on ``path`` (one frame on the frame plane)."""
         nbytes = self.chunk_bytes.get(path, DEFAULT_CHUNK_BYTES[path])
-        if path != "ina-mem":
+        if path == "host-ps":
+            nbytes = min(nbytes, self.host_mtu)
+        elif path != "ina-mem":
             nbytes = min(nbytes, self.mtu)  # one chunk = one frame on the frame plane
         return max(nbytes // itemsize, 1)
 
