@@ -412,6 +412,10 @@ def _need_out(out: np.ndarray | None, x: np.ndarray | None, n: int, kind: str) -
 def _alltoall(st: NodeState, g: Group, x: np.ndarray | None, out: np.ndarray | None, W: int,
               r: int, msg: int, item: int, sc: list[int], rc: list[int]) -> Program:
     _need_out(out, x, sum(rc), "alltoall")
+    if x is not None and out is not None and np.shares_memory(x, out):
+        # in place (or overlapping): what is still to be sent would be overwritten
+        # by what arrives first, so send from a copy
+        x = x.copy()
     sb, rb = segment_bounds(sc), segment_bounds(rc)
     progs: list[Program] = []
     for k in range(W):
