@@ -39,9 +39,21 @@ class FabricWork(dist._Work):
         self._deadline_s = deadline_s
         self._rank = rank
         self._what = what
+        self._trigger: Callable[[], None] | None = None
+
+    def before_wait(self, fn: Callable[[], None]) -> None:
+        """Call ``fn`` (once) before anyone waits on this Work or takes its future:
+        what it waits for may not be queued yet."""
+        self._trigger = fn
+
+    def _pull(self) -> None:
+        fn, self._trigger = self._trigger, None
+        if fn is not None:
+            fn()
 
     def wait(self, timeout: timedelta = timedelta(0)) -> bool:
         """Block until the operation ran; raises its error, or a timeout."""
+        self._pull()
         limit = timeout.total_seconds() if timeout and timeout.total_seconds() > 0 else None
         left = self._deadline_s - time.monotonic()
         if limit is not None:
@@ -54,10 +66,12 @@ class FabricWork(dist._Work):
 
     def get_future(self) -> torch.futures.Future[Any]:
         """Resolves to the output tensors."""
+        self._pull()
         return self._fut
 
     def is_completed(self) -> bool:
         """True once the operation ran (successfully or not)."""
+        self._pull()
         return self._done.is_set()
 
     def is_success(self) -> bool:
@@ -122,6 +136,8 @@ class CommThread:
         deadline = time.monotonic() + self.timeout_s * (self._q.qsize() + 2) + 5.0
 
         def complete(error: Any) -> None:
+            if done.is_set():
+                return  # completed already (the batch's error reaches each part twice)
             if error is None:
                 fut.set_result(result)
             else:

@@ -12,6 +12,7 @@ the group's communicator maps them to fabric workers.
 
 from __future__ import annotations
 
+import threading
 import zlib
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -40,6 +41,21 @@ BACKEND = "semfab"
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
 
+#: A send or receive waiting to run: kind, its staged tensor, the peer's world
+#: rank, and the function that completes its Work.
+_P2P = tuple[str, Staged, int, Callable[[Any], None]]
+
+
+def _fail_parts(fut: torch.futures.Future[Any], batch: list[_P2P]) -> None:
+    """A batch that failed, or never ran (an earlier operation broke the thread),
+    fails each of its sends and receives with its error."""
+    try:
+        fut.value()
+    except Exception as exc:
+        for *_, complete in batch:
+            complete(exc)
+
+
 def _sizes(ts: Sequence[torch.Tensor], op: Any = None) -> tuple[Any, ...]:
     """What every rank must agree on for an operation on ``ts`` (SEMFAB_CHECK)."""
     return (str(getattr(op, "op", op)), *[(t.numel(), str(t.dtype)) for t in ts])
@@ -63,8 +79,10 @@ class SemfabProcessGroup(dist.ProcessGroup):
         self.options = options.resolved()
         self._name = ""
         self._desc = ""
-        # send/recv collected between start_coalescing and end_coalescing
-        self._batch: list[tuple[str, Staged, int, Callable[[Any], None]]] | None = None
+        # sends and receives not queued yet (see _p2p); those of batch_isend_irecv
+        self._p2p_lock = threading.Lock()
+        self._pending: list[_P2P] = []
+        self._batch: list[_P2P] | None = None
         self._closed = False
 
     # ------------------------------------------------------------ identity
@@ -109,6 +127,7 @@ class SemfabProcessGroup(dist.ProcessGroup):
         agree on ``sig`` (the operation and the sizes that must match)."""
         if self._closed:
             raise self._refuse(what, "the process group was destroyed")
+        self._flush_p2p()  # sends and receives issued before this run before it
         if sig is not None and self.options.check:
             desc, inner = f"{what} {sig}", run
 
@@ -572,43 +591,38 @@ class SemfabProcessGroup(dist.ProcessGroup):
                            "name the sender")
 
     def _p2p(self, kind: str, s: Staged, peer: int, what: str, result: Any) -> FabricWork:
-        if self._batch is not None:
-            work, complete = self.rt.comm.deferred(result, what)
-            self._batch.append((kind, s, peer, complete))
-            return work
-        ep = self.rt.ep
+        # sends and receives wait, collected, until someone waits on one of them or
+        # the group runs another operation; then they run together, so that two
+        # ranks that both isend before they irecv do not wait on each other
+        work, complete = self.rt.comm.deferred(result, what)
+        with self._p2p_lock:
+            if self._batch is not None:  # batch_isend_irecv: end_coalescing runs them
+                self._batch.append((kind, s, peer, complete))
+                return work
+            self._pending.append((kind, s, peer, complete))
+        work.before_wait(self._flush_p2p)
+        return work
 
-        def run() -> None:
-            if kind == "send":
-                ep.send(s.array, peer)
-            else:
-                ep.recv(s.array, peer)
-                finish(s)
+    def _flush_p2p(self) -> None:
+        """Queue the collected sends and receives as one operation."""
+        with self._p2p_lock:
+            batch, self._pending = self._pending, []
+        if batch:
+            work = self.rt.comm.submit(self._p2p_run(batch), None,
+                                       f"{len(batch)} sends and receives")
+            work.get_future().add_done_callback(lambda f: _fail_parts(f, batch))
 
-        return self._submit(what, run, result)
-
-    @property
-    def supports_coalescing(self) -> bool:
-        """``batch_isend_irecv`` runs its sends and receives together."""
-        return True
-
-    def start_coalescing(self, device: Any) -> None:
-        """Collect the following sends and receives (``batch_isend_irecv``)."""
-        self._batch = []
-
-    def end_coalescing(self, device: Any) -> FabricWork:
-        """Run the collected sends and receives at once (none waits for another)."""
+    def _p2p_run(self, batch: list[_P2P]) -> Callable[[], None]:
         from fabric.core.programs import Parallel, Program, StreamRecv, StreamSend
 
-        batch, self._batch = self._batch or [], None
         ep = self.rt.ep
 
         def run() -> None:
             progs: list[Program] = [StreamSend(ep.state, peer, s.array) if kind == "send"
-                     else StreamRecv(ep.state, peer, s.array) for kind, s, peer, _ in batch]
+                                    else StreamRecv(ep.state, peer, s.array)
+                                    for kind, s, peer, _ in batch]
             try:
-                if progs:
-                    ep.run(Parallel(progs), f"{len(progs)} sends and receives")
+                ep.run(Parallel(progs), f"{len(progs)} sends and receives")
                 for kind, s, _, _ in batch:
                     if kind == "recv":
                         finish(s)
@@ -619,7 +633,27 @@ class SemfabProcessGroup(dist.ProcessGroup):
             for *_, complete in batch:
                 complete(None)
 
-        return self._submit("batch_isend_irecv", run, [s.tensor for _, s, _, _ in batch])
+        return run
+
+    @property
+    def supports_coalescing(self) -> bool:
+        """``batch_isend_irecv`` runs its sends and receives together."""
+        return True
+
+    def start_coalescing(self, device: Any) -> None:
+        """Collect the following sends and receives (``batch_isend_irecv``)."""
+        self._flush_p2p()
+        with self._p2p_lock:
+            self._batch = []
+
+    def end_coalescing(self, device: Any) -> FabricWork:
+        """Run the collected sends and receives at once (none waits for another)."""
+        with self._p2p_lock:
+            batch, self._batch = self._batch or [], None
+        run = self._p2p_run(batch) if batch else (lambda: None)
+        work = self._submit("batch_isend_irecv", run, [s.tensor for _, s, _, _ in batch])
+        work.get_future().add_done_callback(lambda f: _fail_parts(f, batch))
+        return work
 
     # ------------------------------------------------------------ barrier, teardown
     def barrier(self, opts: Any = None) -> FabricWork:
@@ -630,6 +664,7 @@ class SemfabProcessGroup(dist.ProcessGroup):
         """Release the group's fabric resources (the world group: leave the fabric)."""
         if self._closed:
             return
+        self._flush_p2p()
         self._closed = True
         if self.comm is not None:
             if self.rt.comm.broken is None and not self.rt.closed:
