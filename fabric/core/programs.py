@@ -914,7 +914,10 @@ class HostRingAllreduce(Program):
                                          dtype=self.code, payload=part, crc=st.crc), part))
             sem.hops += self.hops
             sem.crossings += self.crossings
-        if not st.lossless:
+        if not st.lossless and out:
+            # an empty step (a segment of no elements: fewer elements than ranks)
+            # sends nothing, so nothing waits for its ACK: a lost one would never
+            # be asked for again
             self.unacked[step] = out
             self.sent_at[step] = self.now
             if self.deadline is None:
