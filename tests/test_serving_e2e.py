@@ -286,6 +286,17 @@ def test_bad_requests_get_openai_errors(fab: Fabric, assets_dir: Path) -> None:
     assert api.ApiError(400, "x").body()["error"]["type"] == "invalid_request_error"
 
 
+def test_a_chain_stopped_before_it_knew_its_url_still_stops_its_host(
+        fab: Fabric, assets_dir: Path) -> None:
+    """Ctrl-C while start() waited for the server: stop() finds the URL itself
+    and asks the host to stop, rather than waiting out every task's timeout."""
+    with chain(fab, assets_dir) as ch:
+        ch.url = ""  # as if start() was interrupted before it read the ready file
+        results = ch.stop(timeout_s=10)
+    assert results["host"]["counters"]["completed"] == 0
+    assert "workers" in results
+
+
 @pytest.mark.parametrize("transport", ["direct", "host-staged"])
 def test_lost_token_frames_are_asked_for_and_resent(tmp_path: Path, assets_dir: Path,
                                                     tokenizer: Any, transport: str) -> None:

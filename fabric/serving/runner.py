@@ -148,11 +148,30 @@ class ServingChain:
         del self.tasks["host"]
         return True
 
+    def _known_url(self, wait_s: float) -> str:
+        """The server's URL, also when start() was interrupted (Ctrl-C) before it
+        learnt it: a host left running would hold stop() for its whole timeout."""
+        if self.url or "host" not in self.tasks:
+            return self.url
+        if not self.cfg.ready_file:  # host0 on another host, at a fixed address
+            return f"http://{self.cfg.host}:{self.cfg.port}"
+        ready = Path(self.cfg.ready_file)
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            if ready.is_file():
+                try:
+                    return str(json.loads(ready.read_text()).get("url") or "")
+                except (OSError, ValueError, AttributeError):
+                    return ""
+            time.sleep(0.05)
+        return ""
+
     def request_stop(self) -> bool:
         """Ask the host to shut the chain down; False if it did not answer."""
-        if not self.url:
+        url = self._known_url(wait_s=5.0)
+        if not url:
             return False
-        req = urllib.request.Request(self.url + "/semfab/shutdown", data=b"", method="POST",
+        req = urllib.request.Request(url + "/semfab/shutdown", data=b"", method="POST",
                                      headers={"X-Semfab-Secret": self.cfg.secret})
         try:
             with urllib.request.urlopen(req, timeout=5) as resp:
