@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import json
 import os
 import time
@@ -64,6 +65,14 @@ def _engine(stats: dict[str, Any]) -> tuple[int, int]:
     return int(stats.get("reduce_frames", 0)), int(engine.get("completions", 0))
 
 
+def digest(params: list[torch.Tensor]) -> str:
+    """A short hash of the parameters' bits."""
+    h = hashlib.sha1()
+    for p in params:
+        h.update(p.contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
 def compare(steps: int, record: str | None = None) -> dict[str, Any]:
     """Train on gloo, on semfab (the default group), and on gloo with the gradients
     through fabric.torch.allreduce_hook; the summary."""
@@ -81,6 +90,8 @@ def compare(steps: int, record: str | None = None) -> dict[str, Any]:
         "numerics": os.environ.get("SEMFAB_NUMERICS", "float"),
         "gloo_ms_per_step": round(gloo_s * 1e3, 3), "semfab_ms_per_step": round(semfab_s * 1e3, 3),
         "bit_identical": all(torch.equal(a, b) for a, b in zip(ref, ours, strict=True)),
+        # the same on every run and every path under SEMFAB_NUMERICS=fixed
+        "semfab_params_sha1": digest(ours),
         "max_abs_diff": max(diffs),
         "hook_ms_per_step": round(hook_s * 1e3, 3),
         "hook_bit_identical": all(torch.equal(a, b) for a, b in zip(ref, hooked, strict=True)),

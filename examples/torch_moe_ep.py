@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import json
 import os
 import time
@@ -91,6 +92,14 @@ def train(pg: Any, steps: int, record: str | None = None) -> tuple[list[torch.Te
     return [p.detach().clone() for p in model.parameters()], per_step
 
 
+def digest(params: list[torch.Tensor]) -> str:
+    """A short hash of the parameters' bits."""
+    h = hashlib.sha1()
+    for p in params:
+        h.update(p.contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
 def compare(steps: int, record: str | None = None) -> dict[str, Any]:
     """Train on gloo then on semfab; the summary."""
     gloo = dist.new_group(backend="gloo")
@@ -102,6 +111,8 @@ def compare(steps: int, record: str | None = None) -> dict[str, Any]:
         "numerics": os.environ.get("SEMFAB_NUMERICS", "float"),
         "gloo_ms_per_step": round(gloo_s * 1e3, 3), "semfab_ms_per_step": round(semfab_s * 1e3, 3),
         "bit_identical": all(torch.equal(a, b) for a, b in zip(ref, ours, strict=True)),
+        # the same on every run and every path under SEMFAB_NUMERICS=fixed
+        "semfab_params_sha1": digest(ours),
         "max_abs_diff": max(float((a - b).abs().max()) for a, b in zip(ref, ours, strict=True)),
         "fallbacks": fabric.torch.fallbacks(),
     }
