@@ -90,11 +90,16 @@ def _files(tmp_path: Path) -> dict[str, str]:
     calibration = tmp_path / "calibration-negative.json"
     calibration.write_text(json.dumps({"timing": {"switch_frame_s": -1e-6, "switch_byte_s": 0,
                                                   "node_frame_s": 0, "node_byte_s": 0}}))
+    script = tmp_path / "script.py"
+    script.write_text("import os\n\ndef f(ep):\n    return ep.rank\n")
+    bad_script = tmp_path / "bad_script.py"
+    bad_script.write_text("def f(ep)\n    return 1\n")
     huge_int = tmp_path / "huge-int.json"
     huge_int.write_text('{"kind": "allreduce", "results": [], "x": ' + "9" * 5000 + "}")
     return {**out, "bad": str(bad), "invalid": str(invalid), "under_file": f"{plain}/sub",
             "deep": str(deep), "deep_json": str(deep_json), "huge_int": str(huge_int),
             "deep_run": str(deep_run), "calibration_negative": str(calibration),
+            "script": str(script), "bad_script": str(bad_script),
             "fake_run": str(fake_run), "broken_run": str(broken_run),
             "missing": str(tmp_path / "missing.toml"), "tmp": str(tmp_path)}
 
@@ -167,6 +172,13 @@ CASES = [
     (["bench", "moe", "--sim", "--tokens", "1000000000", "--hidden", "1000000"],
      "--tokens 1000000000 x --hidden 1000000: needs about"),
     (["bench", "tokens", "--trace-requests", "-1"], "--trace-requests -1: must be 0 or more"),
+    # a task that cannot be found: refused before the fabric starts, not by every worker
+    (["launch", "--workers", "1", "--run", "semfab_no_such_module:f"],
+     "no module 'semfab_no_such_module' here"),
+    (["launch", "--workers", "1", "--run", "{script}:nosuch"], "script.py defines no 'nosuch'"),
+    (["launch", "--workers", "1", "--run", "{bad_script}:f"], "bad_script.py line 1: "),
+    (["run", "--topology", "{good}", "--workload", "{script}:g", "--rank", "0", "--world", "1"],
+     "--workload: {script} defines no 'g'"),
     # unwritable outputs, refused before any process starts
     (["launch", "--workers", "1", "--run-dir", "/proc/x/y"], "--run-dir /proc/x/y"),
     (["launch", "--workers", "1", "--run-dir", "{under_file}"], "--run-dir"),
@@ -269,7 +281,7 @@ def test_bad_input_is_one_line_and_exit_2(argv: list[str], message: str, files: 
     cap = capsys.readouterr()
     line = _one_line_error(cap.err)
     assert line.startswith("semfab: error: "), line
-    assert message in line, line
+    assert message.format(**files) in line, line
 
 
 def test_validation_runs_before_anything_is_created(tmp_path: Path,

@@ -92,16 +92,53 @@ def check_outputs(args: argparse.Namespace, files: tuple[str, ...] = ("json", "m
             check_dir(flag, value)
 
 
-def _split_ref(ref: str) -> tuple[str, str, str | None]:
+def _split_ref(ref: str, flag: str = "--run") -> tuple[str, str, str | None]:
+    """(module, function, script file) of FILE.py:FUNC or MODULE:FUNC, checked as far
+    as it can be without running the user's code: the file exists, parses and
+    defines FUNC; the module's top-level package can be found."""
     target, sep, func = ref.rpartition(":")
     if not sep or not target or not func:
-        raise UsageError(f"--run {ref!r}: write FILE.py:FUNC or MODULE:FUNC")
+        raise UsageError(f"{flag} {ref!r}: write FILE.py:FUNC or MODULE:FUNC")
     if target.endswith(".py"):
         path = Path(target)
         if not path.is_file():
-            raise UsageError(f"--run: script {target} not found")
+            raise UsageError(f"{flag}: script {target} not found")
+        _check_defines(path, func.split(".")[0], flag)
         return "semfab_user_script", func, str(path.resolve())
+    import importlib.machinery
+
+    top = target.split(".")[0]
+    # the nodes import it with their working folder (this one) on the path
+    if importlib.machinery.PathFinder.find_spec(top, [os.getcwd(), *sys.path]) is None \
+            and top not in sys.builtin_module_names:
+        raise UsageError(f"{flag} {ref!r}: no module {top!r} here (give FILE.py:FUNC for a "
+                         "script, or install the module)")
     return target, func, None
+
+
+def _check_defines(path: Path, name: str, flag: str) -> None:
+    """UsageError unless the script at ``path`` parses and may define ``name``."""
+    import ast
+
+    try:
+        tree = ast.parse(path.read_bytes(), str(path))
+    except SyntaxError as exc:
+        raise UsageError(f"{flag}: {path} line {exc.lineno}: {exc.msg}") from None
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"{flag}: cannot read {path} ({exc})") from None
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            for alias in node.names:
+                if alias.name == "*":
+                    return  # a star import may bring it: the worker will tell
+                names.add(alias.asname or alias.name.split(".")[0])
+    if name not in names:
+        raise UsageError(f"{flag}: {path} defines no {name!r}")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -94,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(f"--serve-port {args.serve_port} is not 1..65535")
         module, func, file = "bench.tokens", "bench-tokens", None
     else:
-        module, func, file = _split_ref(args.workload)
+        module, func, file = _split_ref(args.workload, "--workload")
     if args.rank is not None or args.world is not None:
         if args.rank is None or args.world is None or not 0 <= args.rank < args.world:
             raise UsageError("give --rank R and --world N together, with 0 <= R < N")
