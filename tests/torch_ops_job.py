@@ -139,12 +139,18 @@ def main(ep: Any = None) -> dict[str, Any]:
             (tag, dist.new_group(backend="semfab", pg_options=opts)) for tag, opts in
             (("ina-mem", Options(path="ina-mem")), ("host-ring", Options(path="host-ring")),
              ("fixed", Options(numerics="fixed")))]
+        # pairs of ranks (one group of both on 2 ranks): group ranks are not world ranks
+        pair, _ = dist.new_subgroups(2, backend="semfab")
+        groups.append(("pairs", pair))
         for tag, pg in groups:
             dist.barrier()
             before = reduce_frames()
             ops_on(pg, tag, bad)
             dist.barrier()
             frames[tag] = reduce_frames() - before
+            if pg is not dist.group.WORLD:
+                # releases the group's jobs at the switch: its slot memory is finite
+                dist.destroy_process_group(pg)
         bad.update({f"fallback {i}": note for i, note in enumerate(fabric.torch.fallbacks())})
     except Exception as exc:  # a failure is a result to report, with its type
         bad["raised"] = f"{type(exc).__name__}: {exc}"
