@@ -64,6 +64,8 @@ DEFAULT_CONCURRENCY = "1,8,32"
 #: Flags that set up our own chain: refused beside --base-url.
 CHAIN_FLAGS = ("transport", "detok", "detok_at", "detokenizer", "batch_tokens", "batch_ms",
                "step_ms", "prefill_ms", "workers", "backend", "trace", "run_dir", "keep_runs")
+#: Slowest open loop, in requests per second (one request every 1000 s).
+MIN_RATE = 1e-3
 #: Longest prompt the benchmark builds, in tokens (the corpus dataset holds less;
 #: a longer one would be cut short without a word).
 MAX_INPUT_LEN = 32768
@@ -212,8 +214,9 @@ def _rates(text: str) -> list[float]:
             rate = float(part)
         except ValueError:
             raise UsageError(f"--request-rate takes numbers or inf, got {part!r}") from None
-        if not rate > 0 or math.isnan(rate):
-            raise UsageError(f"--request-rate {part}: must be > 0 (inf: no pacing)")
+        if not rate >= MIN_RATE:  # NaN too; slower would look like a hang
+            raise UsageError(f"--request-rate {part}: must be at least {MIN_RATE:g} "
+                             "requests per second (inf: no pacing)")
         out.append(rate)
     if not out:
         raise UsageError("--request-rate needs a rate (e.g. 20, or inf)")
@@ -241,10 +244,14 @@ def _levels(args: argparse.Namespace, conc: list[int]) -> list[Level]:
 
 def normalize_base_url(url: str) -> str:
     """``http://host:port`` from a URL with or without ``/v1`` (UsageError if not HTTP)."""
-    parts = urllib.parse.urlsplit(url.strip())
-    if parts.scheme not in ("http", "https") or not parts.netloc:
-        raise UsageError(f"--base-url {url!r}: give an http:// or https:// URL, "
-                         "e.g. http://127.0.0.1:8000")
+    how = "give an http:// or https:// URL, e.g. http://127.0.0.1:8000"
+    try:
+        parts = urllib.parse.urlsplit(url.strip())
+        parts.port  # noqa: B018 -- raises on a port out of range or not a number
+    except ValueError as exc:  # e.g. an unclosed [IPv6 address
+        raise UsageError(f"--base-url {url!r}: {exc}; {how}") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise UsageError(f"--base-url {url!r}: {how}")
     path = parts.path.rstrip("/")
     path = path.removesuffix("/v1")
     return urllib.parse.urlunsplit((parts.scheme, parts.netloc, path, "", ""))

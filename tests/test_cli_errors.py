@@ -182,6 +182,10 @@ CASES = [
     (["launch", "--workers", "1", "--run", "{bad_script}:f"], "bad_script.py line 1: "),
     (["run", "--topology", "{good}", "--workload", "{script}:g", "--rank", "0", "--world", "1"],
      "--workload: {script} defines no 'g'"),
+    (["bench", "tokens", "--base-url", "http://[::1"], "--base-url 'http://[::1': Invalid IPv6"),
+    (["bench", "tokens", "--base-url", "http://127.0.0.1:99999"], "Port out of range"),
+    (["bench", "tokens", "--base-url", "http://:8000"], "give an http:// or https:// URL"),
+    (["bench", "tokens", "--request-rate", "1e-300"], "must be at least 0.001 requests per"),
     # unwritable outputs, refused before any process starts
     (["launch", "--workers", "1", "--run-dir", "/proc/x/y"], "--run-dir /proc/x/y"),
     (["launch", "--workers", "1", "--run-dir", "{under_file}"], "--run-dir"),
