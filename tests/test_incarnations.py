@@ -18,7 +18,7 @@ from fabric.core import control
 from fabric.core import frame as fr
 from fabric.core.frame import FrameError, NackCode, Op
 from fabric.core.hostnode import HostAggregator
-from fabric.core.topology import Topology, star
+from fabric.core.topology import Topology, leaf_spine, star
 from fabric.emulation.launcher import launch
 from fabric.sim import Simulation
 from switchd.core import COMBINE_FLOW
@@ -259,3 +259,75 @@ def test_group_quota_in_simulation() -> None:
     assert res.results[2]["sum"] == (2 * np.arange(5) + 5).tolist()
     with pytest.raises(SimulationError, match="tenant 'a' holds 3 groups, its quota of 3"):
         Simulation(Topology.from_dict(d)).run(group_quota_workload, 4)
+
+
+# ----------------------------------------------------------- one rank's mistake
+def order_workload(ctx):
+    """Rank 1 passes the group's ranks in another order than the others."""
+    ranks = list(range(ctx.world))
+    g = yield ctx.group(ranks if ctx.rank != 1 else ranks[::-1])
+    return g
+
+
+@pytest.mark.parametrize("topo", [star(3), leaf_spine(2, 2)], ids=["star", "tree"])
+def test_members_that_disagree_on_the_rank_order_all_fail_naming_it(topo) -> None:
+    from fabric.sim.engine import SimulationError
+
+    sim = Simulation(topo)
+    with pytest.raises(SimulationError, match="different orders"):
+        sim.run(order_workload)
+    failed = [n for n in sim._workers if n.error is not None]
+    assert len(failed) == len(topo.workers), [n.name for n in failed]  # every member
+    assert all("different orders" in str(n.error) for n in failed)
+
+
+def order_task(ep):
+    from fabric.errors import PeerFailed
+
+    ranks = [0, 1, 2] if ep.rank != 1 else [2, 1, 0]
+    try:
+        ep.group(ranks)
+    except PeerFailed as exc:
+        return str(exc)
+    return "made"
+
+
+def group_sum_task(ep):
+    return ep.group([0, 1, 2]).allreduce(np.arange(5, dtype=np.int32) + ep.rank).tolist()
+
+
+def test_members_that_disagree_on_the_rank_order_in_emulation(tmp_path) -> None:
+    with launch(workers=3, run_dir=tmp_path, timeout_s=20) as fab:
+        got = fab.run(order_task)
+        # the fabric goes on: a group made right works
+        again = fab.run(group_sum_task)
+    assert all("different orders" in g for g in got), got
+    assert again == [(3 * np.arange(5) + 3).tolist()] * 3
+
+
+@pytest.mark.parametrize("ranks", [["a", 0], [0.5, 1], [True, 0], 3, [0, 0]])
+def test_bad_group_ranks_are_a_usage_error(ranks) -> None:
+    from fabric.core.collective_programs import group_program
+    from fabric.core.programs import NodeState
+    from fabric.errors import UsageError
+
+    with pytest.raises(UsageError):
+        group_program(NodeState(star(2), "w0"), ranks)
+
+
+def closed_barrier_task(ep):
+    from fabric.errors import UsageError
+
+    c = ep.group([0, 1])
+    c.close()
+    try:
+        c.barrier()
+    except UsageError as exc:
+        return str(exc)
+    return "passed"
+
+
+def test_a_barrier_on_a_closed_communicator_is_refused(tmp_path) -> None:
+    with launch(workers=2, run_dir=tmp_path, timeout_s=20) as fab:
+        got = fab.run(closed_barrier_task)
+    assert all("closed communicator" in g for g in got), got

@@ -106,7 +106,15 @@ def group_program(st: NodeState, ranks: Sequence[int]) -> Program:
     """Create a communicator of world ``ranks`` (in group-rank order); its result is
     the :class:`~fabric.core.programs.Group`. Every member calls it with the same ranks;
     the group is usable once every member's switch knows it (a group barrier)."""
-    rk = tuple(int(r) for r in ranks)
+    try:
+        given = list(ranks)
+    except TypeError:
+        raise UsageError(f"{st.name}: group ranks must be a list of world ranks, "
+                         f"not {type(ranks).__name__}") from None
+    if any(isinstance(r, bool) or not isinstance(r, (int, np.integer)) for r in given):
+        raise UsageError(f"{st.name}: group ranks {given!r} must be integers (world ranks "
+                         f"0..{st.world - 1})")
+    rk = tuple(int(r) for r in given)
     if not rk or len(set(rk)) != len(rk) or any(not 0 <= r < st.world for r in rk):
         raise UsageError(f"{st.name}: group ranks {list(ranks)} must be distinct world ranks "
                          f"in 0..{st.world - 1}")
@@ -120,8 +128,9 @@ def group_program(st: NodeState, ranks: Sequence[int]) -> Program:
     members = list(key)
 
     def steps() -> Generator[Program, Any, Group]:
+        # the rank order goes too: members that disagree on it fail, told why
         reply = yield Request(st, "group", "group_reply", members=members, nth=nth, waits=True,
-                              match=lambda m: m.get("nth") == nth
+                              order=list(ids), match=lambda m: m.get("nth") == nth
                               and m.get("members") == members)
         gid = int(reply.get("gid", -1))
         if gid <= 0:

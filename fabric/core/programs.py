@@ -465,6 +465,9 @@ class Request(Program):
                              f"{self.t!r}: {code.name if code is not None else f.offset}")
         self.done = True
         self.result = control.parse(f.payload)
+        error = self.result.get("error")
+        if isinstance(error, str) and error:  # an answer that says why it cannot be
+            raise PeerFailed(f"{self.st.name}: {self.t} failed: {error}")
         if not self._resent and not self.waits:  # Karn: one send, one round trip
             self._rtt.sample(now - self._sent_at)
         return []
@@ -560,6 +563,8 @@ class Chain(Program):
 def barrier_program(st: NodeState, group: Group | None = None) -> Program:
     """Wait until every member of ``group`` (default: every worker) reached this
     barrier (counted by the tree root)."""
+    if group is not None:
+        group.check_open("barrier")  # a closed communicator has no barrier
     g = group or st.world_group
     bid = g.gid << 32 | next(g.barrier_seq)
     return Request(st, "barrier", "barrier_done", dst=st.root_switch_id, waits=True,

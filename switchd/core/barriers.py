@@ -11,7 +11,7 @@ late retry is answered again). Releasing a group wipes its waiting barriers.
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -48,7 +48,10 @@ class Barriers(Service):
         self._multicast = multicast
         self._waiting: dict[tuple[int, int], dict[int, bytes]] = {}
         self._done: deque[tuple[int, int]] = deque(maxlen=BARRIERS_KEPT)
+        # groups that failed as they were made: (gid, incarnation) -> why
+        self._failed: OrderedDict[tuple[int, int], str] = OrderedDict()
         multicast.on_release.append(self._wipe)
+        multicast.on_fail.append(self._fail)
 
     def on_ctrl(self, f: fr.Frame, port: bytes, msg: dict[str, Any], now: float) -> None:
         ctx = self.ctx
@@ -62,6 +65,10 @@ class Barriers(Service):
             ctx.ctrl(port, f.src, "barrier_done", id=bid)
             return
         gid = bid >> 32
+        why = self._failed.get((gid, key[1])) if gid else None
+        if why is not None:
+            ctx.ctrl(port, f.src, "barrier_done", id=bid, error=why)
+            return
         if gid:
             group = self._multicast.groups.get(gid)
             if group is None or self._multicast.incarnations.get(gid) != key[1]:
@@ -85,6 +92,15 @@ class Barriers(Service):
         """Group ``gid`` was released: its waiting barriers end with it."""
         for key in [k for k in self._waiting if k[0] >> 32 == gid]:
             del self._waiting[key]
+
+    def _fail(self, gid: int, inc: int, why: str) -> None:
+        """Group ``gid`` failed as it was made: whoever waits, or comes, learns why."""
+        self._failed[(gid, inc)] = why
+        while len(self._failed) > BARRIERS_KEPT:
+            self._failed.popitem(last=False)
+        for key in [k for k in self._waiting if k[1] == inc and k[0] >> 32 == gid]:
+            for src, who in self._waiting.pop(key).items():
+                self.ctx.ctrl(who, src, "barrier_done", id=key[0], error=why)
 
     def statistics(self) -> BarrierStats:
         return BarrierStats(waiting=len(self._waiting), done_kept=len(self._done))

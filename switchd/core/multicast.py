@@ -16,6 +16,7 @@ several tenants), so no tenant can take every id.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -32,6 +33,8 @@ __all__ = ["MAX_GROUPS", "Multicast", "MulticastStats"]
 #: Multicast group ids the tree root hands out (0 is every worker, built in). A
 #: group's jobs take ids ``gid << GROUP_JOB_BITS | n`` (fabric.core.programs.Group).
 MAX_GROUPS = 255
+#: Groups that failed as they were made, remembered to answer members' retries.
+FAILED_KEPT = 1024
 
 GroupKey = tuple[tuple[int, ...], int]
 
@@ -62,6 +65,13 @@ class Multicast(Service):
         self.incarnations: dict[int, int] = {0: 0}
         #: called with a gid when its group is released (its state is wiped)
         self.on_release: list[Callable[[int], None]] = []
+        #: called with (gid, incarnation, why) when a group fails as it is made (its
+        #: members disagree on the rank order): whoever waits on it is told why
+        self.on_fail: list[Callable[[int, int, str], None]] = []
+        # the rank order of each group, as its first member gave it; groups that
+        # failed as they were made, and why (a retry gets the same answer)
+        self._order: dict[GroupKey, tuple[int, ...]] = {}
+        self._failed: OrderedDict[GroupKey, str] = OrderedDict()
         self._ids: dict[GroupKey, int] = {}
         self._wait: dict[GroupKey, dict[int, bytes]] = {}
         self._tenant_groups: dict[str, int] = {}
@@ -131,8 +141,29 @@ class Multicast(Service):
         id for (members, nth); other switches ask their parent and learn the answer."""
         ctx = self.ctx
         key = self._key(f, port, msg)
+        order = self._order_of(msg, key)
+        known = self._order.setdefault(key, order) if order is not None else None
         gid = self._ids.get(key)
-        if gid is None and ctx.parent_name is None:
+        failed = self._failed.get(key)
+        if failed is not None:
+            ctx.ctrl(port, f.src, "group_reply", members=list(key[0]), nth=key[1], gid=-1,
+                     reason=failed)
+            return
+        if known is not None and known != order:
+            # members gave the ranks in different orders: their group ranks would
+            # disagree, so the group fails for every member, naming both orders
+            why = (f"members passed the ranks of group {list(key[0])} in different orders "
+                   f"(node ids {list(known)} and {list(order or ())}); every member must "
+                   "pass the same ranks in the same order")
+            if ctx.parent_name is not None:
+                gid = None  # the root decides (and tells whoever waits there)
+            else:
+                self._fail(key, why)
+                self._refused += 1
+                ctx.ctrl(port, f.src, "group_reply", members=list(key[0]), nth=key[1],
+                         gid=-1, reason=why)
+                return
+        elif gid is None and ctx.parent_name is None:
             tenant, why = self._over_quota(key[0])
             used = set(self.groups)
             gid = next((g for g in range(1, MAX_GROUPS + 1) if g not in used), None)
@@ -155,7 +186,37 @@ class Multicast(Service):
         # ask the parent on every retry (our request or its answer may be lost)
         self._wait.setdefault(key, {})[f.src] = port
         parent = ctx.parent_id()
-        ctx.ctrl(ctx.next_hop[parent], parent, "group", members=list(key[0]), nth=key[1])
+        extra = {} if order is None else {"order": list(order)}
+        ctx.ctrl(ctx.next_hop[parent], parent, "group", members=list(key[0]), nth=key[1],
+                 **extra)
+
+    @staticmethod
+    def _order_of(msg: dict[str, Any], key: GroupKey) -> tuple[int, ...] | None:
+        """The rank order a request gives (node ids, group rank 0 first), if any."""
+        order = msg.get("order")
+        if order is None:
+            return None
+        if not isinstance(order, list) or sorted(o for o in order if isinstance(o, int)) \
+                != list(key[0]) or len(order) != len(key[0]):
+            raise FrameError(NackCode.INVALID, "a group's order must list its members once")
+        return tuple(order)
+
+    def _fail(self, key: GroupKey, why: str) -> None:
+        """Group ``key`` cannot be: free its id, tell whoever waits on it."""
+        self._failed[key] = why
+        while len(self._failed) > FAILED_KEPT:
+            self._failed.popitem(last=False)
+        gid = self._ids.pop(key, None)
+        if gid is None or self.groups.get(gid) != key[0]:
+            return
+        inc = self.incarnations.pop(gid, 0)
+        del self.groups[gid]
+        tenant = self.ctx.topo.tenant_of(key[0][0])
+        self._tenant_groups[tenant] = self._tenant_groups.get(tenant, 1) - 1
+        for tell in self.on_fail:  # first: the waiters learn why, then their state goes
+            tell(gid, inc, why)
+        for wipe in self.on_release:
+            wipe(gid)
 
     def _over_quota(self, members: tuple[int, ...]) -> tuple[str, str | None]:
         """The members' tenant, and why it may not make one more group here (or None)."""
@@ -181,6 +242,8 @@ class Multicast(Service):
         key = (tuple(sorted(control.need(msg, "members", list))), control.need(msg, "nth", int))
         gid = control.need(msg, "gid", int)
         inc = msg.get("inc", 0)
+        if gid <= 0:
+            self._order.pop(key, None)  # refused: a retry may give another order
         if 0 < gid <= MAX_GROUPS:
             self._ids[key] = gid
             self.groups[gid] = key[0]
@@ -195,6 +258,7 @@ class Multicast(Service):
         ctx = self.ctx
         key = self._key(f, port, msg)
         gid = self._ids.pop(key, None)
+        self._order.pop(key, None)
         if gid is not None and self.groups.get(gid) == key[0]:
             del self.groups[gid]
             self.incarnations.pop(gid, None)
