@@ -152,16 +152,16 @@ class Multicast(Service):
         if known is not None and known != order:
             # members gave the ranks in different orders: their group ranks would
             # disagree, so the group fails for every member, naming both orders
-            why = (f"members passed the ranks of group {list(key[0])} in different orders "
-                   f"(node ids {list(known)} and {list(order or ())}); every member must "
-                   "pass the same ranks in the same order")
+            conflict = (f"members passed the ranks of group {list(key[0])} in different "
+                        f"orders (node ids {list(known)} and {list(order or ())}); every "
+                        "member must pass the same ranks in the same order")
             if ctx.parent_name is not None:
                 gid = None  # the root decides (and tells whoever waits there)
             else:
-                self._fail(key, why)
+                self._fail(key, conflict)
                 self._refused += 1
                 ctx.ctrl(port, f.src, "group_reply", members=list(key[0]), nth=key[1],
-                         gid=-1, reason=why)
+                         gid=-1, reason=conflict)
                 return
         elif gid is None and ctx.parent_name is None:
             tenant, why = self._over_quota(key[0])
