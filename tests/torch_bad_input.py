@@ -1,9 +1,10 @@
 """A torch job for tests/test_torch_errors.py (run under torchrun, 2 ranks).
 
-``refusals``: each bad call must raise the backend's typed error naming the rank
-and the operation, within the timeout; each rank prints one JSON line of what it
-saw. ``crash-1`` / ``kill-0``: rank 1 exits, or rank 0 is SIGKILLed, in the
-middle of the job (the test checks that nothing is left running).
+``refusals DIR``: each bad call must raise the backend's typed error naming the
+rank and the operation, within the timeout; each rank writes what it saw to
+DIR/rank<r>.json; then rank 0 is SIGKILLed (the test checks that nothing is left
+running). ``crash-1`` / ``kill-0`` (by hand): rank 1 exits, or rank 0 is
+SIGKILLed, after one allreduce, while the other waits in the next one.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import signal
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -35,7 +37,7 @@ def outcome(fn: Callable[[], Any]) -> dict[str, Any]:
                 "s": time.monotonic() - t0}
 
 
-def refusals() -> dict[str, Any]:
+def refusals(checked: Any) -> dict[str, Any]:
     r = dist.get_rank()
     seen: dict[str, Any] = {}
     seen["product"] = outcome(lambda: dist.all_reduce(torch.ones(4), op=dist.ReduceOp.PRODUCT))
@@ -45,7 +47,6 @@ def refusals() -> dict[str, Any]:
     seen["uneven_split"] = outcome(lambda: dist.all_to_all_single(torch.empty(3), torch.ones(3)))
     # a checked group: the ranks agree on each call first, so a mismatch is refused
     # by name and the group stays usable
-    checked = dist.new_group(backend="semfab", pg_options=Options(check=True))
     seen["checked_mismatch"] = outcome(
         lambda: dist.all_reduce(torch.ones(10 if r == 0 else 20), group=checked))
     x = torch.full((5,), float(r + 1))
@@ -63,9 +64,18 @@ def main() -> None:
     fabric.torch.init()
     r = dist.get_rank()
     if mode == "refusals":
-        seen = refusals()
-        print(json.dumps({"rank": r, **seen}), flush=True)
-        fabric.torch.shutdown()
+        checked = dist.new_group(backend="semfab", pg_options=Options(check=True))
+        seen = refusals(checked)
+        # a file per rank: two long lines on one pipe may interleave
+        Path(sys.argv[2], f"rank{r}.json").write_text(json.dumps({"rank": r, **seen}))
+        # then rank 0, which started the switch and host, dies while rank 1 waits on it
+        if r == 0:
+            deadline = time.monotonic() + 30
+            while len(list(Path(sys.argv[2]).glob("rank*.json"))) < dist.get_world_size() \
+                    and time.monotonic() < deadline:
+                time.sleep(0.02)
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(60)  # (this process's comm thread is broken by the mismatch above)
         return
     dist.all_reduce(torch.ones(8))  # the fabric works
     if mode == "crash-1" and r == 1:

@@ -59,6 +59,10 @@ def ops_on(pg: Any, tag: str, bad: dict[str, str]) -> None:
     avg = inputs(r, n, torch.float32) * w  # a multiple of w: the mean is exact
     dist.all_reduce(avg, op=dist.ReduceOp.AVG, group=pg)
     check(bad, f"{tag} allreduce AVG", avg, sum(inputs(k, n, torch.float32) for k in every))
+    strided = torch.stack([inputs(r, n, torch.float32), torch.full((n,), -1.0)], dim=1)
+    dist.all_reduce(strided[:, 0], group=pg)  # a view with stride 2: staged, copied back
+    check(bad, f"{tag} allreduce of a strided view", strided, torch.stack(
+        [sum(inputs(k, n, torch.float32) for k in every), torch.full((n,), -1.0)], dim=1))
     a, b = inputs(r, n, torch.float32), inputs(r, 5, torch.float32)
     dist.all_reduce_coalesced([a, b], group=pg)
     check(bad, f"{tag} allreduce_coalesced", torch.cat([a, b]), torch.cat(
