@@ -30,6 +30,7 @@ from collections.abc import Generator
 from pathlib import Path
 from typing import Any
 
+from fabric.core.collective_programs import COLLECTIVES
 from fabric.errors import UsageError
 
 __all__ = ["replay", "scaled_ops", "main"]
@@ -103,8 +104,6 @@ def _workload(ctx: Any, ops: list[dict[str, Any]], compute: bool,
                                 dtype=op["dtype"], group=group)
         else:
             p = path if path in ("ina", "host-ring") else None
-            from fabric.core.collective_programs import COLLECTIVES
-
             if p not in COLLECTIVES[kind]:
                 p = op["path"] if op["path"] in COLLECTIVES[kind] else None
             yield ctx.collective(kind, None, path=p, op=op["op"], root=op["root"],
