@@ -34,11 +34,13 @@ from fabric.core.congestion import (
     PfcIngress,
     RedMarker,
     SharedBuffer,
+    find_pause_cycle,
 )
 from fabric.core.congestion.config import TRIM_HEADER_BYTES
 from fabric.core.frame import Flag
 
-__all__ = ["CTRL", "DATA", "CONTROL_WIRE_BYTES", "Net", "Node", "Packet", "Port", "Switch"]
+__all__ = ["CTRL", "DATA", "CONTROL_WIRE_BYTES", "Net", "Node", "Packet", "PfcWatchdog", "Port",
+           "Switch", "pause_waits"]
 
 #: Traffic classes: control (strict priority) and data.
 CTRL, DATA = 0, 1
@@ -333,3 +335,45 @@ class Switch(Node):
         pkt = Packet(bytearray(CONTROL_WIRE_BYTES), None, CONTROL_WIRE_BYTES, kind, -1, -1,
                      ev.tc, 0, CTRL)
         self.ports[ev.port].enqueue(pkt, t)
+
+
+def pause_waits(switches: list[Switch]) -> dict[str, list[str]]:
+    """The wait-for graph of paused ports: a paused egress port waits on the ports of
+    the switch that paused it through which the frames it sent there must leave,
+    when those are paused too. A cycle is a PFC deadlock: nothing in it can move."""
+    waits: dict[str, list[str]] = {}
+    for sw in switches:
+        for port in sw.ports:
+            peer = port.peer
+            if not port.pause.is_paused(DATA) or not isinstance(peer, Switch):
+                continue
+            waits[port.name] = [q.name for q in peer.ports if q.pause.is_paused(DATA)
+                                and any(p.in_port == port.peer_in for p in q.data)]
+    return waits
+
+
+class PfcWatchdog:
+    """Looks every ``period_s`` for data classes paused longer than ``limit_s`` (the
+    802.1Qbb watchdog's trigger); if the paused ports wait on each other in a cycle,
+    records it in ``deadlock`` (the ports, in order) and stops the run."""
+
+    def __init__(self, net: Net, switches: list[Switch], period_s: float,
+                 limit_s: float) -> None:
+        self.net = net
+        self.switches = switches
+        self.period = period_s
+        self.limit = limit_s
+        self.deadlock: list[str] | None = None
+        self.stuck_seen = 0
+        net.at(period_s, self._look)
+
+    def _look(self, _arg: Any, t: float) -> None:
+        stuck = [p for sw in self.switches for p in sw.ports if p.pause.stuck(t, self.limit)]
+        if stuck:
+            self.stuck_seen += 1
+            cycle = find_pause_cycle(pause_waits(self.switches))
+            if cycle is not None:
+                self.deadlock = cycle
+                return  # the run's stop condition reads it
+        if self.net.pending > 0:
+            self.net.at(t + self.period, self._look)
