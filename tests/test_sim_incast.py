@@ -164,3 +164,17 @@ def test_topology_file_settings_apply_and_flags_win(tmp_path: Path,
                  str(unshaped)]) == 2
     err = capsys.readouterr().err.strip()
     assert "one shaped link rate" in err and len(err.splitlines()) == 1
+
+
+def test_plot_and_trace_show_the_queue_and_the_pauses(tmp_path: Path) -> None:
+    png, trace = tmp_path / "q.png", tmp_path / "q.json"
+    assert main(["sim", "incast", "--senders", "16", "--size", "300000", "--pfc", "--buffer",
+                 "2M", "--cc", "none", "--plot", str(png), "--trace", str(trace)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    events = json.loads(trace.read_text())["traceEvents"]
+    queue = [e for e in events if e["ph"] == "C" and e["name"].startswith("queue sw0:16")]
+    paused = [e for e in events if e["ph"] == "C" and e["name"].startswith("paused h")]
+    assert queue and max(e["args"]["bytes"] for e in queue) > 0
+    assert queue[-1]["args"]["bytes"] == 0  # it drained
+    assert any(e["args"]["paused"] == 1 for e in paused)
+    assert all(a["ts"] <= b["ts"] for a, b in zip(queue, queue[1:], strict=False))

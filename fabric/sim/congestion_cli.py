@@ -63,6 +63,10 @@ def add_incast_parser(sub: Any) -> None:
     p.add_argument("--no-ecn", action="store_true", help="switches mark nothing")
     p.add_argument("--seed", type=int, default=0, help="data, marks and spraying")
     p.add_argument("--json", metavar="PATH", help="write the figures and every setting")
+    p.add_argument("--plot", metavar="PNG",
+                   help="the bottleneck's queue over time (pauses shaded)")
+    p.add_argument("--trace", metavar="PATH",
+                   help="queue depth and pauses as Perfetto counter tracks (Chrome trace JSON)")
     p.set_defaults(sim_func=run_incast_command)
 
 
@@ -211,16 +215,29 @@ def run_incast_command(args: argparse.Namespace) -> int:
     from fabric.sim.incast import run_incast
 
     s = settings_from_args(args)
-    if args.json:
-        check_output_file("--json", args.json)
+    for flag in ("json", "plot", "trace"):
+        if getattr(args, flag, None):
+            check_output_file(f"--{flag}", getattr(args, flag))
     print(f"# semfab sim incast ({NOTE}, {build()} build): {s.senders} -> 1, "
           f"{report.format_size(s.size)} each, {s.link_gbps:g} Gbit/s, mtu {s.mtu}, base RTT "
           f"{s.base_rtt_us:g} us, cc {s.cc}, buffer {s.buffer} B, "
           + ("pfc" if s.pfc else "trim" if s.trim else "tail drop")
           + (f", ECN {s.kmin}..{s.kmax} B pmax {s.pmax:g}" if s.ecn else ", no ECN"), flush=True)
-    r = run_incast(s)
+    record: dict[str, Any] | None = {} if (args.plot or args.trace) else None
+    r = run_incast(s, record)
     _print_figures(r)
     print(f"# bottleneck queue mean {r['mean_queue_bytes']:.0f} B")
+    if record is not None:
+        from fabric.sim import congestion_plots
+
+        title = (f"incast {s.senders} -> 1 of {report.format_size(s.size)}, {s.cc}, "
+                 f"{'pfc' if s.pfc else 'trim' if s.trim else 'tail drop'} (virtual time)")
+        if args.plot:
+            congestion_plots.plot_queues(record, args.plot, title)
+            print(f"# wrote {args.plot}")
+        if args.trace:
+            congestion_plots.write_trace(record, args.trace, title)
+            print(f"# wrote {args.trace}")
     if args.json:
         report.write_json(args.json, "sim-incast", [r], extra={"note": NOTE})
         print(f"# wrote {args.json}")

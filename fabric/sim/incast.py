@@ -189,8 +189,13 @@ def _kick(port: Any, t: float) -> None:
     port.kick(t)
 
 
-def run_incast(settings: IncastSettings) -> dict[str, Any]:
-    """Simulate one incast; the figures of the module docstring plus every setting."""
+def run_incast(settings: IncastSettings,
+               record: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Simulate one incast; the figures of the module docstring plus every setting.
+
+    ``record`` (a dict) is filled with time series for plots and traces:
+    ``queues`` (the bottleneck port's data queue, ``[(t, bytes)]`` at every change)
+    and ``pauses`` (per port ever paused, ``[(t, paused)]``)."""
     s = settings.resolved()
     assert s.buffer is not None and s.kmin is not None and s.kmax is not None
     assert s.pmax is not None
@@ -220,6 +225,10 @@ def run_incast(settings: IncastSettings) -> dict[str, Any]:
         port.connect(h, 0)
         sw.routes[h.hid] = [port.index]
     hot = sw.ports[receiver.hid]
+    if record is not None:
+        hot.depth = []
+        for h in hosts:
+            h.nic.pause_log = []
     if policy.wants_cnp:
         receiver.cnp = CnpPacer()
     if policy.receiver_driven:
@@ -267,6 +276,9 @@ def run_incast(settings: IncastSettings) -> dict[str, Any]:
     alone = [f.wire_bytes * 8 / rate + first_hop for f in flows]
     ports = [h.nic for h in hosts] + sw.ports
     settings_out = dataclasses.asdict(s)
+    if record is not None:
+        record["queues"] = {hot.name: hot.depth}
+        record["pauses"] = {p.name: p.pause_log for p in ports if p.pause_log}
     return {
         "scenario": "incast",
         "finished": done,

@@ -140,7 +140,7 @@ class Port:
 
     __slots__ = ("net", "owner", "index", "peer", "peer_in", "rate", "latency", "ctrl", "data",
                  "busy", "pause", "data_bytes", "peak_bytes", "sent_frames", "sent_bytes",
-                 "depth", "name", "q_area", "q_t")
+                 "depth", "name", "q_area", "q_t", "pause_log")
 
     def __init__(self, net: Net, owner: Node, index: int, rate_bps: float,
                  latency_s: float) -> None:
@@ -160,6 +160,7 @@ class Port:
         self.sent_frames = 0
         self.sent_bytes = 0
         self.depth: list[tuple[float, int]] | None = None  # (t, data bytes) when traced
+        self.pause_log: list[tuple[float, bool]] | None = None  # (t, data paused) when traced
         self.q_area = 0.0  # integral of the data queue over time (byte-seconds)
         self.q_t = 0.0
         self.name = f"{owner.name}:{index}"
@@ -195,6 +196,8 @@ class Port:
 
     def set_paused(self, tc: int, paused: bool, t: float) -> None:
         """A PFC frame from the peer arrived."""
+        if self.pause_log is not None and tc == DATA:
+            self.pause_log.append((t, paused))
         if paused:
             self.pause.pause(tc, t)
         else:
