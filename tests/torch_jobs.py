@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -44,6 +45,32 @@ def torchrun(script: str, nproc: int, tmp: Path, *args: str, timeout_s: float = 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc-per-node={nproc}", script, *args]
     return run_job(cmd, tmp, timeout_s, **env)
+
+
+def torchrun_nodes(script: str, nodes: int, tmp: Path, *args: str, timeout_s: float = 90.0,
+                   **env: str) -> list[subprocess.CompletedProcess[str]]:
+    """``nodes`` torchrun agents of one rank each, as on ``nodes`` hosts (static
+    rendezvous on this one); their results by node rank."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for node in range(nodes):
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}",
+               f"--node-rank={node}", "--nproc-per-node=1", "--master-addr=127.0.0.1",
+               f"--master-port={port}", script, *args]
+        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=job_env(tmp, **env),
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True, start_new_session=True))
+    results = []
+    deadline = time.monotonic() + timeout_s
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=max(deadline - time.monotonic(), 1.0))
+            results.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+    finally:
+        kill_groups(procs)
+    return results
 
 
 def last_json(text: str) -> dict[str, Any]:

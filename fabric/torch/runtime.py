@@ -7,7 +7,9 @@ Two ways in:
   else started): the first ``init_process_group("semfab")`` on rank 0 starts
   the switch and host processes of a star of N workers (or of the topology
   file ``SEMFAB_TOPOLOGY``) and publishes where they are in torch's store;
-  every rank then attaches its own endpoint as worker ``rank``. The fabric
+  every rank then attaches its own endpoint as worker ``rank``. When torchrun
+  placed the ranks on several hosts (``--nnodes``), the star runs over tcp,
+  its switch and host on rank 0's host. The fabric
   ends with rank 0: at ``destroy_process_group()``, at exit, on SIGTERM, and
   (its processes watch their parent) when rank 0 is killed.
 * **semfab launch** (``semfab launch --workers N --run train.py:main``): the
@@ -20,10 +22,10 @@ import atexit
 import json
 import logging
 import os
-from pathlib import Path
+import socket
 from typing import Any
 
-from fabric.core.topology import Topology, TopologyError, load, star
+from fabric.core.topology import Topology, TopologyError, load, loads, star
 from fabric.emulation.endpoint import Endpoint
 from fabric.emulation.launcher import Fabric
 from fabric.errors import SemfabError, UsageError
@@ -109,10 +111,21 @@ def from_endpoint(ep: Endpoint) -> Runtime:
     return _current
 
 
-def _topology(world: int) -> Topology:
+def _topology(world: int, addresses: list[str] | None) -> Topology:
+    """SEMFAB_TOPOLOGY, or a star of ``world`` workers: over ipc on one host, over
+    tcp when the ranks run on several (``addresses``: each rank's, rank 0's
+    hosting the switch and the host node)."""
     path = os.environ.get("SEMFAB_TOPOLOGY")
     if not path:
-        return star(world)
+        if addresses is None:
+            return star(world)
+        base = star(world, transport="tcp")
+        sw = base.switches[0]
+        hosts = {w.name: addresses[w.id] for w in base.workers}
+        hosts.update({n.name: addresses[0] for n in (*base.hosts, *base.switches)})
+        return Topology(base.nodes, base.links, name=base.name, transport="tcp",
+                        base_port=_free_port() - sw.id, host_addresses=hosts,
+                        defaults=base.defaults)
     try:
         topo = load(path)
     except (OSError, TopologyError) as exc:
@@ -123,6 +136,32 @@ def _topology(world: int) -> Topology:
     return topo
 
 
+def _free_port() -> int:
+    """A TCP port free on this host now (the switch binds it a moment later)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return int(s.getsockname()[1])
+
+
+def _several_hosts(world: int) -> bool:
+    """True when torchrun placed the ranks on more than one host (or SEMFAB_TRANSPORT=tcp)."""
+    if os.environ.get("SEMFAB_TRANSPORT", "").lower() == "tcp":
+        return True
+    return int(os.environ.get("LOCAL_WORLD_SIZE", world)) < world
+
+
+def _my_address() -> str:
+    """This host's address as the rendezvous host sees it: the source address of a
+    route to MASTER_ADDR (no packet is sent)."""
+    master = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((master, 9))
+            return str(s.getsockname()[0])
+    except OSError:
+        return socket.gethostbyname(socket.gethostname())
+
+
 def from_store(store: Any, rank: int, world: int, timeout_s: float) -> Runtime:
     """Bring the fabric up through torch's ``store`` (rank 0 starts it) and attach
     this rank's endpoint."""
@@ -130,13 +169,19 @@ def from_store(store: Any, rank: int, world: int, timeout_s: float) -> Runtime:
     if _current is not None:
         return _current
     fabric: Fabric | None = None
+    several = _several_hosts(world)
+    if several:
+        store.set(f"{STORE_KEY}/address/{rank}", _my_address())
     if rank == 0:
         try:
-            topo = _topology(world)
+            addresses = [store.get(f"{STORE_KEY}/address/{r}").decode()
+                         for r in range(world)] if several else None
+            topo = _topology(world, addresses)
             fabric = _ServiceFabric(topo, timeout_s=timeout_s).start()
             assert fabric.sock_dir is not None
-            info = {"topology": str(fabric.run_dir / "topology.toml"),
-                    "sock_dir": str(fabric.sock_dir), "run_id": fabric.run_id}
+            # the topology travels as text: the other hosts cannot read rank 0's files
+            info = {"topology": topo.to_toml(), "sock_dir": str(fabric.sock_dir),
+                    "run_id": fabric.run_id}
         except Exception as exc:
             store.set(STORE_KEY, json.dumps({"error": f"{type(exc).__name__}: {exc}"}))
             raise
@@ -148,7 +193,7 @@ def from_store(store: Any, rank: int, world: int, timeout_s: float) -> Runtime:
                               f"{info['error']}")
     comm = CommThread(rank, timeout_s)
     try:
-        topo = load(Path(info["topology"]))
+        topo = loads(info["topology"], "<rank 0's topology>")
         name = topo.workers[rank].name
         ep: Endpoint = comm.call(lambda: Endpoint(topo, name, info["sock_dir"],
                                                   run_id=info["run_id"], timeout_s=timeout_s),
