@@ -84,6 +84,7 @@ class SemfabProcessGroup(dist.ProcessGroup):
         self._pending: list[_P2P] = []
         self._batch: list[_P2P] | None = None
         self._closed = False
+        self._memory_plane = rt.memory_plane
 
     # ------------------------------------------------------------ identity
     def getBackendName(self) -> str:  # noqa: N802 (torch's name)
@@ -149,7 +150,7 @@ class SemfabProcessGroup(dist.ProcessGroup):
                                f"sizes (this rank: {desc})")
 
     def _path(self, kind: str, nbytes: int) -> str:
-        return path_for(kind, self.options.path or "ina", nbytes, self.rt.ep.shares_host)
+        return path_for(kind, self.options.path or "ina", nbytes, self._memory_plane)
 
     def _fixed(self, dtype: torch.dtype, op: str) -> bool:
         return self.options.numerics == "fixed" and op == "sum" and dtype in _FLOATS

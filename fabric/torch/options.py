@@ -87,10 +87,12 @@ def path_for(kind: str, path: str, nbytes: int, memory_plane: bool) -> str:
     """The fabric path of collective ``kind`` (``allreduce`` or a name of
     :data:`fabric.core.collective_programs.COLLECTIVES`) under the chosen ``path``.
 
-    ``memory_plane``: the worker's switch can map its memory (same host)."""
+    ``memory_plane``: every worker's switch can map its memory (one host)."""
     if kind == "allreduce":
         if path == "auto":
             return "ina-mem" if memory_plane and nbytes >= AUTO_MEM_MIN_BYTES else "ina"
+        if path == "ina-mem" and not memory_plane:
+            return "ina"  # on every rank: a rank off the switch's host cannot map memory
         return path
     if kind in _COLLECTIVE_PATHS:
         return _COLLECTIVE_PATHS[kind][path]

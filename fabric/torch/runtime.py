@@ -63,6 +63,14 @@ class Runtime:
         self.world_group_made = False
 
     @property
+    def memory_plane(self) -> bool:
+        """Every worker shares its switch's host, so every rank can take the memory
+        plane (ranks must agree on the path: one that cannot would run another)."""
+        topo = self.ep.topo
+        return all(topo.host_address(w.name) == topo.host_address(topo.switch_of(w.name))
+                   for w in topo.workers)
+
+    @property
     def timeout_s(self) -> float:
         """Seconds any wait on a peer may take."""
         return self.comm.timeout_s
