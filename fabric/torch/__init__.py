@@ -33,7 +33,7 @@ from fabric.torch.trace import record
 
 __all__ = ["BACKEND", "FabricWork", "Options", "SemfabProcessGroup", "TorchCommError",
            "TorchOpError", "allreduce_hook", "fallbacks", "init", "record", "shutdown",
-           "switch_stats"]
+           "store_of", "switch_stats"]
 
 
 def _create(dist_opts: Any, backend_options: Any = None) -> SemfabProcessGroup:
@@ -60,20 +60,37 @@ def _create(dist_opts: Any, backend_options: Any = None) -> SemfabProcessGroup:
 
 def init(ep: Any = None, **kwargs: Any) -> None:
     """``dist.init_process_group("semfab")``, from torchrun's environment or, with a
-    launched worker's endpoint ``ep`` (``semfab launch --run train.py:main``), over
-    that fabric (torch's store is then a file in the fabric's socket folder)."""
+    worker's endpoint ``ep`` (``semfab launch --run train.py:main``, ``semfab run
+    --workload train.py:main``), over that fabric (see :func:`store_of`)."""
     if ep is None:
         dist.init_process_group(BACKEND, **kwargs)
         return
     rt = from_endpoint(ep)
-    store_path = os.path.join(tempfile.gettempdir(), f"semfab-torch-store-{ep.run_id}")
-    store = dist.FileStore(store_path, rt.world)
     try:
-        dist.init_process_group(BACKEND, store=store, rank=rt.rank, world_size=rt.world,
-                                **kwargs)
+        dist.init_process_group(BACKEND, store=store_of(ep), rank=rt.rank,
+                                world_size=rt.world, **kwargs)
     except BaseException:
         rt.close()
         raise
+
+
+def store_of(ep: Any) -> Any:
+    """Torch's store for the workers of ``ep``'s fabric: ``SEMFAB_TORCH_STORE=HOST:PORT``
+    (a TCPStore that worker 0 serves); else, when the workers run on several hosts,
+    a TCPStore on worker 0's host at the port after the fabric's block (base_port +
+    nodes); else a file in this host's temporary folder, named by the run."""
+    topo, world = ep.topo, ep.world
+    spec = os.environ.get("SEMFAB_TORCH_STORE", "")
+    if not spec and len({topo.host_address(w.name) for w in topo.workers}) > 1:
+        spec = f"{topo.host_address(topo.workers[0].name)}:{topo.base_port + len(topo.nodes)}"
+    if not spec:
+        path = os.path.join(tempfile.gettempdir(), f"semfab-torch-store-{ep.run_id}")
+        return dist.FileStore(path, world)
+    host, _, port = spec.rpartition(":")
+    if not host or not port.isdigit():
+        raise TorchOpError(ep.rank, "init", f"SEMFAB_TORCH_STORE={spec}: give HOST:PORT")
+    return dist.TCPStore(host.strip("[]"), int(port), world, is_master=ep.rank == 0,
+                         timeout=timedelta(seconds=max(ep.timeout_s, 60.0)))
 
 
 def shutdown() -> None:
