@@ -26,11 +26,14 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fabric.torch
 
+#: Hidden width of the model (--width): 256 gives 85k parameters, 2048 gives 4.3M.
+WIDTH = int(os.environ.get("SEMFAB_EXAMPLE_WIDTH", "256"))
+
 
 def make_model(seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(),
-                         nn.Linear(256, 10))
+    return nn.Sequential(nn.Linear(64, WIDTH), nn.ReLU(), nn.Linear(WIDTH, WIDTH), nn.ReLU(),
+                         nn.Linear(WIDTH, 10))
 
 
 def train(pg: Any, steps: int, batch: int = 32, hook: Any = None,
@@ -85,7 +88,7 @@ def compare(steps: int, record: str | None = None) -> dict[str, Any]:
     hooked, hook_s = train(gloo, steps, hook=dist.group.WORLD)
     diffs = [float((a - b).abs().max()) for a, b in zip(ref, ours, strict=True)]
     return {
-        "example": "ddp", "world": dist.get_world_size(), "steps": steps,
+        "example": "ddp", "world": dist.get_world_size(), "steps": steps, "width": WIDTH,
         "path": os.environ.get("SEMFAB_PATH", "ina"),
         "numerics": os.environ.get("SEMFAB_NUMERICS", "float"),
         "gloo_ms_per_step": round(gloo_s * 1e3, 3), "semfab_ms_per_step": round(semfab_s * 1e3, 3),
@@ -113,10 +116,13 @@ def main(ep: Any = None, steps: int = 20, record: str | None = None) -> dict[str
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--width", type=int, default=WIDTH,
+                   help="hidden width (256: 85k parameters; 2048: 4.3M, 17 MB of gradients)")
     p.add_argument("--json", action="store_true", help="print only the JSON line")
     p.add_argument("--record", metavar="TRACE.json",
                    help="record the last semfab step (replay: python -m fabric.torch.replay)")
     args = p.parse_args()
+    WIDTH = args.width
     summary = main(steps=args.steps, record=args.record)
     if int(os.environ.get("RANK", "0")) == 0:
         if not args.json:
