@@ -4,11 +4,15 @@ A frame pushed into the pipeline goes through, in this order:
 
 1. **faults** (:class:`fabric.core.faults.FaultInjector`, seeded): loss, bursts,
    duplication, reordering, corruption, delay;
-2. **shaping** (:class:`LinkShaper`): it waits for the link to be free, occupies
+2. **the queue** (optional, a switch's egress): with a
+   :class:`~fabric.core.congestion.timed.TimedBuffer`, a frame that would not fit
+   in the switch's buffer beside the frames still waiting to leave is dropped at
+   the tail (``overflow_drops``); the senders' own recovery resends it;
+3. **shaping** (:class:`LinkShaper`): it waits for the link to be free, occupies
    it for its serialisation time at the link's bandwidth, then travels
    ``latency_us``; a memory-plane frame is charged the bytes it names (the load
    or store it stands for);
-3. **the hold queue**: it comes out of :meth:`LinkPipeline.pop_due` at its time.
+4. **the hold queue**: it comes out of :meth:`LinkPipeline.pop_due` at its time.
 
 Every link direction has exactly one pipeline, owned by whoever drives that
 direction (the switch daemon for its ports in emulation, the simulator for
@@ -26,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fabric.core import frame as fr
+from fabric.core.congestion.timed import TimedBuffer
 from fabric.core.faults import FaultInjector, FaultSpec, FaultStats
 from fabric.core.frame import Flag, FrameError
 from fabric.core.topology import LinkParams
@@ -87,6 +92,11 @@ class LinkShaper:
         """How long a frame entering now would wait for the link to be free."""
         return max(self._free_at - now, 0.0)
 
+    @property
+    def free_at(self) -> float:
+        """When the last frame scheduled has left (its last byte on the wire)."""
+        return self._free_at
+
 
 def wire_bytes(header: Any, payload: Any) -> int:
     """Bytes a frame puts on its link: a referenced (memory-plane) frame also
@@ -109,6 +119,7 @@ class PipelineStats:
     held: int
     lost_by_op: dict[str, int] = field(default_factory=dict)
     faults: FaultStats | None = None
+    overflow_drops: int = 0  # frames the switch's buffer had no room for
 
 
 def _split(blob: bytes) -> tuple[bytes, memoryview | None]:
@@ -125,10 +136,16 @@ class LinkPipeline:
 
     def __init__(self, params: LinkParams | None = None, faults: FaultSpec | None = None,
                  *, seed: int = 0, stream: str = "", cut_through: int = 0,
-                 to_switch: bool = False, injector: FaultInjector | None = None) -> None:
+                 to_switch: bool = False, injector: FaultInjector | None = None,
+                 buffer: TimedBuffer | None = None, port: int = 0) -> None:
         self.shaper = LinkShaper(params) if params is not None else None
         if self.shaper is not None and not self.shaper.active:
             self.shaper = None
+        # a bounded queue: the switch's buffer, this link its port ``port`` (an
+        # unshaped link never holds a frame back, so never queues)
+        self.buffer = buffer if self.shaper is not None and self.shaper.params.shaped else None
+        self.port = port
+        self.overflow_drops = 0
         if injector is not None:  # a caller's own, already seeded
             self.injector: FaultInjector | None = injector
         else:
@@ -196,20 +213,36 @@ class LinkPipeline:
             frames=sh.frames if sh else 0, bytes=sh.bytes if sh else 0,
             busy_s=sh.busy_s if sh else 0.0, held=len(self._held),
             lost_by_op=dict(self._lost_by_op),
-            faults=self.injector.statistics() if self.injector is not None else None)
+            faults=self.injector.statistics() if self.injector is not None else None,
+            overflow_drops=self.overflow_drops)
 
     # ------------------------------------------------------------------ internals
     def _shape(self, item: Item, now: float, tail: float | None) -> None:
         if self.shaper is None:
             due = end = now if tail is None else max(now, tail)
-        elif self.cut_through:
-            head, end = self.shaper.schedule_cut_through(
-                wire_bytes(item[0], item[1]), now, now if tail is None else tail,
-                self.cut_through)
-            due = head if self.to_switch else end
         else:
-            due = end = self.shaper.schedule(wire_bytes(item[0], item[1]), now)
+            nbytes = wire_bytes(item[0], item[1])
+            buf = self.buffer
+            if buf is not None and not buf.offer(self.port, nbytes, now):
+                self.overflow_drops += 1
+                self._count_lost(item[0])
+                return
+            if self.cut_through:
+                head, end = self.shaper.schedule_cut_through(
+                    nbytes, now, now if tail is None else tail, self.cut_through)
+                due = head if self.to_switch else end
+            else:
+                due = end = self.shaper.schedule(nbytes, now)
+            if buf is not None:
+                buf.hold(self.port, nbytes, self.shaper.free_at)
         heapq.heappush(self._held, (due, next(self._seq), item, end))
+
+    def _count_lost(self, header: Any) -> None:
+        try:
+            name = fr.peek(header)[0].name
+        except FrameError:
+            name = "MALFORMED"
+        self._lost_by_op[name] = self._lost_by_op.get(name, 0) + 1
 
     def _inject(self, inj: FaultInjector, item: Item, now: float) -> list[tuple[float, Item]]:
         header, payload = item
@@ -223,11 +256,7 @@ class LinkPipeline:
             self._tokens[token] = item
             out = self._resolve(inj.apply(token, now))
         if inj.lost != lost_before:
-            try:
-                name = fr.peek(header)[0].name
-            except FrameError:
-                name = "MALFORMED"
-            self._lost_by_op[name] = self._lost_by_op.get(name, 0) + 1
+            self._count_lost(header)
             self._tokens.pop(token, None)
         return out
 

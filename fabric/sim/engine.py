@@ -27,12 +27,15 @@ from typing import Any
 import numpy as np
 
 from fabric.core import frame as fr
+from fabric.core.congestion.buffer import SharedBuffer
+from fabric.core.congestion.timed import TimedBuffer
 from fabric.core.faults import FaultSpec, parse_faults
 from fabric.core.frame import Flag, FrameError, Op
 from fabric.core.hostnode import HostAggregator
 from fabric.core.link import LinkPipeline, wire_bytes
 from fabric.core.programs import (
     HOST_PS_FLOW,
+    STREAM_FRAME_BYTES,
     Chain,
     NodeState,
     Program,
@@ -107,6 +110,8 @@ class SimResult:
     switch_stats: dict[str, Any] = field(default_factory=dict)
     retransmits: int = 0
     nodes: dict[str, NodeState] = field(default_factory=dict)
+    #: frames the switches' buffers ([congestion] buffer_bytes) had no room for
+    overflow_drops: int = 0
 
 
 class _Node:
@@ -212,8 +217,9 @@ class Simulation:
         self._node_regions: dict[str, tuple[int, int, str]] = {}
         self._sw_busy = dict.fromkeys(self.switches, 0.0)
         spec_all = parse_faults(faults) if faults is not None else None
+        buffers = _switch_buffers(topo)
         lossless = (spec_all is None or spec_all.clean) and not any(
-            lk.params.loss for lk in topo.links)
+            lk.params.loss for lk in topo.links) and not buffers
         self.nodes: dict[str, _Node] = {}
         for n in topo.nodes:
             if not n.is_switch:
@@ -230,7 +236,8 @@ class Simulation:
                 self.pipes[(x, y)] = LinkPipeline(
                     link.params, spec, seed=seed, stream=f"{x}>{y}",
                     cut_through=self.timing.cut_through_bytes,
-                    to_switch=topo.node(y).is_switch)
+                    to_switch=topo.node(y).is_switch, buffer=buffers.get(x),
+                    port=topo.node(y).id)
         for node in self.nodes.values():
             node.uplink = self.pipes[(node.name, node.state.switch_name)]
         self._workers = [self.nodes[w.name] for w in topo.workers]
@@ -267,7 +274,8 @@ class Simulation:
             results=[n.result for n in self._workers], end_s=max(self.now, end) - start,
             events=self.events, frames=self.frames, switch_stats=stats,
             retransmits=sum(n.state.retransmits for n in self._workers),
-            nodes={n.name: n.state for n in self._workers})
+            nodes={n.name: n.state for n in self._workers},
+            overflow_drops=sum(p.overflow_drops for p in self.pipes.values()))
 
     def _drain(self, finished: Callable[[], bool], until: float | None) -> None:
         heap = self._heap
@@ -577,6 +585,24 @@ class Simulation:
             return out
 
         return Chain(steps())
+
+
+def _switch_buffers(topo: Topology) -> dict[str, TimedBuffer]:
+    """Each switch's shared buffer from the topology's ``[congestion] buffer_bytes``
+    (none without it: queues never fill), checked to hold the largest frame."""
+    c = topo.congestion
+    if c.buffer_bytes is None:
+        return {}
+    # the largest frame: a link's MTU, or a p2p stream's frame (its own size)
+    largest = max([lk.params.mtu for lk in topo.links] + [STREAM_FRAME_BYTES]) + (
+        fr.HEADER_SIZE + fr.CRC_SIZE)
+    if c.buffer_bytes < largest:
+        raise UsageError(f"[congestion] buffer_bytes {c.buffer_bytes} cannot hold one frame "
+                         f"({largest} B: the links' MTU or a stream frame, with its header); "
+                         "raise it")
+    return {s.name: TimedBuffer(SharedBuffer(c.buffer_bytes, alpha=c.buffer_alpha,
+                                             what="[congestion] buffer_bytes"))
+            for s in topo.switches}
 
 
 def _bytes_view(payload: Any) -> memoryview:

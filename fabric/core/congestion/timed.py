@@ -1,0 +1,44 @@
+"""A shared buffer whose frames leave at known times: for drivers that shape a
+link by computing departures (:class:`fabric.core.link.LinkPipeline`) rather
+than by dequeue events.
+
+A frame is charged when it is queued and released when its last byte has left
+(``leaves_at``); :meth:`TimedBuffer.advance` releases every frame gone by
+``now``, so the pool's occupancy is exact at each admission. Pure: times are
+passed in.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+from fabric.core.congestion.buffer import Admission, SharedBuffer
+
+__all__ = ["TimedBuffer"]
+
+
+class TimedBuffer:
+    """A :class:`SharedBuffer` plus the departure time of everything it holds."""
+
+    def __init__(self, buffer: SharedBuffer) -> None:
+        self.buffer = buffer
+        self._leaving: list[tuple[float, int, int, int]] = []  # (time, seq, port, bytes)
+        self._seq = 0
+
+    def advance(self, now: float) -> None:
+        """Release every frame whose last byte left by ``now``."""
+        heap = self._leaving
+        while heap and heap[0][0] <= now:
+            _t, _s, port, nbytes = heapq.heappop(heap)
+            self.buffer.release(port, 0, nbytes)
+
+    def offer(self, port: int, nbytes: int, now: float) -> bool:
+        """Whether a frame of ``nbytes`` may join ``port``'s queue now (tail drop
+        otherwise); :meth:`hold` it with its departure time when it may."""
+        self.advance(now)
+        return self.buffer.offer(port, 0, nbytes) is Admission.ACCEPT
+
+    def hold(self, port: int, nbytes: int, leaves_at: float) -> None:
+        """The admitted frame leaves ``port`` at ``leaves_at`` (its last byte on the wire)."""
+        self._seq += 1
+        heapq.heappush(self._leaving, (leaves_at, self._seq, port, nbytes))
