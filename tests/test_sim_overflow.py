@@ -95,3 +95,16 @@ def test_moe_variants_stay_exact_through_overflow() -> None:
         for v in variants:
             np.testing.assert_array_equal(res.results[r][v], want[r], err_msg=f"{v} rank {r}")
     assert res.overflow_drops > 0
+
+
+def test_in_network_aggregation_leaves_the_host_port_empty_where_host_ps_fills_it() -> None:
+    """Eight workers' allreduce: ina is summed in the switch, host-ps converges on
+    the host's port, whose queue fills the buffer (and overflows)."""
+    t = _topo("star")
+    ina = Simulation(t, timeout_s=30).run(_allreduce, 1 << 15, "ina")
+    hps = Simulation(t, timeout_s=30).run(_allreduce, 1 << 15, "host-ps")
+    assert ina.results == hps.results == [0] * 8
+    assert ina.queue_peaks.get("sw0>host0", 0) == 0
+    assert 0.5 * BUFFER < hps.queue_peaks["sw0>host0"] <= BUFFER
+    assert all(v <= BUFFER for v in hps.queue_peaks.values())
+    assert ina.end_s < hps.end_s

@@ -112,6 +112,8 @@ class SimResult:
     nodes: dict[str, NodeState] = field(default_factory=dict)
     #: frames the switches' buffers ([congestion] buffer_bytes) had no room for
     overflow_drops: int = 0
+    #: with buffers: the most bytes each switch egress ("switch>peer") ever queued
+    queue_peaks: dict[str, int] = field(default_factory=dict)
 
 
 class _Node:
@@ -218,6 +220,7 @@ class Simulation:
         self._sw_busy = dict.fromkeys(self.switches, 0.0)
         spec_all = parse_faults(faults) if faults is not None else None
         buffers = _switch_buffers(topo)
+        self._buffers = buffers
         lossless = (spec_all is None or spec_all.clean) and not any(
             lk.params.loss for lk in topo.links) and not buffers
         self.nodes: dict[str, _Node] = {}
@@ -275,7 +278,15 @@ class Simulation:
             events=self.events, frames=self.frames, switch_stats=stats,
             retransmits=sum(n.state.retransmits for n in self._workers),
             nodes={n.name: n.state for n in self._workers},
-            overflow_drops=sum(p.overflow_drops for p in self.pipes.values()))
+            overflow_drops=sum(p.overflow_drops for p in self.pipes.values()),
+            queue_peaks=self._queue_peaks())
+
+    def _queue_peaks(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for sw, tb in self._buffers.items():
+            for key, peak in tb.buffer.statistics().queue_peaks.items():
+                out[f"{sw}>{self.topo.by_id(int(key.split('/')[0])).name}"] = peak
+        return out
 
     def _drain(self, finished: Callable[[], bool], until: float | None) -> None:
         heap = self._heap
