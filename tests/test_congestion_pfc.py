@@ -3,6 +3,12 @@ head-of-line blocking, and a deadlock on a ring, found as a cycle of paused port
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
+import pytest
+
+from fabric.cli import main
 from fabric.sim.pfc_cases import run_ring, run_victim
 
 
@@ -33,3 +39,14 @@ def test_the_same_ring_with_room_to_spare_finishes_without_a_deadlock() -> None:
     r = run_ring(xoff_bytes=10_000_000)  # XOFF above what the flows ever queue
     assert r["finished"] and r["deadlock"] is None and r["pauses"] == 0
     assert r["delivered_bytes"] >= 3 * r["settings"]["size"]
+
+
+def test_the_command_reports_the_victim_and_the_deadlock(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "ring.json"
+    assert main(["sim", "pfc", "ring", "--json", str(out)]) == 0
+    assert "deadlock: s0:0 -> s1:1 -> s2:1 -> s0:0" in capsys.readouterr().out
+    assert json.loads(out.read_text())["results"][0]["deadlock"] == ["s0:0", "s1:1", "s2:1"]
+    assert main(["sim", "pfc", "victim"]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("PFC : victim") and "trim: victim" in text

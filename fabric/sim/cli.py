@@ -269,10 +269,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         return calibrate.run(args)
 
     c.set_defaults(sim_func=_calibrate)
-    from fabric.sim.congestion_cli import add_incast_parser, add_permutation_parser
+    from fabric.sim.congestion_cli import (
+        add_incast_parser,
+        add_permutation_parser,
+        add_pfc_parser,
+    )
 
     add_incast_parser(sub)
     add_permutation_parser(sub)
+    add_pfc_parser(sub)
     p.set_defaults(sim_func=None)
 
 

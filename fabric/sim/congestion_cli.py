@@ -135,6 +135,53 @@ def run_permutation_command(args: argparse.Namespace) -> int:
     return 0 if r["finished"] and r["wrong"] == 0 else 1
 
 
+def add_pfc_parser(sub: Any) -> None:
+    """The ``pfc`` subcommand of `semfab sim`."""
+    p = sub.add_parser(
+        "pfc", help="PFC's failures: a victim of head-of-line blocking, a deadlock on a ring",
+        description="victim: 8 senders on one switch incast to a host on another, a ninth "
+        "sends to an idle host there; its completion time with PFC and with trimming. "
+        "ring: three switches in a ring under PFC, every flow two hops clockwise; the "
+        "watchdog reports the cycle of paused ports (exit 0 when a deadlock was found).")
+    p.add_argument("case", choices=("victim", "ring"), help="which experiment")
+    p.add_argument("--seed", type=int, default=0, help="data and marks")
+    p.add_argument("--json", metavar="PATH", help="write the figures and every setting")
+    p.set_defaults(sim_func=run_pfc_command)
+
+
+def run_pfc_command(args: argparse.Namespace) -> int:
+    """`semfab sim pfc victim|ring`."""
+    from fabric.emulation.launch_cli import check_output_file
+    from fabric.sim.pfc_cases import run_ring, run_victim
+
+    if args.json:
+        check_output_file("--json", args.json)
+    rows: list[dict[str, Any]] = []
+    if args.case == "victim":
+        for pfc in (True, False):
+            r = run_victim(pfc=pfc, seed=args.seed)
+            rows.append(r)
+            print(f"{'PFC ' if pfc else 'trim'}: victim {r['victim_fct_s'] * 1e6:.1f} us = "
+                  f"{r['victim_slowdown']:.2f} x alone; incast {r['incast_completion_s'] * 1e6:.1f}"
+                  f" us; pauses {r['pauses']} (uplink paused {r['uplink_paused_s'] * 1e6:.1f} us);"
+                  f" trims {r['trims']}; wrong {r['wrong']}  ({NOTE})")
+        ok = all(r["finished"] and r["wrong"] == 0 for r in rows)
+    else:
+        r = run_ring(seed=args.seed)
+        rows.append(r)
+        if r["deadlock"]:
+            print(f"deadlock: {' -> '.join(r['deadlock'])} -> {r['deadlock'][0]} (cycle of "
+                  f"paused ports), found at {r['detected_at_s'] * 1e6:.1f} us; "
+                  f"{r['delivered_bytes']} B delivered  ({NOTE})")
+        else:
+            print(f"no deadlock: finished={r['finished']}  ({NOTE})")
+        ok = r["deadlock"] is not None
+    if args.json:
+        report.write_json(args.json, f"sim-pfc-{args.case}", rows, extra={"note": NOTE})
+        print(f"# wrote {args.json}")
+    return 0 if ok else 1
+
+
 def _print_figures(r: dict[str, Any]) -> None:
     fct = r["fct_slowdown"]
     state = "" if r["finished"] else "  NOT FINISHED (stalled)"
