@@ -171,6 +171,8 @@ class CommThread:
                     self.broken = err
                 fut.set_exception(err)
             finally:
+                if not fut.done():  # something beyond Exception: still complete the Work
+                    fut.set_exception(TorchCommError(self.rank, what, "interrupted"))
                 done.set()
 
     def stop(self, timeout_s: float = 5.0) -> None:
