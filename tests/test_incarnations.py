@@ -315,6 +315,18 @@ def test_bad_group_ranks_are_a_usage_error(ranks) -> None:
         group_program(NodeState(star(2), "w0"), ranks)
 
 
+def bad_ranks_workload(ctx, ranks):
+    yield ctx.group(ranks)
+
+
+@pytest.mark.parametrize("ranks", [["a", 0], [0.5, 1], 7])
+def test_bad_group_ranks_in_a_workload(ranks) -> None:
+    from fabric.sim.engine import SimulationError
+
+    with pytest.raises(SimulationError, match="UsageError"):
+        Simulation(star(2)).run(bad_ranks_workload, ranks)
+
+
 def closed_barrier_task(ep):
     from fabric.errors import UsageError
 

@@ -102,21 +102,24 @@ def stream_id(msg: int, slot: int) -> int:
 
 
 # ---------------------------------------------------------------------- groups
-def group_program(st: NodeState, ranks: Sequence[int]) -> Program:
-    """Create a communicator of world ``ranks`` (in group-rank order); its result is
-    the :class:`~fabric.core.programs.Group`. Every member calls it with the same ranks;
-    the group is usable once every member's switch knows it (a group barrier)."""
+def group_program(st: NodeState, ranks: object) -> Program:
+    """Create a communicator of world ``ranks`` (a sequence of ints, in group-rank
+    order); its result is the :class:`~fabric.core.programs.Group`. Every member
+    calls it with the same ranks; the group is usable once every member's switch
+    knows it (a group barrier)."""
+    # ``object``, checked here: the compiled build would raise TypeError on a
+    # wrongly typed element before any check of ours could name the mistake
     try:
-        given = list(ranks)
+        given: list[object] = list(ranks)  # type: ignore[call-overload]
     except TypeError:
         raise UsageError(f"{st.name}: group ranks must be a list of world ranks, "
                          f"not {type(ranks).__name__}") from None
     if any(isinstance(r, bool) or not isinstance(r, (int, np.integer)) for r in given):
         raise UsageError(f"{st.name}: group ranks {given!r} must be integers (world ranks "
                          f"0..{st.world - 1})")
-    rk = tuple(int(r) for r in given)
+    rk = tuple(int(r) for r in given)  # type: ignore[call-overload]
     if not rk or len(set(rk)) != len(rk) or any(not 0 <= r < st.world for r in rk):
-        raise UsageError(f"{st.name}: group ranks {list(ranks)} must be distinct world ranks "
+        raise UsageError(f"{st.name}: group ranks {given} must be distinct world ranks "
                          f"in 0..{st.world - 1}")
     if st.rank not in rk:
         raise UsageError(f"{st.name}: rank {st.rank} creates group {list(rk)} it is not in; "

@@ -95,7 +95,7 @@ class MoeCombine:
 class MakeGroup:
     """Create a communicator of these world ranks (every member yields it)."""
 
-    ranks: tuple[int, ...]
+    ranks: tuple[object, ...]  # as given: group_program checks them
 
 
 @dataclass(frozen=True)
@@ -194,7 +194,12 @@ class Context:
 
     def group(self, ranks: Any) -> MakeGroup:
         """A new communicator of world ``ranks``; yields the group to pass as ``group=``."""
-        return MakeGroup(tuple(int(r) for r in ranks))
+        try:
+            given = tuple(ranks)
+        except TypeError:
+            raise UsageError(f"group ranks must be a list of world ranks, not "
+                             f"{type(ranks).__name__}") from None
+        return MakeGroup(given)  # checked when it runs (group_program), one place
 
     def close_group(self, group: Any) -> CloseGroup:
         """Close a communicator (its in-network jobs are released)."""
