@@ -95,6 +95,9 @@ def check_arguments(args: argparse.Namespace) -> tuple[Topology, Node]:
 def run(args: argparse.Namespace) -> int:
     """Process entry: serve until shutdown."""
     topo, node = check_arguments(args)
+    # the launcher, read before we say ready: one that dies after our ready must
+    # not be missed (it may die before the loop below starts)
+    parent = os.getppid()
     # a task's file that calls launch() at import time is refused there
     os.environ[NODE_ENV] = args.name
     ctx = transport.context()
@@ -119,7 +122,6 @@ def run(args: argparse.Namespace) -> int:
     # a worker between tasks still reads its socket: a neighbour may be resending
     # the end of a collective we finished (answered through the endpoint's rule)
     poller.register(ep.sock, zmq.POLLIN)
-    parent = os.getppid()
     # a placed run's coordinator pings; silence this long ends the node
     silence = getattr(args, "ctl_timeout", None)
     boss = control.Supervision(silence, time.monotonic())
