@@ -74,3 +74,16 @@ def test_an_intact_but_wrong_frame_is_refused_invalid() -> None:
     (nack,) = net.take("w0")
     assert nack.op is Op.NACK and nack.nack_code is NackCode.INVALID
     assert nack.flags & fr.Flag.CRC  # the switch's own frames are always checked
+
+
+def wrong_out_workload(ctx):
+    x = tasks.coll_input(ctx.rank, 0, N, "int32")
+    yield ctx.allreduce(x, out=np.empty(N - 1, np.int32))
+
+
+def test_an_allreduce_out_of_the_wrong_shape_is_a_usage_error() -> None:
+    """Was a NumPy broadcasting ValueError from inside the call."""
+    from fabric.sim.engine import SimulationError
+
+    with pytest.raises(SimulationError, match="UsageError: .*out must be"):
+        Simulation(star(2)).run(wrong_out_workload)

@@ -1221,6 +1221,12 @@ def allreduce_program(st: NodeState, t: Tensor, op: str = "sum", path: str = "in
         raise UsageError("ina-mem reduces a registered region: give its (key, offset)")
     if op not in UFUNCS:
         raise UsageError(f"unknown op {op!r}; choose one of {', '.join(UFUNCS)}")
+    out = t.out
+    if out is not None and (out.ndim != 1 or out.size != t.count or not out.flags.c_contiguous
+                            or out.dtype != np_dtype(t.dtype) or not out.flags.writeable):
+        raise UsageError(f"{st.name}: allreduce out must be a writable contiguous 1-D "
+                         f"{t.dtype} array of {t.count} elements, like x; got {out.dtype} "
+                         f"shape {out.shape}")
 
     g = group or st.world_group
     g.check_open(f"allreduce {path}")
