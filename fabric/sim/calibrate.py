@@ -100,7 +100,9 @@ def load(path: str) -> TimingModel:
     bad = [k for k, v in costs.items() if not 0 <= v < 1]  # NaN too: seconds per frame or byte
     if bad:
         raise UsageError(f"--calibration {path}: {', '.join(bad)} must be from 0 to 1 s; {how}")
-    return TimingModel(**costs)
+    return TimingModel(switch_frame_s=costs["switch_frame_s"],
+                       switch_byte_s=costs["switch_byte_s"],
+                       node_frame_s=costs["node_frame_s"], node_byte_s=costs["node_byte_s"])
 
 
 def run(args: argparse.Namespace) -> int:
