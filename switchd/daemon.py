@@ -76,6 +76,9 @@ class SwitchDaemon:
         run_id: str | None = None,
     ) -> None:
         self.topo = topo
+        # the launcher, read as early as we can: one that dies before we serve (and
+        # before our ready) must not be missed, or the daemon would outlive it
+        self._parent = os.getppid()
         # a placed run's coordinator pings; silence this long ends the daemon
         self.ctl_silence_s = ctl_silence_s
         self.exit_code = 0  # 1: ended by an abort or a lost coordinator
@@ -138,7 +141,7 @@ class SwitchDaemon:
         if self.ctl is not None:
             poller.register(self.ctl, zmq.POLLIN)
         log.info("switch %s (id %d) serving at %s", self.name, self.node.id, self.address)
-        parent = os.getppid()
+        parent = self._parent
         core = self.core
         polled: set[int] = set()  # doorbell pipes registered with the poller
         boss = control.Supervision(self.ctl_silence_s, time.monotonic())
