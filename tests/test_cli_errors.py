@@ -541,3 +541,47 @@ def test_a_calibration_file_is_read_back(tmp_path: Path) -> None:
         path.write_text(json.dumps(bad))
         with pytest.raises(UsageError, match="--calibration"):
             load(str(path))
+
+
+def _sim_pool(spawned: list[subprocess.Popen[str]], workers: str) -> tuple[
+        subprocess.Popen[str], str]:
+    """`semfab sim scale` on a pool of two processes, once its first row is out
+    (the pool is up; the next points run)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fabric", "sim", "scale", "--workers", workers, "--paths",
+         "ina", "--oversubscription", "1,2", "--jobs", "2"], env=ENV, cwd=ROOT,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    spawned.append(proc)
+    assert proc.stdout is not None
+    seen = ""
+    first = f"\n{workers.split(',')[0]:>8} "
+    while first not in seen:
+        line = proc.stdout.readline()
+        assert line, seen
+        seen += line
+    return proc, seen
+
+
+@pytest.mark.timeout(180)
+def test_ctrl_c_on_a_simulation_pool_is_one_line(spawned: list[subprocess.Popen[str]]) -> None:
+    """Ctrl-C reaches the terminal's whole process group, the pool's processes too:
+    the command says `interrupted` once, with no traceback from any of them."""
+    proc, seen = _sim_pool(spawned, "256,1024")
+    os.killpg(proc.pid, signal.SIGINT)
+    out = seen + proc.communicate(timeout=120)[0]
+    assert proc.returncode == 130, out
+    assert "Traceback" not in out and "KeyboardInterrupt" not in out, out
+    assert out.strip().splitlines()[-1] == "semfab: interrupted", out
+
+
+@pytest.mark.timeout(180)
+def test_sigterm_to_a_simulation_does_not_wait_for_its_running_points(
+        spawned: list[subprocess.Popen[str]]) -> None:
+    """SIGTERM (a scheduler, `timeout`) reaches only the command: it ends the pool's
+    processes rather than waiting for points that run for minutes (a 4096-worker
+    point takes over four here)."""
+    proc, seen = _sim_pool(spawned, "64,4096")
+    proc.send_signal(signal.SIGTERM)
+    out = seen + proc.communicate(timeout=90)[0]  # far below one 4096-worker point
+    assert proc.returncode == 130, out
+    assert "Traceback" not in out, out

@@ -144,10 +144,18 @@ def run_points(works: Sequence[Work], jobs: int | None = None,
         # worker forks from it with them loaded
         ctx.set_forkserver_preload(sorted({fn.__module__ for fn, _ in works}))
         pool = ProcessPoolExecutor(max_workers=min(jobs or 1, len(works)), mp_context=ctx)
+    import signal
     from concurrent.futures.process import BrokenProcessPool
 
     try:
-        futures = [pool.submit(fn, *fargs) for fn, fargs in works]
+        # the pool's processes start in the first submit: with Ctrl-C blocked, which they
+        # inherit, so a Ctrl-C to the terminal's group is only this process's to handle
+        # (no traceback from a pool process, nor from the forkserver mid-import)
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            futures = [pool.submit(fn, *fargs) for fn, fargs in works]
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         for fut in futures:
             try:
                 result = fut.result()
@@ -155,6 +163,12 @@ def run_points(works: Sequence[Work], jobs: int | None = None,
                 raise SemfabError(f"a simulation process died ({exc}); out of memory? "
                                   "try fewer --jobs") from None
             yield result
+    except BaseException:
+        # Ctrl-C or SIGTERM (raised as KeyboardInterrupt), or a failed point: the
+        # points still running are not waited for (one may take minutes)
+        for proc in list((getattr(pool, "_processes", None) or {}).values()):
+            proc.terminate()
+        raise
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
 
