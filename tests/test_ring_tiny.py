@@ -46,4 +46,4 @@ def tiny_task(ep, n: int, calls: int):
 
 def test_tiny_host_ring_in_emulation(tmp_path) -> None:
     with launch(workers=3, run_dir=tmp_path, timeout_s=20, faults="loss=0.05", seed=4) as fab:
-        _check(fab.run(tiny_task, 2, 40), 3, 2, 40)
+        _check(fab.run(tiny_task, 2, 25), 3, 2, 25)
