@@ -87,6 +87,11 @@ def _files(tmp_path: Path) -> dict[str, str]:
     deep_run = tmp_path / "deep-run"
     deep_run.mkdir()
     (deep_run / "fabric.json").write_text("[" * 100_000)
+    for key, sw in (("odd_address_run", {"address": "nonsense", "id": 1}),
+                    ("odd_id_run", {"address": f"ipc://{tmp_path}/none.sock", "id": 1 << 20})):
+        (tmp_path / key).mkdir()
+        (tmp_path / key / "fabric.json").write_text(json.dumps(
+            {"sock_dir": str(tmp_path), "pid": os.getpid(), "switches": {"sw0": sw}}))
     calibration = tmp_path / "calibration-negative.json"
     calibration.write_text(json.dumps({"timing": {"switch_frame_s": -1e-6, "switch_byte_s": 0,
                                                   "node_frame_s": 0, "node_byte_s": 0}}))
@@ -99,6 +104,8 @@ def _files(tmp_path: Path) -> dict[str, str]:
     return {**out, "bad": str(bad), "invalid": str(invalid), "under_file": f"{plain}/sub",
             "deep": str(deep), "deep_json": str(deep_json), "huge_int": str(huge_int),
             "deep_run": str(deep_run), "calibration_negative": str(calibration),
+            "odd_address_run": str(tmp_path / "odd_address_run"),
+            "odd_id_run": str(tmp_path / "odd_id_run"),
             "script": str(script), "bad_script": str(bad_script),
             "fake_run": str(fake_run), "broken_run": str(broken_run),
             "missing": str(tmp_path / "missing.toml"), "tmp": str(tmp_path)}
@@ -161,6 +168,8 @@ CASES = [
     (["run", "--topology", "{good}", "--workload", "x.py:f", "--rank", "0", "--world", "1",
       "--args", "[" * 100_000], "--args: JSON nested too deeply"),
     (["stats", "{deep_run}"], "is not a fabric.json written by `semfab launch`"),
+    (["stats", "{odd_address_run}"], "is not a fabric.json written by `semfab launch`"),
+    (["stats", "{odd_id_run}"], "is not a fabric.json written by `semfab launch`"),
     (["sim", "allreduce", "--workers", "2", "--calibration", "{deep_json}"],
      "deep.json: JSON nested too deeply"),
     (["sim", "allreduce", "--workers", "2", "--calibration", "{calibration_negative}"],

@@ -270,6 +270,9 @@ def run_stats(args: argparse.Namespace) -> int:
         info = parse_json(info_path.read_bytes(), str(info_path))
         switches = {name: (str(sw["address"]), int(sw["id"]))
                     for name, sw in info["switches"].items()}
+        for address, switch_id in switches.values():  # what query_switch can use
+            if not address.startswith(("ipc://", "tcp://")) or not 0 <= switch_id <= 0xFFFF:
+                raise ValueError(address)
     except (OSError, ValueError, KeyError, TypeError, AttributeError, UsageError):
         raise UsageError(f"{info_path} is not a fabric.json written by `semfab launch`; "
                          "give the run folder of a running fabric") from None
