@@ -131,3 +131,36 @@ def test_region_names_stay_in_the_shared_memory_folder() -> None:
     for bad in ("a/b", "..", ".hidden", "a-b", "a.b", ""):
         with pytest.raises(ValueError):
             region_name(bad, "w0", 1)
+
+
+def test_a_tenant_holds_at_most_its_quota_of_regions() -> None:
+    from fabric.core.topology import Topology
+    from tests import fabric_tasks as tasks
+
+    d = tasks.tenant_topology(2).to_dict()
+    d["tenants"]["a"]["regions"] = 2
+    topo = Topology.from_dict(d)
+    assert Topology.from_dict(topo.to_dict()).tenants["a"].regions == 2
+    registry: dict[str, np.ndarray] = {}
+    from fabric.sim.engine import ArrayMemoryPlane
+    from switchd.core import SwitchCore
+
+    for owner, key in (("w0", 1), ("w1", 2), ("w0", 3), ("w2", 4)):
+        registry[ArrayMemoryPlane.name("sim", owner, key)] = np.zeros(64, np.uint8)
+    net = Net(topo)
+    net.cores["sw0"] = SwitchCore(topo, "sw0", memory=ArrayMemoryPlane(registry))
+
+    def ask(node: str, key: int) -> dict:
+        net.ctrl(node, "region", key=key, size=64, run="sim")
+        return control.parse(net.take(node)[-1].payload)
+
+    assert ask("w0", 1)["ok"] and ask("w1", 2)["ok"]
+    third = ask("w0", 3)
+    assert not third["ok"] and "tenant 'a'" in third["reason"] and "quota of 2" in third["reason"]
+    assert ask("w2", 4)["ok"]  # tenant b has no quota
+    assert ask("w0", 1)["ok"]  # registering a held key again is not one more
+    net.ctrl("w1", "unregister", key=2)
+    net.take("w1")
+    assert ask("w0", 3)["ok"]  # freed one: room again
+    stats = net.cores["sw0"].statistics().services["regions"]
+    assert stats.by_tenant == {"a": 2, "b": 1}

@@ -95,7 +95,7 @@ _MAX_BANDWIDTH_GBPS = 1e6  # 1 Pbit/s
 _MAX_LATENCY_US = 1e7  # 10 s
 _TOP_KEYS = ("fabric", "defaults", "node", "link", "tenants", "congestion")
 #: Keys of one ``[tenants.<name>]`` quota table (each optional: absent = no limit).
-_TENANT_KEYS = ("slots", "memory_bytes", "groups")
+_TENANT_KEYS = ("slots", "memory_bytes", "groups", "regions")
 #: The tenant of a worker that names none.
 DEFAULT_TENANT = "default"
 _FABRIC_KEYS = ("name", "transport", "base_port", "host_addresses")
@@ -126,13 +126,14 @@ def _fail(source: str, item: str, problem: str) -> TopologyError:
 @dataclass(frozen=True)
 class TenantQuota:
     """A tenant's share of every switch: at most ``slots`` aggregation slots,
-    ``memory_bytes`` of slot memory and ``groups`` communicators (multicast
-    groups) at once (None: no limit; for groups, an even share of the ids when
-    the fabric has several tenants)."""
+    ``memory_bytes`` of slot memory, ``groups`` communicators (multicast groups)
+    and ``regions`` memory-plane regions at once (None: no limit; for groups, an
+    even share of the ids when the fabric has several tenants)."""
 
     slots: int | None = None
     memory_bytes: int | None = None
     groups: int | None = None
+    regions: int | None = None
 
 
 @dataclass(frozen=True)
@@ -769,7 +770,8 @@ class Topology:
             "link": links,
             **({"tenants": {t: {k: v for k, v in (("slots", q.slots),
                                                   ("memory_bytes", q.memory_bytes),
-                                                  ("groups", q.groups))
+                                                  ("groups", q.groups),
+                                                  ("regions", q.regions))
                                 if v is not None}
                             for t, q in self._tenants.items()}} if self._tenants else {}),
             **({"congestion": self._congestion.to_table()}
@@ -1033,7 +1035,7 @@ def _build(doc: Mapping[str, Any], source: str) -> Topology:
         item = f"[tenants.{tname}]"
         tname = _name(tname, source, item, "tenant name")
         table = _table(table, source, item,
-                       f"write {item} with slots, memory_bytes and groups")
+                       f"write {item} with slots, memory_bytes, groups and regions")
         _check_keys(table, _TENANT_KEYS, source, item)
         vals: dict[str, int] = {}
         for key in _TENANT_KEYS:
@@ -1043,7 +1045,7 @@ def _build(doc: Mapping[str, Any], source: str) -> Topology:
                     raise _fail(source, item, f"{key} must be a non-negative integer, got {v!r}")
                 vals[key] = v
         tenants[tname] = TenantQuota(vals.get("slots"), vals.get("memory_bytes"),
-                                     vals.get("groups"))
+                                     vals.get("groups"), vals.get("regions"))
 
     # [[link]]
     raw_links = _array_of_tables(doc, "link", source)

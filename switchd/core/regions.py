@@ -14,6 +14,7 @@ memory-plane descriptors (``doorbell``), which the driver maps.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
 import numpy as np
@@ -25,10 +26,18 @@ from fabric.core.memory import AccessError, RegionInfo, RegionTable
 from switchd.core.context import SwitchContext
 from switchd.core.service import Service
 
-__all__ = ["DOORBELL_SUFFIX", "MemoryPlane", "Regions"]
+__all__ = ["DOORBELL_SUFFIX", "MemoryPlane", "RegionStats", "Regions"]
 
 #: A node's doorbell file ends in this and its node id (fabric.emulation.doorbell).
 DOORBELL_SUFFIX = "-bell-"
+
+
+@dataclass(frozen=True)
+class RegionStats:
+    """Regions mapped here, and how many each tenant holds."""
+
+    regions: int
+    by_tenant: dict[str, int]
 
 
 class MemoryPlane(Protocol):
@@ -69,6 +78,8 @@ class Regions(Service):
         self._attach_doorbell = attach_doorbell
         #: services that may name a region in work in progress (no unregistering then)
         self.users: list[Callable[[int], bool]] = []
+        # regions each tenant holds here (its quota: topology [tenants] regions)
+        self._tenant_regions: dict[str, int] = {}
 
     def on_ctrl(self, f: fr.Frame, port: bytes, msg: dict[str, Any], now: float) -> None:
         t = msg["t"]
@@ -103,6 +114,15 @@ class Regions(Service):
                             "its memory is not mappable here (the frame plane serves it)")
             return
         existed = key in self.table
+        tenant = ctx.topo.tenant_of(f.src)
+        quota = ctx.topo.tenants.get(tenant)
+        held = self._tenant_regions.get(tenant, 0)
+        if not existed and quota is not None and quota.regions is not None \
+                and held >= quota.regions:
+            ctx.ctrl(port, f.src, "region_reply", key=key, ok=False,
+                     reason=f"tenant {tenant!r} at {ctx.name} holds {held} regions, its quota "
+                            f"of {quota.regions} (topology [tenants] regions); free one first")
+            return
         try:
             owner = ctx.topo.by_id(f.src).name
             self.table.add(RegionInfo(key=key, owner=f.src, size=size, path=f"{run}/{owner}"))
@@ -114,7 +134,12 @@ class Regions(Service):
                 self.table.remove(key)
             ctx.ctrl(port, f.src, "region_reply", key=key, ok=False, reason=str(exc))
             return
+        if not existed:
+            self._tenant_regions[tenant] = held + 1
         ctx.ctrl(port, f.src, "region_reply", key=key, ok=True, reason="")
+
+    def statistics(self) -> RegionStats:
+        return RegionStats(regions=len(self.table), by_tenant=dict(self._tenant_regions))
 
     def _unregister(self, f: fr.Frame, port: bytes, msg: dict[str, Any]) -> None:
         key = control.need(msg, "key", int)
@@ -126,6 +151,8 @@ class Regions(Service):
                 raise AccessError(NackCode.PERMISSION,
                                   f"region {key:#x} is named by a chunk in progress")
             self.table.remove(key)
+            tenant = self.ctx.topo.tenant_of(f.src)
+            self._tenant_regions[tenant] = self._tenant_regions.get(tenant, 1) - 1
             if self.memory is not None:
                 self.memory.detach(key)
         # idempotent: an unknown key is already gone
