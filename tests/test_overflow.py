@@ -15,7 +15,7 @@ from fabric.sim import Simulation
 from tests import fabric_tasks as tasks
 
 N = 3001  # several chunks; one of them wraps
-PATHS = ("ina", "host-ps")
+PATHS = ("ina", "host-ps", "host-ring")
 
 
 def overflow_workload(ctx, path: str, dtype: str):

@@ -41,6 +41,7 @@ from fabric.core.timers import ChunkTimers, RttEstimator
 from fabric.core.topology import Topology
 from fabric.errors import FabricTimeout, PeerFailed, SumOverflowError, UsageError
 from kernels.dtypes import UFUNCS, byte_view, np_dtype
+from kernels.reference import first_wrap
 
 __all__ = [
     "CTRL_RETRY_MIN_S",
@@ -888,6 +889,11 @@ class HostRingAllreduce(Program):
         self.deadline: float | None = None
         self.received_all = False
         self.now = 0.0
+        # integer sums never wrap silently: a segment whose sum would wrap is marked
+        # (key=1 on its frames) by the rank that sees it, and the mark travels with
+        # the segment round the ring, so every rank learns it and raises at the end
+        self.check_wrap = op == "sum" and np_dtype(t.dtype).kind == "i"
+        self.wrapped: set[int] = set()
 
     def _segment(self, k: int) -> tuple[int, int]:
         return self.bounds[k], self.bounds[k + 1]
@@ -916,7 +922,8 @@ class HostRingAllreduce(Program):
             part = byte_view(part)
             out.append((fr.encode_header(Op.WRITE, src=st.node_id, dst=self.right,
                                          flow=RING_FLOW, psn=psn, msg=self.msg,
-                                         dtype=self.code, payload=part, crc=st.crc), part))
+                                         key=int(send_k in self.wrapped), dtype=self.code,
+                                         payload=part, crc=st.crc), part))
             sem.hops += self.hops
             sem.crossings += self.crossings
         if not st.lossless and out:
@@ -1008,6 +1015,11 @@ class HostRingAllreduce(Program):
             done[(self.left_id, self.msg)] = None
             while len(done) > 1024:
                 done.popitem(last=False)
+            if self.wrapped:
+                raise SumOverflowError(
+                    f"{self.st.name}: {self.label} allreduce of {self.t.dtype}: the sum of "
+                    f"segment(s) {sorted(self.wrapped)} would wrap; scale the inputs to "
+                    f"leave headroom for {self.W} members")
 
     def waiting_for(self) -> str:
         return (f"worker {self.st.topo.by_id(self.left_id).name} (ring step {self.step}, "
@@ -1062,7 +1074,12 @@ class HostRingAllreduce(Program):
                 return
             incoming = np.frombuffer(f.payload, dtype=self.staged.dtype)
             target = self.staged[a:b]
+            if f.key & 1:
+                self.wrapped.add(recv_k)
             if combine:
+                if self.check_wrap and recv_k not in self.wrapped \
+                        and first_wrap(target, incoming) is not None:
+                    self.wrapped.add(recv_k)
                 self.reduce(target, incoming, out=target)
             else:
                 np.copyto(target, incoming)
