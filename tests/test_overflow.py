@@ -1,6 +1,6 @@
 """Integer sums never wrap silently (issue 25, part 3): an allreduce whose sum
-would wrap raises SumOverflowError on every rank, on the in-network frame plane
-and the host-staged parameter server, in both worlds; the call runs to its end
+would wrap raises SumOverflowError on every rank, on the in-network frame plane,
+the host-staged parameter server and the host ring, in both worlds; the call runs to its end
 on every rank, and the next call on the same communicator is exact."""
 
 from __future__ import annotations
