@@ -195,6 +195,10 @@ CASES = [
     (["bench", "tokens", "--base-url", "http://127.0.0.1:99999"], "Port out of range"),
     (["bench", "tokens", "--base-url", "http://:8000"], "give an http:// or https:// URL"),
     (["bench", "tokens", "--request-rate", "1e-300"], "must be at least 0.001 requests per"),
+    (["run", "--topology", "{good}", "--workload", "{script}:f", "--rank", "0", "--world", "1",
+      "--rendezvous", "[::1"], "--rendezvous '[::1': give HOST:PORT"),
+    (["run", "--topology", "{good}", "--workload", "{script}:f", "--rank", "0", "--world", "1",
+      "--rendezvous", "127.0.0.1:29400", "--sock-dir", "/proc/x"], "--sock-dir /proc/x"),
     # unwritable outputs, refused before any process starts
     (["launch", "--workers", "1", "--run-dir", "/proc/x/y"], "--run-dir /proc/x/y"),
     (["launch", "--workers", "1", "--run-dir", "{under_file}"], "--run-dir"),
@@ -534,6 +538,17 @@ def test_stale_socket_folders_of_dead_launchers_are_swept(tmp_path: Path) -> Non
         listener.close()
     assert removed == [stale]
     assert not stale.exists() and young.exists() and alive.exists() and answering.exists()
+
+
+def test_rendezvous_addresses() -> None:
+    from fabric.emulation.rendezvous import parse_rendezvous, rendezvous_of
+
+    assert parse_rendezvous("node-a:29400") == ("node-a", 29400)
+    assert parse_rendezvous("[fe80::1]:5") == ("fe80::1", 5)
+    assert rendezvous_of(None, {"MASTER_ADDR": "::1", "MASTER_PORT": "7"}) == ("::1", 7)
+    for bad in ("::1:29400", "[::1", "[::1:29400", "a]:3", "[x]:3", "h:0", "h:65536", "h:"):
+        with pytest.raises(UsageError, match="--rendezvous"):
+            parse_rendezvous(bad)
 
 
 def test_a_calibration_file_is_read_back(tmp_path: Path) -> None:

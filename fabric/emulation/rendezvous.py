@@ -73,9 +73,13 @@ REPORT_COUNTERS = ("frames_in", "bytes_in", "reduce_frames", "results_sent", "fo
 def parse_rendezvous(text: str) -> tuple[str, int]:
     """``HOST:PORT`` (``[v6]:PORT`` for IPv6) as ``(host, port)``; UsageError if not."""
     host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise UsageError(f"--rendezvous {text!r}: give HOST:PORT, e.g. 198.18.0.1:29400")
-    return host.strip("[]"), int(port)
+    # an IPv6 address is bracketed whole ([::1]:29400), a name or IPv4 never
+    v6 = host.startswith("[") and host.endswith("]") and ":" in host
+    if (not sep or not host or not port.isdigit() or not 0 < int(port) < 65536
+            or ("[" in host or "]" in host or ":" in host) and not v6):
+        raise UsageError(f"--rendezvous {text!r}: give HOST:PORT, e.g. 198.18.0.1:29400 "
+                         "([v6]:PORT for IPv6)")
+    return host[1:-1] if v6 else host, int(port)
 
 
 def rendezvous_of(arg: str | None, env: Mapping[str, str]) -> tuple[str, int]:
@@ -83,7 +87,10 @@ def rendezvous_of(arg: str | None, env: Mapping[str, str]) -> tuple[str, int]:
     MASTER_ADDR and MASTER_PORT; UsageError saying how to give one."""
     text = arg or env.get("SEMFAB_RENDEZVOUS")
     if not text and env.get("MASTER_ADDR") and env.get("MASTER_PORT"):
-        text = f"{env['MASTER_ADDR']}:{env['MASTER_PORT']}"
+        addr = env["MASTER_ADDR"]
+        if ":" in addr and not addr.startswith("["):
+            addr = f"[{addr}]"  # torchrun's IPv6 address, unbracketed
+        text = f"{addr}:{env['MASTER_PORT']}"
     if not text:
         raise UsageError("no rendezvous: give --rendezvous HOST:PORT (rank 0's host and a "
                          "free port), or set MASTER_ADDR and MASTER_PORT")

@@ -68,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
     """One process of a placed run; rank 0 prints the report."""
     from fabric.core.placement import launcher_rank
     from fabric.core.topology import TopologyError, load
-    from fabric.emulation.launch_cli import _split_ref, check_output_file
+    from fabric.emulation.launch_cli import _split_ref, check_dir, check_output_file
     from fabric.emulation.rendezvous import PlacedRun, format_report, rendezvous_of
 
     check_seconds("--timeout", args.timeout)
@@ -107,6 +107,8 @@ def run(args: argparse.Namespace) -> int:
         rank, world = got
     if args.json and rank == 0:
         check_output_file("--json", args.json)
+    if args.sock_dir:
+        check_dir("--sock-dir", args.sock_dir)  # on this host, before joining
     placed = PlacedRun(topo, str(Path(args.topology).resolve()), rank, world,
                        rendezvous_of(args.rendezvous, os.environ), (module, func, file),
                        extra if isinstance(extra, list) else [],
