@@ -285,3 +285,39 @@ def test_a_launcher_killed_outright_leaves_a_folder_the_next_one_removes(
     assert sock_dir.is_dir()
     assert sock_dir in _sweep_stale_socket_dirs()  # what the next launch() does first
     assert not sock_dir.exists()
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_semfab_serve_ended_by_a_signal_leaves_nothing(
+        sig: int, tmp_path: Path, spawned: list[subprocess.Popen[str]]) -> None:
+    """SIGTERM (a scheduler, `kill`) or SIGHUP (the terminal closed) to the
+    command alone: its fabric's processes, socket folder and shared memory go."""
+    run_dir = tmp_path / "run"
+    env = {**ENV, "SEMFAB_CACHE_DIR": str(tmp_path / "cache")}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fabric", "serve", "--backend", "numpy", "--run-dir",
+         str(run_dir)], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    spawned.append(proc)
+    assert proc.stdout is not None
+    seen = ""
+    while "base URL:" not in seen:
+        line = proc.stdout.readline()
+        assert line, seen
+        seen += line
+    info = json.loads((run_dir / "fabric.json").read_text())
+    sock_dir = Path(info["sock_dir"])
+    ps = subprocess.run(["ps", "-ww", "-eo", "pid,args"], capture_output=True, text=True).stdout
+    pids = [int(ln.split()[0]) for ln in ps.splitlines() if str(run_dir) in ln]
+    assert sock_dir.is_dir() and pids
+    shm_prefix = f"semfab-{proc.pid:x}"
+    assert list(SHM_DIR.glob(shm_prefix + "*"))  # the token ring and doorbells
+    proc.send_signal(sig)
+    proc.communicate(timeout=60)
+    assert not sock_dir.exists()
+    deadline = time.monotonic() + 30
+    while not all(_gone(p) for p in pids):
+        assert time.monotonic() < deadline, "nodes outlived their launcher"
+        time.sleep(0.2)
+    assert not list(SHM_DIR.glob(shm_prefix + "*"))
