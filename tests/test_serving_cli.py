@@ -110,7 +110,7 @@ def test_semfab_serve_prints_the_url_serves_and_stops_on_ctrl_c(tmp_path: Path) 
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(10)
     # no node of that fabric is left behind
-    ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    ps = subprocess.run(["ps", "-ww", "-eo", "args"], capture_output=True, text=True).stdout
     assert str(tmp_path / "run") not in ps
 
 
@@ -153,5 +153,5 @@ def test_a_port_taken_after_the_check_fails_the_chain_in_one_line(tmp_path: Path
                           assets_dir=str(assets.ensure_assets(tmp_path / "cache")))
         with pytest.raises(UsageError, match=f"^port {port} is in use on 127.0.0.1"):
             ServingChain(cfg, workers=1, run_dir=tmp_path / "run", timeout_s=20).start()
-    ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    ps = subprocess.run(["ps", "-ww", "-eo", "args"], capture_output=True, text=True).stdout
     assert str(tmp_path / "run") not in ps
