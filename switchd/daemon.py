@@ -87,6 +87,8 @@ class SwitchDaemon:
         self.node = topo.node(name)
         self.address = topo.endpoint_address(name, sock_dir)
         self.memory = SharedMemoryPlane(run_id=run_id)  # maps this run's regions only
+        # links that may corrupt: every data frame the switch originates is checked
+        corrupting = faults is not None and parse_faults(faults).corrupt > 0
         # memory-plane descriptors of the workers on this host, by port (fabric.emulation.doorbell)
         self._bells: dict[bytes, db.Doorbell] = {}
         self._bells_changed = False
@@ -97,7 +99,8 @@ class SwitchDaemon:
                                extra_stats=self._driver_stats,
                                attach_doorbell=self._attach_bell if db.enabled() else None,
                                services=load_services(services),
-                               rng=random.SystemRandom())  # incarnation ids: unguessable
+                               rng=random.SystemRandom(),  # incarnation ids: unguessable
+                               crc=corrupting)
         self.ctx = transport.context(io_threads)
         self.sock = transport.router(self.ctx, topo.bind_address(name, sock_dir))
         self.ctl = transport.dealer(self.ctx, ctl_addr, name) if ctl_addr else None

@@ -209,10 +209,13 @@ class Simulation:
         self.frames = 0
         self.regions: dict[str, np.ndarray] = {}  # simulated "device memory", by path
         added = load_services(services)  # in-network services of the user's, every switch
+        fault_spec = parse_faults(faults) if isinstance(faults, str) else faults
+        corrupting = crc or (fault_spec is not None and fault_spec.corrupt > 0)
         self.switches = {s.name: SwitchCore(topo, s.name, memory_budget=memory_budget,
                                             memory=ArrayMemoryPlane(self.regions),
                                             services=added,
-                                            rng=random.Random(f"{seed}/{s.name}"))
+                                            rng=random.Random(f"{seed}/{s.name}"),
+                                            crc=corrupting)
                          for s in topo.switches}
         self._keys = itertools.count(1)
         # each node's memory-plane region (key, bytes, path), grown as tensors grow
@@ -227,7 +230,7 @@ class Simulation:
         for n in topo.nodes:
             if not n.is_switch:
                 self.nodes[n.name] = _Node(NodeState(topo, n.name, timeout_s=timeout_s,
-                                                     crc=crc, lossless=lossless))
+                                                     crc=corrupting, lossless=lossless))
         # one pipeline per link direction: (from, to) -> pipeline
         self.pipes: dict[tuple[str, str], LinkPipeline] = {}
         self._pipe_at: dict[tuple[str, str], float] = {}

@@ -281,7 +281,7 @@ class Aggregation(Service):
     def _send_results(self, spec: JobSpec, chunk: int, recipients: tuple[int, ...],
                       result: np.ndarray | None, f: fr.Frame) -> None:
         ctx = self.ctx
-        crc = True  # every frame a switch originates is checked (SwitchContext)
+        crc = ctx.crc  # whenever the fabric checks (SwitchContext)
         owner = f.key if spec.job in self.table.owned else None
         for member in recipients:
             port = ctx.ident[member]
@@ -358,5 +358,5 @@ class Aggregation(Service):
                                   psn=chunk & PSN_MASK, dtype=f.dtype, msg=f.msg,
                                   key=f.key if spec.job in self.table.owned else 0,
                                   payload=body, flags=Flag.RETX if retx else Flag.NONE,
-                                  crc=True)
+                                  crc=ctx.crc)
         ctx.send(ctx.next_hop[parent], header, body)

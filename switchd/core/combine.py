@@ -144,4 +144,4 @@ class Combine(Service):
         ctx.send(ctx.next_hop[home], fr.encode_header(
             Op.REDUCE, src=ctx.id, dst=home, flow=COMBINE_FLOW, job=stream, psn=int(ids[0]),
             offset=len(items), msg=msg, dtype=items[0][1].dtype, payload=body,
-            crc=True), body)
+            crc=ctx.crc), body)

@@ -59,14 +59,19 @@ class SwitchContext:
     """One switch of ``topo`` as its services see it (read the attributes; send
     with :meth:`send`, :meth:`nack` and :meth:`ctrl`).
 
-    Every frame a switch originates (results, combine sums, NACKs, control
-    answers) carries a CRC32C, whatever its sender chose: a receiver can always
-    tell a damaged frame from an intact one. Frames it forwards pass unchanged.
+    NACKs and control answers always carry a CRC32C. Data frames a switch
+    originates (results, partial sums, combine sums) carry it whenever the
+    fabric checks (``crc``): the driver says its links may corrupt, or a frame
+    with a CRC has reached this switch (from then on). Frames it forwards pass
+    unchanged.
     """
 
-    def __init__(self, topo: Topology, name: str, rng: random.Random | None = None) -> None:
+    def __init__(self, topo: Topology, name: str, rng: random.Random | None = None,
+                 crc: bool = False) -> None:
         self.topo = topo
         self.name = name
+        #: CRC on the data frames this switch originates (see the class doc)
+        self.crc = crc
         # incarnation ids: the daemon passes random.SystemRandom(); the simulator
         # a seeded generator, so its runs repeat
         self._rng = rng if rng is not None else random.Random(f"{topo.name}/{name}")

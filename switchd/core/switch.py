@@ -63,6 +63,7 @@ __all__ = ["HELLO_INTERVAL_S", "ServiceFactory", "SwitchCore", "SwitchStats"]
 HELLO_INTERVAL_S = 0.1
 #: Control messages the core answers itself.
 _CORE_CTRL = ("hello", "welcome", "stats")
+_F_CRC = int(Flag.CRC)
 
 #: Makes a service for a switch (a Service subclass is one).
 ServiceFactory = Callable[[SwitchContext], Service]
@@ -107,10 +108,10 @@ class SwitchCore:
                  extra_stats: Callable[[], dict[str, Any]] | None = None,
                  attach_doorbell: Callable[[bytes, str], None] | None = None,
                  services: Sequence[ServiceFactory] = (),
-                 rng: random.Random | None = None) -> None:
+                 rng: random.Random | None = None, crc: bool = False) -> None:
         self.topo = topo
         self.name = name
-        ctx = self.ctx = SwitchContext(topo, name, rng)
+        ctx = self.ctx = SwitchContext(topo, name, rng, crc)
         self.id = ctx.id
         self._extra_stats = extra_stats  # the driver's own counters, for stats replies
         self.engine = AggregationEngine(memory_budget)
@@ -238,6 +239,8 @@ class SwitchCore:
                 src, job, psn = 0, 0, 0
             ctx.nack(port, src, job, psn, 0, bad.code, str(bad))
             return
+        if f.flags & _F_CRC:
+            ctx.crc = True  # the fabric checks: so does every data frame we originate
         speaker = ctx.port_node.get(port)
         if speaker is not None and f.src != speaker:
             # the port is the sender's identity: no node speaks for another
