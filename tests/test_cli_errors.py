@@ -112,6 +112,10 @@ def _files(tmp_path: Path) -> dict[str, str]:
 
 
 CASES = [
+    (["topo", "gen", "--leaves", "100000", "--per-leaf", "100000", "-o", "/tmp/never.toml"],
+     "at most 65535 nodes"),  # hung building ten billion nodes
+    (["bench", "allreduce", "--faults", "delay=1e308us", "--workers", "2"],
+     "delay_us must be a time in 0..3.6e+09 us"),  # the switch died of an OverflowError
     # found as a careless user would (a traceback each, before)
     (["bench", "moe", "--latency-us", "-5"], "--latency-us -5: must be a number >= 0"),
     (["bench", "moe", "--sim", "--leaves", "1", "--per-leaf", "2", "--json", "/proc/x/y.json"],

@@ -44,6 +44,11 @@ __all__ = [
 ]
 
 
+#: Longest delay a fault may add (one hour): beyond it no run could finish, and
+#: a time that large no longer adds to a clock reading.
+MAX_DELAY_US = 3.6e9
+
+
 class FaultSpecError(ValueError):
     """A fault specification is invalid; the message names the item and the fix."""
 
@@ -115,8 +120,9 @@ class FaultSpec:
             raise FaultSpecError(f"corrupt bits must be >= 1, got {self.corrupt_bits}")
         for name in ("delay_us", "jitter_us", "reorder_timeout_us"):
             v = getattr(self, name)
-            if not (math.isfinite(v) and v >= 0):
-                raise FaultSpecError(f"{name} must be a finite time >= 0, got {v!r}")
+            if not (math.isfinite(v) and 0 <= v <= MAX_DELAY_US):
+                raise FaultSpecError(f"{name} must be a time in 0..{MAX_DELAY_US:g} us (one "
+                                     f"hour), got {v!r}")
 
     @property
     def clean(self) -> bool:

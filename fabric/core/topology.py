@@ -1272,6 +1272,9 @@ def star(
     source = "<star>"
     workers = _count(workers, "workers", source)
     hosts = _count(hosts, "hosts", source, minimum=0)
+    if workers + hosts + 1 > MAX_NODES:
+        raise _fail(source, "", f"{workers} workers + {hosts} hosts + 1 switch; node ids are "
+                    f"u16, at most {MAX_NODES} nodes")
     if cls not in LINK_CLASSES:
         raise _fail(source, "", f"unknown class {cls!r}; valid classes: {', '.join(LINK_CLASSES)}")
     _check_keys(link_params, LINK_PARAM_KEYS, source, "star() link parameters")
@@ -1342,6 +1345,11 @@ def leaf_spine(
             f"oversubscription {oversubscription:g}:1 needs shaped links; "
             "set leaf_bandwidth_gbps > 0 (unshaped links have no ratio)",
         )
+    total = leaves * workers_per_leaf + hosts + spines + leaves
+    if total > MAX_NODES:  # refused before a list of them is built
+        raise _fail(source, "", f"{leaves} leaves x {workers_per_leaf} workers (+ {hosts} hosts, "
+                    f"{spines + leaves} switches) = {total} nodes; node ids are u16, at most "
+                    f"{MAX_NODES} nodes")
     uplink_bw = leaf_bandwidth_gbps * workers_per_leaf / (oversubscription * spines)
     common: dict[str, Any] = {"loss": loss}
     if mtu is not None:
