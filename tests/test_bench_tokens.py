@@ -256,7 +256,7 @@ def test_base_url_refuses_flags_of_our_own_chain_and_bad_load() -> None:
         bench_tokens.options(_args(["--base-url", "http://x:1", "--transport", "direct",
                                     "--step-ms", "2"]))
     for argv, match in ((["--base-url", "ftp://x"], "http:// or https://"),
-                        (["--request-rate", "0"], "must be > 0"),
+                        (["--request-rate", "0"], "must be at least 0.001"),
                         (["--request-rate", "fast"], "numbers or inf"),
                         (["--burstiness", "0"], "--burstiness"),
                         (["--metric-percentiles", "100"], "between 0 and 100"),
