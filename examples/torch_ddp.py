@@ -120,7 +120,7 @@ if __name__ == "__main__":
                    help="hidden width (256: 85k parameters; 2048: 4.3M, 17 MB of gradients)")
     p.add_argument("--json", action="store_true", help="print only the JSON line")
     p.add_argument("--record", metavar="TRACE.json",
-                   help="record the last semfab step (replay: python -m fabric.torch.replay)")
+                   help="record the last semfab step (replay: semfab sim replay)")
     args = p.parse_args()
     WIDTH = args.width
     summary = main(steps=args.steps, record=args.record)

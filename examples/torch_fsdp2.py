@@ -107,7 +107,7 @@ if __name__ == "__main__":
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--json", action="store_true", help="print only the JSON line")
     p.add_argument("--record", metavar="TRACE.json",
-                   help="record the last semfab step (replay: python -m fabric.torch.replay)")
+                   help="record the last semfab step (replay: semfab sim replay)")
     args = p.parse_args()
     summary = main(steps=args.steps, record=args.record)
     if int(os.environ.get("RANK", "0")) == 0:

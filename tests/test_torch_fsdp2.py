@@ -38,6 +38,6 @@ def test_fsdp2_matches_gloo_bit_for_bit_and_records_its_step(tmp_path: Path) -> 
     assert ("reduce_scatter", 64 * 128 + 128) in sizes, sizes
     assert all(op["group"] == [0, 1] and op["duration_s"] > 0 for op in doc["ops"])
 
-    from fabric.torch.replay import main
+    from fabric.cli import main
 
-    assert main([str(rec), "--workers", "4", "--no-compute"]) == 0
+    assert main(["sim", "replay", str(rec), "--workers", "4", "--no-compute"]) == 0

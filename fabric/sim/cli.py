@@ -292,6 +292,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_incast_parser(sub)
     add_permutation_parser(sub)
     add_pfc_parser(sub)
+    r = sub.add_parser("replay", help="play a recorded PyTorch step (fabric.torch.record) at "
+                       "any number of ranks",
+                       description="Play a training step recorded with fabric.torch.record() "
+                       "at each worker count, timing-only, and print the time per kind of "
+                       "operation (see fabric.sim.replay for how sizes scale).")
+    from fabric.sim import replay
+
+    replay.add_arguments(r)
+    r.set_defaults(sim_func=replay.run)
     p.set_defaults(sim_func=None)
 
 

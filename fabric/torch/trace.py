@@ -1,5 +1,5 @@
 """The recorder: every fabric operation a torch program issues, as a trace that
-``python -m fabric.torch.replay`` plays in simulation at any number of ranks.
+``semfab sim replay`` plays in simulation at any number of ranks.
 
     with fabric.torch.record("step.json"):
         train_step()                     # every rank runs it; rank 0 writes the file
@@ -24,11 +24,12 @@ from pathlib import Path
 from typing import Any
 
 from fabric.errors import UsageError
+from fabric.sim.replay import TRACE_FORMAT as FORMAT
+from fabric.sim.replay import TRACE_VERSION as VERSION
+from fabric.sim.replay import load_trace as load
 
 __all__ = ["FORMAT", "Recorder", "active", "load", "record"]
 
-FORMAT = "semfab-torch-trace"
-VERSION = 1
 
 
 class Recorder:
@@ -121,23 +122,3 @@ def record(path: str | Path) -> Iterator[Recorder]:
     if rt.rank == 0:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(rec.document(), indent=1))
-
-
-def load(path: str | Path) -> dict[str, Any]:
-    """A trace written by :func:`record`; UsageError saying what is wrong."""
-    try:
-        doc = json.loads(Path(path).read_text())
-    except OSError as exc:
-        raise UsageError(f"trace {path}: cannot read it ({exc.strerror or exc})") from None
-    except ValueError as exc:
-        raise UsageError(f"trace {path}: not JSON ({exc})") from None
-    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
-        raise UsageError(f"trace {path}: not a trace written by fabric.torch.record()")
-    ops = doc.get("ops")
-    world = doc.get("world")
-    if not isinstance(ops, list) or not isinstance(world, int) or world < 1 or not all(
-            isinstance(o, dict) and isinstance(o.get("kind"), str)
-            and isinstance(o.get("count"), int) for o in ops):
-        raise UsageError(f"trace {path}: malformed (needs world and a list of ops with kind "
-                         "and count)")
-    return doc

@@ -1,7 +1,7 @@
 """Play a recorded training step (:func:`fabric.torch.record`) in simulation at
 any number of ranks::
 
-    python -m fabric.torch.replay step.json --workers 64,256 [--topology F] [--json out.json]
+    semfab sim replay step.json --workers 64,256 [--topology F] [--json out.json]
 
 Every rank runs the recorded operations in order, timing-only, on a leaf/spine
 fabric (or the topology file), keeping the recorded compute gaps between them
@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 import time
 from collections.abc import Generator
 from pathlib import Path
@@ -33,13 +32,37 @@ from typing import Any
 from fabric.core.collective_programs import COLLECTIVES
 from fabric.errors import UsageError
 
-__all__ = ["replay", "scaled_ops", "main"]
+__all__ = ["TRACE_FORMAT", "TRACE_VERSION", "load_trace", "replay", "scaled_ops", "run"]
+
+#: What fabric.torch.record() writes, and this module reads.
+TRACE_FORMAT = "semfab-torch-trace"
+TRACE_VERSION = 1
 
 _SHARDED = ("all_gather", "reduce_scatter")
 _KINDS = ("allreduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "alltoall",
           "alltoallv", "gather", "scatter", "barrier")
 #: Dtype sizes of the registry's names (a trace names the fabric's dtypes).
 _ITEM = {"float32": 4, "float16": 2, "bfloat16": 2, "int32": 4, "int64": 8}
+
+
+def load_trace(path: str | Path) -> dict[str, Any]:
+    """A trace written by ``fabric.torch.record()``; UsageError saying what is wrong."""
+    try:
+        doc = json.loads(Path(path).read_text())
+    except OSError as exc:
+        raise UsageError(f"trace {path}: cannot read it ({exc.strerror or exc})") from None
+    except ValueError as exc:
+        raise UsageError(f"trace {path}: not JSON ({exc})") from None
+    if not isinstance(doc, dict) or doc.get("format") != TRACE_FORMAT:
+        raise UsageError(f"trace {path}: not a trace written by fabric.torch.record()")
+    ops = doc.get("ops")
+    world = doc.get("world")
+    if not isinstance(ops, list) or not isinstance(world, int) or world < 1 or not all(
+            isinstance(o, dict) and isinstance(o.get("kind"), str)
+            and isinstance(o.get("count"), int) for o in ops):
+        raise UsageError(f"trace {path}: malformed (needs world and a list of ops with kind "
+                         "and count)")
+    return doc
 
 
 def scaled_ops(doc: dict[str, Any], workers: int) -> list[dict[str, Any]]:
@@ -191,8 +214,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Replay the trace at each worker count; print the table."""
-    from fabric.torch.trace import load
-
     try:
         counts = [int(w) for w in str(args.workers).split(",")]
     except ValueError:
@@ -201,7 +222,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--workers: each count must be at least 2")
     if args.per_leaf < 1 or not args.bandwidth_gbps > 0 or args.latency_us < 0:
         raise UsageError("--per-leaf, --bandwidth-gbps and --latency-us must be positive")
-    doc = load(args.trace)
+    doc = load_trace(args.trace)
     if args.json:  # before the simulation: a long run must not fail at its end
         from fabric.emulation.launch_cli import check_output_file
 
@@ -212,20 +233,3 @@ def run(args: argparse.Namespace) -> int:
         Path(args.json).write_text(json.dumps(
             {"trace": str(args.trace), "recorded_world": doc["world"], "rows": rows}, indent=2))
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m fabric.torch.replay``."""
-    p = argparse.ArgumentParser(prog="python -m fabric.torch.replay",
-                                description=__doc__.split("\n\n")[0])
-    add_arguments(p)
-    args = p.parse_args(argv)
-    try:
-        return run(args)
-    except UsageError as exc:
-        print(f"{p.prog}: error: {exc}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

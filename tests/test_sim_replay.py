@@ -1,5 +1,6 @@
-"""The recorder's traces replayed in simulation (fabric.torch.replay): how sizes
-scale with the rank count, the table, and refusals of bad input."""
+"""Recorded PyTorch steps replayed in simulation (`semfab sim replay`,
+fabric.sim.replay): how sizes scale with the rank count, the table, and
+refusals of bad input. No torch needed."""
 
 from __future__ import annotations
 
@@ -10,11 +11,17 @@ from typing import Any
 
 import pytest
 
-pytest.importorskip("torch")
+from fabric.errors import UsageError
+from fabric.sim.replay import TRACE_FORMAT as FORMAT
+from fabric.sim.replay import load_trace as load
+from fabric.sim.replay import replay, scaled_ops
 
-from fabric.errors import UsageError  # noqa: E402
-from fabric.torch.replay import main, replay, scaled_ops  # noqa: E402
-from fabric.torch.trace import FORMAT, load  # noqa: E402
+
+def main(argv: list[str]) -> int:
+    """`semfab sim replay ARGV`, its exit code."""
+    from fabric.cli import main as cli
+
+    return cli(["sim", "replay", *argv])
 
 
 def trace(ops: list[dict[str, Any]], world: int = 2) -> dict[str, Any]:
