@@ -6,7 +6,9 @@ high bits name the multicast group) counts that group's members only, and
 only for the group's current incarnation (the ``inc`` the members got when
 they made it): a barrier naming a group that does not exist, or an earlier
 incarnation of it, is refused (PERMISSION) unless it finished already (a
-late retry is answered again). Releasing a group wipes its waiting barriers.
+late retry is answered again). Releasing a group wipes its waiting barriers;
+a group that failed as it was made (its members disagreed on the rank order)
+answers its barriers with the reason (``error``), so every member raises it.
 """
 
 from __future__ import annotations
