@@ -25,6 +25,29 @@ class PeerFailed(SemfabError):
     """A peer (switch, worker, host) died or refused an operation."""
 
 
+class CallAborted(PeerFailed):
+    """Another member of the group could not take part in this call and ended it
+    (its arguments were wrong, or its data was refused): ``rank`` is its group
+    rank, ``why`` its error. No data of the call was kept; the next call on the
+    communicator is exact. ``earlier``: the member failed an earlier call that
+    this one had finished (its part was exact); the call running here ends too."""
+
+    def __init__(self, message: str, *, rank: int = -1, why: str = "", call: int = 0,
+                 earlier: bool = False) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.why = why
+        self.call = call  # the call the member abandoned (the group's count)
+        self.earlier = earlier
+
+    def __reduce__(self) -> Any:  # crosses process boundaries (a launched task's error)
+        return (_call_aborted, (str(self), self.rank, self.why, self.call, self.earlier))
+
+
+def _call_aborted(message: str, rank: int, why: str, call: int, earlier: bool) -> CallAborted:
+    return CallAborted(message, rank=rank, why=why, call=call, earlier=earlier)
+
+
 class SumOverflowError(SemfabError, OverflowError):
     """An integer sum would wrap: raised on every member of the collective, which
     ran to its end (the communicator stays usable; the output is not a sum)."""

@@ -154,11 +154,12 @@ def close_group_program(st: NodeState, g: Group) -> Program:
 
     def steps() -> Generator[Program, Any, None]:
         yield barrier_program(st, g)
-        for js in list(g.jobs.values()):
+        for js in [*g.jobs.values(), *g.dropped]:
             if js.granted:
                 yield Request(st, "release", "release_reply", job=js.job, tag=g.tag,
                               match=_job_is(js.job))
         g.jobs.clear()
+        g.dropped.clear()
         yield Request(st, "group_release", "group_released", members=members, nth=g.nth,
                       match=lambda m: m.get("nth") == g.nth and m.get("members") == members)
         g.closed = True

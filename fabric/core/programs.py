@@ -111,6 +111,20 @@ class JobState:
 #: switchd.core.GROUP_JOB_BITS) and of a collective message id below it.
 GROUP_JOB_BITS = 8
 GROUP_MSG_BITS = 24
+#: Message (and barrier) ids one group call owns: call ``c`` of a group numbers
+#: its messages from ``c * CALL_MSGS``, so a call one member abandoned before it
+#: sent anything leaves every member's next call on the same ids. The most any
+#: call uses is 3 (a fixed-point allreduce, or a collective whose in-network job
+#: was refused); a program built outside a call spills into the next block.
+CALL_MSGS = 16
+#: Job ids skipped after an abandoned call: the members that reached it may have
+#: registered up to this many (one per path, dtype and op the call uses), the
+#: member that failed none; every member moves past them alike.
+CALL_JOBS = 4
+#: Recent calls whose job numbering a member remembers (a notice about an older
+#: call than this is too late to realign for; it cannot happen: a member is at
+#: most a call or two ahead of another).
+CALLS_KEPT = 256
 
 
 @dataclass
@@ -135,12 +149,27 @@ class Group:
     closed: bool = False
 
     def __post_init__(self) -> None:
-        self.job_seq = itertools.count(1)
+        self._jobs_made = 0
         # message ids start where the incarnation says: a group made again with the
         # same id names its streams apart from the last one's (whose receivers may
         # still remember them as finished)
-        self._msg_seq = itertools.count(1 + (self.inc & ((1 << GROUP_MSG_BITS) - 2)))
-        self.barrier_seq = itertools.count(1)
+        self._msg_base = 1 + (self.inc & ((1 << GROUP_MSG_BITS) - 2))
+        self._msg_block = 0  # the block of CALL_MSGS ids in use (one per call)
+        self._msg_k = 0
+        #: group calls begun (collectives, allreduces, MoE, barriers): every member
+        #: counts alike, so (gid, inc, calls) names one call on every member
+        self.calls = 0
+        self._jobs_at_call = 0
+        #: jobs of abandoned calls, released when the communicator closes
+        self.dropped: list[JobState] = []
+        #: job ids made before each recent call began, and the calls this member
+        #: realigned after (fabric.core.calls)
+        self.jobs_before: dict[int, int] = {}
+        self.realigned: set[int] = set()
+        # calls of this group that notices say a member abandoned and this member
+        # has not realigned for, as of NodeState.abort_gen ``notice_gen``
+        self.noticed: list[int] = []
+        self.notice_gen = 0
 
     @property
     def size(self) -> int:
@@ -149,15 +178,63 @@ class Group:
 
     def next_job(self) -> int:
         """A new job id of this group (members call in the same order: same ids)."""
-        n = next(self.job_seq)
+        self._jobs_made += 1
+        n = self._jobs_made
         if n >= 1 << GROUP_JOB_BITS:
             raise UsageError(f"group {self.gid}: more than {(1 << GROUP_JOB_BITS) - 1} "
                              "in-network jobs; close the communicator and make a new one")
         return self.gid << GROUP_JOB_BITS | n
 
+    def _next_local(self) -> int:
+        k = self._msg_k
+        if k >= CALL_MSGS:  # more than a call's share: take the next block
+            self._msg_block += 1
+            k = 0
+        self._msg_k = k + 1
+        return self._msg_base + self._msg_block * CALL_MSGS + k
+
     def next_msg(self) -> int:
         """A new collective message id (unique among the node's groups)."""
-        return (self.gid << GROUP_MSG_BITS | (next(self._msg_seq) & 0xFFFFFF)) & PSN_MASK
+        return (self.gid << GROUP_MSG_BITS | (self._next_local() & 0xFFFFFF)) & PSN_MASK
+
+    def next_barrier(self) -> int:
+        """A new barrier id (the group id above 32 bits, as the switch reads it)."""
+        return self.gid << 32 | (self._next_local() & 0xFFFFFFFF)
+
+    def begin_call(self) -> int:
+        """Number a new group call (every member calls it once per call, before it
+        checks its arguments); its message and barrier ids start a new block."""
+        self.calls += 1
+        self._msg_block += 1
+        self._msg_k = 0
+        self._jobs_at_call = self._jobs_made
+        self.jobs_before[self.calls] = self._jobs_made
+        self.jobs_before.pop(self.calls - CALLS_KEPT, None)
+        self.realigned.discard(self.calls - CALLS_KEPT)
+        return self.calls
+
+    def abandon(self) -> None:
+        """The running call ended without its collective on some member: forget the
+        group's in-network jobs (their slots may hold partial sums; they are
+        released at close) and skip the job ids the call may have registered."""
+        self._forget_jobs()
+        self._jobs_made = max(self._jobs_made, self._jobs_at_call + CALL_JOBS)
+        self.realigned.add(self.calls)
+        self.notice_gen = -1  # what is left to realign for changed
+
+    def abandon_late(self, call: int) -> None:
+        """Earlier call ``call``, which this member finished, ended on the others
+        (they realigned then): number jobs as they do, from that call on. The
+        running call is abandoned next (:meth:`abandon`)."""
+        self._forget_jobs()
+        before = self.jobs_before.get(call, self._jobs_at_call)
+        self._jobs_made = self._jobs_at_call = before + CALL_JOBS
+        self.realigned.add(call)
+        self.notice_gen = -1
+
+    def _forget_jobs(self) -> None:
+        self.dropped.extend(js for js in self.jobs.values() if js.granted)
+        self.jobs.clear()
 
     @property
     def tag(self) -> int:
@@ -218,9 +295,6 @@ class NodeState:
         self._ctrl_rtt: dict[int, RttEstimator] = {}
         self.world_group = Group(0, tuple(range(self.world)), self.worker_ids, self.rank)
         self.jobs = self.world_group.jobs
-        self.job_seq = self.world_group.job_seq
-        self.barrier_seq = self.world_group.barrier_seq
-        self.coll_seq = self.world_group._msg_seq
         self.groups_made: dict[tuple[int, ...], int] = {}  # nth creation of a member set
         # request ids start anywhere: a refusal of some other frame cannot guess ours
         self.ctrl_seq = itertools.count(random.getrandbits(32))
@@ -237,6 +311,12 @@ class NodeState:
         self.ring_done: OrderedDict[tuple[int, int], None] = OrderedDict()
         # streams received in full, by (src, flow, stream id, msg): their last PSN
         self.streams_done: OrderedDict[tuple[int, int, int, int], int] = OrderedDict()
+        # group calls a member abandoned, by (gid, incarnation, call, its node
+        # id): (its group rank, why); a call finds its entry when it starts or,
+        # running, through its timer (fabric.core.calls)
+        self.aborts: OrderedDict[tuple[int, int, int, int], tuple[int, str]] = OrderedDict()
+        self.abort_notices = 0  # notices taken (a member abandoned a call)
+        self.abort_gen = 0  # changes with every new notice (a cheap "anything new?")
         # the last stream id of each (direction, peer): both ends count alike
         self.stream_ids: dict[tuple[str, int], int] = {}
         # round-trip estimators programs keep across calls, by role (ring, host, moe...)
@@ -273,6 +353,8 @@ class NodeState:
         means the left neighbour lost our step ACK: acknowledge it again, or
         it would resend until its timeout.
         """
+        if f.op is Op.CTRL:
+            return self._take_abort(f)
         if f.op is Op.WRITE and f.flow == RING_FLOW:
             if (f.src, f.msg) in self.ring_done:
                 return [(fr.encode_header(Op.ACK, src=self.node_id, dst=f.src, flow=RING_FLOW,
@@ -286,6 +368,32 @@ class NodeState:
                 return [(fr.encode_header(Op.ACK, src=self.node_id, dst=f.src, flow=f.flow + 1,
                                           job=f.job, psn=psn, msg=f.msg, crc=self.crc), None)]
         return []
+
+    def _take_abort(self, f: fr.Frame) -> list[Send]:
+        """A member's notice that it abandoned a group call: remember it, and answer
+        (the sender resends until we do). Other control frames get no answer."""
+        try:
+            m = control.parse(f.payload)
+            if m.get("t") != ABORT:
+                return []
+            gid, inc = control.need(m, "gid", int), control.need(m, "inc", int)
+            call = control.need(m, "call", int)
+            rank = control.need(m, "rank", int)
+            why = control.need(m, "why", str)
+        except fr.FrameError:
+            self.bad_frames += 1
+            return []
+        # keyed by sender too: a notice from outside the group (which the call
+        # ignores) never hides a member's
+        key = (gid, inc, call, f.src)
+        if key not in self.aborts:
+            self.abort_notices += 1
+            self.abort_gen += 1
+            self.aborts[key] = (rank, why[:ABORT_WHY_MAX])
+            while len(self.aborts) > ABORTS_KEPT:
+                self.aborts.popitem(last=False)
+        return [(fr.encode(Op.CTRL, src=self.node_id, dst=f.src, msg=f.msg, crc=self.crc,
+                           payload=control.pack(ABORT_ACK, gid=gid, call=call)), None)]
 
     def stream_done(self, src: int, flow: int, sid: int, msg: int, last_psn: int) -> None:
         """Remember a stream received in full, to ACK its late retransmissions."""
@@ -410,6 +518,16 @@ class Program:
 
 
 # ---------------------------------------------------------------------- control
+#: The control message a member sends each peer when it abandons a group call,
+#: and the peer's answer (fabric.core.calls).
+ABORT = "abort"
+ABORT_ACK = "abort_ack"
+#: Abandoned calls a node remembers (the oldest are forgotten first), and the
+#: longest reason kept from a notice.
+ABORTS_KEPT = 1024
+ABORT_WHY_MAX = 400
+
+
 class Request(Program):
     """A control request to a switch, resent with backoff until its reply comes.
 
@@ -422,10 +540,11 @@ class Request(Program):
 
     def __init__(self, st: NodeState, t: str, reply: str, *, dst: int | None = None,
                  match: Callable[[dict[str, Any]], bool] | None = None, waits: bool = False,
-                 **fields: Any) -> None:
+                 timeout_s: float | None = None, **fields: Any) -> None:
         self.st, self.t, self.reply, self.match = st, t, reply, match
         self.dst = st.switch_id if dst is None else dst
         self.waits = waits
+        self.timeout_s = st.timeout_s if timeout_s is None else timeout_s
         # a request id in ``msg``: a refusal names it, so a stray NACK (a reply to
         # some other, perhaps hostile, frame) is never taken for ours
         self.id = next(st.ctrl_seq) & PSN_MASK or next(st.ctrl_seq) & PSN_MASK
@@ -439,7 +558,7 @@ class Request(Program):
         self._give_up = 0.0
 
     def start(self, now: float) -> list[Send]:
-        self._give_up = now + self.st.timeout_s
+        self._give_up = now + self.timeout_s
         self._sent_at = now
         self._due = now + self._retry
         return [(self.frame, None)]
@@ -484,7 +603,7 @@ class Request(Program):
             return []
         if now >= self._give_up:
             raise FabricTimeout(f"{self.st.name}: control request {self.t!r} to node "
-                                f"{self.dst}: no answer within {self.st.timeout_s:g}s")
+                                f"{self.dst}: no answer within {self.timeout_s:g}s")
         self._retry = min(self._retry * 2, CTRL_RETRY_MAX_S)
         self._due = min(now + self._retry, self._give_up)
         self._resent = True
@@ -567,7 +686,7 @@ def barrier_program(st: NodeState, group: Group | None = None) -> Program:
     if group is not None:
         group.check_open("barrier")  # a closed communicator has no barrier
     g = group or st.world_group
-    bid = g.gid << 32 | next(g.barrier_seq)
+    bid = g.next_barrier()
     return Request(st, "barrier", "barrier_done", dst=st.root_switch_id, waits=True,
                    match=lambda m: m.get("id") == bid, id=bid, n=g.size, inc=g.inc)
 

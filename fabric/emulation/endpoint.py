@@ -22,7 +22,8 @@ import secrets
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -31,15 +32,16 @@ import zmq
 
 from fabric.core import control
 from fabric.core import frame as fr
+from fabric.core.calls import CallScope, interruptible
 from fabric.core.frame import NackCode, Op
-from fabric.core.programs import Chain, InaAllreduce, Tensor, allreduce_program
+from fabric.core.programs import ABORT_ACK, Chain, Group, InaAllreduce, Tensor, allreduce_program
 from fabric.core.semantic import SemanticCounts
 from fabric.core.topology import Topology
 from fabric.emulation import doorbell as db
 from fabric.emulation import transport
 from fabric.emulation.frametrace import FrameLog
 from fabric.emulation.shm import SharedRegion, region_name
-from fabric.errors import FabricTimeout, PeerFailed, UsageError
+from fabric.errors import FabricTimeout, PeerFailed, SemfabError, UsageError
 from kernels.dtypes import DTYPES as _REGISTRY_DTYPES
 from kernels.dtypes import OPS as _REGISTRY_OPS
 
@@ -53,7 +55,8 @@ DTYPE_NAMES = tuple(_REGISTRY_DTYPES)
 DEFAULT_TIMEOUT_S = 30.0
 #: Control message types that answer a request (see :meth:`Endpoint.defer`).
 CTRL_REPLIES = frozenset({"welcome", "barrier_done", "job_reply", "region_reply", "stats",
-                          "release_reply", "group_reply", "group_released", "doorbell_reply"})
+                          "release_reply", "group_reply", "group_released", "doorbell_reply",
+                          ABORT_ACK})
 # what Endpoint._wait found
 _NOTHING, _SOCKET, _RING = 0, 1, 2
 
@@ -140,8 +143,6 @@ class Endpoint:
         self._loc_of: dict[int, tuple[weakref.ref[np.ndarray], tuple[int, int]]] = {}
         # the protocol state's tables, under the names user code and benchmarks know
         self.jobs = st.jobs
-        self.job_seq = st.job_seq
-        self.coll_seq = st.coll_seq
         self.semantics = st.semantics
         self.fallbacks = st.fallbacks  # reported, never silent
         self.chunk_bytes = st.chunk_bytes
@@ -157,6 +158,7 @@ class Endpoint:
         self._bell_tried = False
         self._poller: zmq.Poller | None = None
         self._spin_s = db.SPIN_S  # this call's spin budget on the doorbell
+        self._scope: CallScope | None = None  # the group call running (fabric.core.calls)
         # the topology's placement: the switch maps our memory only on our host
         self.shares_host = topo.host_address(name) == topo.host_address(self.switch_name)
         # frames recorded for a trace (SEMFAB_FRAME_TRACE only)
@@ -274,6 +276,8 @@ class Endpoint:
         quiet_until = time.monotonic() + self.timeout_s
         bounce: memoryview | None = None
         while not prog.done:
+            if self.state.aborts:
+                self._check_abandoned(prog)
             timer = prog.get_timer()
             until = quiet_until if timer is None else min(timer, quiet_until)
             wait_ms = max(math.ceil((until - time.monotonic()) * 1000), 0)
@@ -357,6 +361,47 @@ class Endpoint:
             else:
                 self.defer(f)
         return prog.result
+
+    def _check_abandoned(self, prog: Any) -> None:
+        """Raise the peer's error when a member abandoned the group call running
+        (a node's own request to its switch, e.g. a region's registration, first
+        runs to its end: it leaves no half-made state behind)."""
+        scope = self._scope
+        if scope is None or not interruptible(prog):
+            return
+        told = scope.peer_failed()
+        if told is not None:
+            raise told
+
+    @contextmanager
+    def group_call(self, group: Any) -> Iterator[None]:
+        """Run one call of ``group`` (a Communicator, a Group, or None for every
+        worker) inside this block: numbered alike on every member; a failure in
+        it is told to the peers before it is raised, and a peer's ends it here
+        (fabric.core.calls). A call made inside another is part of it."""
+        g = _group_of(group)
+        if g is None:
+            g = self.state.world_group
+        if self._scope is not None or not isinstance(g, Group) or self.rank < 0:
+            yield
+            return
+        scope = self._scope = CallScope(self.state, g)
+        try:
+            told = scope.peer_failed()  # a peer ahead of us abandoned it already
+            if told is not None:
+                raise told
+            yield
+        except Exception as exc:  # a wrong argument of any type: the peers wait for us
+            self._scope = None
+            notify = scope.fail(exc)
+            if notify is not None:
+                try:
+                    self.run(notify, "tell the group's members this call failed")
+                except SemfabError as unheard:  # a peer is gone: our own error stands
+                    log.warning("%s: %s", self.name, unheard)
+            raise
+        finally:
+            self._scope = None
 
     def _ring_frame(self) -> fr.Frame | None:
         """The next frame from the doorbell ring (None: nothing, or a bad one, counted)."""
@@ -534,7 +579,8 @@ class Endpoint:
         (counted by the tree root)."""
         from fabric.core.programs import barrier_program
 
-        self.run(barrier_program(self.state, _group_of(group)), "barrier")
+        with self.group_call(group):
+            self.run(barrier_program(self.state, _group_of(group)), "barrier")
 
     def group(self, ranks: Any) -> Any:
         """A communicator of world ``ranks`` (in its rank order): a
@@ -557,10 +603,11 @@ class Endpoint:
 
         if self.rank < 0:
             raise UsageError(f"{self.name} is not a worker; only workers join collectives")
-        op_ = Collective(kind, x, out, path, op, root, _group_of(group),
-                         None if send_counts is None else tuple(send_counts),
-                         None if recv_counts is None else tuple(recv_counts))
-        return self.run(program_of(self.state, op_), f"{kind} {path or 'default path'}")
+        with self.group_call(group):
+            op_ = Collective(kind, x, out, path, op, root, _group_of(group),
+                             None if send_counts is None else tuple(send_counts),
+                             None if recv_counts is None else tuple(recv_counts))
+            return self.run(program_of(self.state, op_), f"{kind} {path or 'default path'}")
 
     def all_gather(self, x: np.ndarray, out: np.ndarray | None = None, **kw: Any) -> Any:
         """Every rank's ``x`` (m elements) concatenated in rank order (size * m);
@@ -608,18 +655,20 @@ class Endpoint:
         hierarchical)."""
         from fabric.core.workload import MoeDispatch, program_of
 
-        return self.run(program_of(self.state, MoeDispatch(
-            x, topk_idx, topk_weights, num_experts, variant, _group_of(group))),
-            f"moe_dispatch {variant}")
+        with self.group_call(group):
+            return self.run(program_of(self.state, MoeDispatch(
+                x, topk_idx, topk_weights, num_experts, variant, _group_of(group))),
+                f"moe_dispatch {variant}")
 
     def moe_combine(self, dispatched: Any, partials: np.ndarray, group: Any = None) -> Any:
         """MoE combine: each row's partial (see :func:`fabric.core.moe.expert_partials`) back
         to its token's home; returns (tokens, hidden) summed there."""
         from fabric.core.workload import MoeCombine, program_of
 
-        return self.run(program_of(self.state, MoeCombine(dispatched, partials,
-                                                          _group_of(group))),
-                        f"moe_combine {dispatched.variant}")
+        with self.group_call(group):
+            return self.run(program_of(self.state, MoeCombine(dispatched, partials,
+                                                              _group_of(group))),
+                            f"moe_combine {getattr(dispatched, 'variant', '?')}")
 
     def send(self, x: np.ndarray, dst: int, *, policy: str = "selective") -> dict[str, Any]:
         """Send ``x``'s bytes reliably to worker ``dst`` (a world rank); the sender's
@@ -659,6 +708,13 @@ class Endpoint:
         ``numerics="fixed"`` sums float32 as int32 fixed point with a per-block
         scale: bitwise the same result whatever the path or arrival order.
         """
+        if self.rank < 0:
+            raise UsageError(f"{self.name} is not a worker; only workers join collectives")
+        with self.group_call(group):
+            return self._allreduce(x, op, path, out, numerics, group)
+
+    def _allreduce(self, x: np.ndarray, op: str, path: str, out: np.ndarray | None,
+                   numerics: str, group: Any) -> np.ndarray:
         if path not in PATHS:
             raise UsageError(f"unknown path {path!r}; choose one of {', '.join(PATHS)}")
         if op not in OPS:
@@ -670,8 +726,6 @@ class Endpoint:
             out = np.empty_like(x)
         elif out.shape != x.shape or out.dtype != x.dtype or not out.flags.c_contiguous:
             raise UsageError("out must be a contiguous array of x's shape and dtype")
-        if self.rank < 0:
-            raise UsageError(f"{self.name} is not a worker; only workers join collectives")
         if numerics not in ("float", "fixed"):
             raise UsageError(f"numerics must be 'float' or 'fixed', not {numerics!r}")
         if x.size == 0:

@@ -61,15 +61,18 @@ def run_in_emulation(ep: Any, fn: Callable[..., Generator[Any, Any, Any]], *args
 def _perform(ep: Any, op: Any) -> Any:
     """Do one operation a workload yielded, on ``ep``; returns what it gives back."""
     if isinstance(op, Allreduce):
-        if op.x is None:
-            raise UsageError("timing-only allreduce (x=None) runs in simulation only")
-        return ep.allreduce(op.x, op=op.op, path=op.path, out=op.out,
-                             numerics=op.numerics, group=op.group)
-    if isinstance(op, (Collective, MakeGroup, CloseGroup, MoeDispatch, MoeCombine,
-                       Control)):
-        if isinstance(op, (Collective, MoeDispatch)) and op.x is None:
-            raise UsageError(f"timing-only {type(op).__name__} (x=None) runs in "
-                             "simulation only")
+        with ep.group_call(op.group):  # a refusal here ends the call on every member
+            if op.x is None:
+                raise UsageError("timing-only allreduce (x=None) runs in simulation only")
+            return ep.allreduce(op.x, op=op.op, path=op.path, out=op.out,
+                                numerics=op.numerics, group=op.group)
+    if isinstance(op, (Collective, MoeDispatch, MoeCombine)):
+        with ep.group_call(op.group):
+            if isinstance(op, (Collective, MoeDispatch)) and op.x is None:
+                raise UsageError(f"timing-only {type(op).__name__} (x=None) runs in "
+                                 "simulation only")
+            return ep.run(program_of(ep.state, op), type(op).__name__)
+    if isinstance(op, (MakeGroup, CloseGroup, Control)):
         return ep.run(program_of(ep.state, op), type(op).__name__)
     if isinstance(op, (Send, Recv, Together)):
         parts = op.ops if isinstance(op, Together) else (op,)

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from fabric.core import frame as fr
+from fabric.core.calls import GroupCall
 from fabric.core.congestion.buffer import SharedBuffer
 from fabric.core.congestion.timed import TimedBuffer
 from fabric.core.faults import FaultSpec, parse_faults
@@ -37,6 +38,7 @@ from fabric.core.programs import (
     HOST_PS_FLOW,
     STREAM_FRAME_BYTES,
     Chain,
+    Group,
     NodeState,
     Program,
     Request,
@@ -75,6 +77,10 @@ __all__ = ["SimResult", "Simulation", "SimulationError", "TimingModel"]
 
 #: Frames a node keeps for a later program before it drops the oldest.
 STASH_LIMIT = 4096
+
+#: Operations of a whole group: numbered alike on every member, and ended on
+#: every member when one cannot take part (fabric.core.calls)
+_GROUP_CALLS = (Allreduce, Collective, MoeDispatch, MoeCombine, Barrier)
 
 
 class SimulationError(SemfabError):
@@ -401,6 +407,7 @@ class Simulation:
             self._step(node, lambda: prog.handle_frame(f, t), t)
         elif (answer := node.state.answer_stale(f)):
             self._node_send(node, answer, t)  # a peer retries something we finished
+            self._schedule_node_timer(node)  # or abandoned the call we run: wake it
         elif f.op is not Op.NACK and f.op is not Op.ACK:
             node.stash.append(f)  # for a later program (a peer ahead of us)
             if len(node.stash) > STASH_LIMIT:
@@ -521,6 +528,13 @@ class Simulation:
             self._replay_stash(node, t)
 
     def _program(self, node: _Node, op: Any) -> Program:
+        if isinstance(op, _GROUP_CALLS):
+            g = op.group if op.group is not None else node.state.world_group
+            if isinstance(g, Group):  # one member's failure ends it on every member
+                return GroupCall(node.state, g, lambda: self._build(node, op))
+        return self._build(node, op)
+
+    def _build(self, node: _Node, op: Any) -> Program:
         st = node.state
         if isinstance(op, Allreduce):
             if op.path not in ("ina", "ina-mem", "host-ring", "host-ps"):
@@ -570,6 +584,9 @@ class Simulation:
             raise UsageError("fixed-point numerics on ina-mem are emulation only")
         nbytes = count * np_dtype(dtype).itemsize
         out = op.out if op.out is not None else (np.empty_like(x) if x is not None else None)
+        if x is not None and out is not None and (out.shape != x.shape or out.dtype != x.dtype):
+            raise UsageError(f"{st.name}: allreduce out must be a {x.dtype} array of "
+                             f"{x.size} elements, like x; got {out.dtype} shape {out.shape}")
 
         def steps() -> Generator[Program, Any, Any]:
             reg = self._node_regions.get(node.name)
