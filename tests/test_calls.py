@@ -234,11 +234,9 @@ def test_a_late_notice_realigns_like_the_others() -> None:
         g.begin_call()
         g.next_job()  # call 1 registered a job on both
     other.abandon()  # other failed call 1
-    late.begin_call()  # late: call 2 begins before the notice arrives
+    scope = CallScope(st, late)  # late: call 2 begins before the notice arrives
     late.next_job()
     st.answer_stale(_notice(st.worker_ids[1], st.node_id, 0, 0, 1, 1))
-    scope = CallScope.__new__(CallScope)
-    scope.st, scope.g, scope.call, scope.failed = st, late, late.calls, None
     told = scope.peer_failed()
     assert isinstance(told, CallAborted) and told.earlier and told.call == 1
     assert scope.fail(told) is not None  # it tells the others about call 2
