@@ -283,6 +283,23 @@ def first_wrap(a: np.ndarray, b: np.ndarray) -> int | None:
     return int(np.argmax(bad)) if bad.any() else None
 
 
+def sum_wrap(arrays: list[np.ndarray]) -> str | None:
+    """Why the signed-integer sum of ``arrays``, added in order, would wrap, or None
+    (always None for other dtypes). The memory plane asks before it stores a sum."""
+    if len(arrays) < 2 or arrays[0].dtype.kind != "i":
+        return None
+    acc = arrays[0]
+    for k, b in enumerate(arrays[1:], 1):
+        i = first_wrap(acc, b)
+        if i is not None:
+            return (f"{acc.dtype.name} sum would wrap at element {i} ({int(acc[i])} + "
+                    f"{int(b[i])}, adding member {k}); workers must scale to leave headroom "
+                    f"for {len(arrays)} members")
+        with np.errstate(over="ignore"):
+            acc = acc + b
+    return None
+
+
 # --------------------------------------------------------------------------
 # Fixed point (SwitchML-style)
 # --------------------------------------------------------------------------

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from fabric.emulation.shm import SHM_DIR, SharedRegion, region_name
+from kernels.reference import sum_wrap
 
 #: Chunk views kept (each a few hundred bytes); beyond it they are made anew.
 VIEWS_KEPT = 4096
@@ -77,8 +78,9 @@ class SharedMemoryPlane:
             self._views = {k: v for k, v in self._views.items() if k[0] != key}
 
     def reduce(self, dtype: np.dtype[Any], op: str, refs: list[tuple[int, int]],
-               count: int) -> None:
-        """ld_reduce from every ``(key, offset)``, st the result into every one."""
+               count: int) -> str | None:
+        """ld_reduce from every ``(key, offset)``, st the result into every one; an
+        integer sum that would wrap stores nothing and says why."""
         if self._kernel is None:
             self.prepare(self.backend_name)
         views = self._views
@@ -91,12 +93,17 @@ class SharedMemoryPlane:
                 v = views[(key, offset, count, dtype)] = self._mapped[key].array(
                     dtype, count, offset)
             arrays.append(v)
+        if op == "sum" and dtype.kind == "i":
+            wrap = sum_wrap(arrays)
+            if wrap is not None:
+                return wrap
         t0 = time.perf_counter()
         if len(arrays) == 2:  # views this plane made: 1-D, contiguous, one dtype
             self._kernel.reduce_pair(arrays[0], arrays[1], op)
         else:
             self._kernel.multicast_reduce(arrays, arrays, op)
         self.reduce_seconds += time.perf_counter() - t0
+        return None
 
     def close(self) -> None:
         """Unmap every region."""

@@ -69,6 +69,7 @@ from fabric.core.workload import (
 )
 from fabric.errors import FabricTimeout, SemfabError, UsageError
 from kernels.dtypes import UFUNCS
+from kernels.reference import sum_wrap
 from switchd.core import SwitchCore
 from switchd.core.switch import ServiceFactory
 from switchd.plugins import load_services
@@ -174,18 +175,23 @@ class ArrayMemoryPlane:
         self._regions.pop(key, None)
 
     def reduce(self, dtype: np.dtype[Any], op: str, refs: list[tuple[int, int]],
-               count: int) -> None:
+               count: int) -> str | None:
         views = []
         for key, offset in refs:
             arr = self._regions[key]
             if arr is None:
-                return  # timing-only
+                return None  # timing-only
             views.append(arr[offset: offset + count * dtype.itemsize].view(dtype))
+        if op == "sum":
+            wrap = sum_wrap(views)
+            if wrap is not None:
+                return wrap
         acc = views[0].copy()
         for v in views[1:]:
             UFUNCS[op](acc, v, out=acc)
         for v in views:
             np.copyto(v, acc)
+        return None
 
 
 # event kinds

@@ -40,6 +40,11 @@ MISSING_FEW = 2
 MISSING_ASKS = 4
 #: MISSING requests remembered (so each lost contribution is asked for once).
 ASKED_KEPT = 65536
+#: ``offset`` of a child switch's REDUCE whose partial is not a sum: the chunk's
+#: sum would wrap below it (an inline REDUCE has no other use for the field).
+OVERFLOWED_BELOW = 1
+#: Chunks that overflowed in a tree and are still on their way, kept at most.
+OVERFLOWS_KEPT = 4096
 
 
 class Aggregation(Service):
@@ -64,6 +69,10 @@ class Aggregation(Service):
         # with the owner each awaits (owner-delivered jobs)
         self._awaiting: set[tuple[int, int]] = set()
         self._await_owner: dict[tuple[int, int], int] = {}
+        # tree overflow: chunks a child switch said would wrap below it, and the
+        # chunks whose sum wrapped here and went up as such (their element count)
+        self._overflow_in: dict[tuple[int, int], int] = {}
+        self._overflow_up: dict[tuple[int, int], int] = {}
         # loss detection: per (job, member) the highest chunk seen, and the
         # (job, chunk, member, proof) already asked to resend
         self._high: dict[tuple[int, int], int] = {}
@@ -74,7 +83,8 @@ class Aggregation(Service):
     def claims(self, f: fr.Frame, port: bytes, speaker: int | None) -> bool:
         if f.dst != self.ctx.id:
             return False
-        return f.op is not Op.NACK or f.offset == NackCode.MISSING
+        return f.op is not Op.NACK or f.offset == NackCode.MISSING or (
+            f.offset == NackCode.OVERFLOW and port in self.ctx.switch_ports)
 
     def handle(self, f: fr.Frame, port: bytes, header: Any, payload: Any, now: float) -> None:
         if f.op is Op.REDUCE:
@@ -85,7 +95,10 @@ class Aggregation(Service):
         else:
             # never answer a NACK with a NACK (two switches would ping-pong)
             self.ctx.counters.nacks_received += 1
-            self._resend_partial(f)
+            if f.offset == NackCode.OVERFLOW:
+                self._on_parent_overflow(f)
+            else:
+                self._resend_partial(f)
 
     def names_region(self, key: int) -> bool:
         """True while a chunk in progress names region ``key``."""
@@ -96,6 +109,8 @@ class Aggregation(Service):
         self._refs = {k: v for k, v in self._refs.items() if k[0] != job}
         self._awaiting = {k for k in self._awaiting if k[0] != job}
         self._await_owner = {k: v for k, v in self._await_owner.items() if k[0] != job}
+        self._overflow_in = {k: v for k, v in self._overflow_in.items() if k[0] != job}
+        self._overflow_up = {k: v for k, v in self._overflow_up.items() if k[0] != job}
         self._high = {k: v for k, v in self._high.items() if k[0] != job}
         self._done_below.pop(job, None)
         self._done_above.pop(job, None)
@@ -117,6 +132,12 @@ class Aggregation(Service):
                      f"job {f.job} delivers to an owner: key {f.key} is not a member")
             return
         chunk = unwrap_psn(f.psn, table.last.get(f.job, 0))
+        if f.offset == OVERFLOWED_BELOW and port in ctx.switch_ports and not f.referenced:
+            # a child switch's partial that is not a sum: the chunk ends in an
+            # overflow for every member once the others are in
+            self._overflow_in[(f.job, chunk)] = f.elements
+            if len(self._overflow_in) > OVERFLOWS_KEPT:
+                self._overflow_in.pop(next(iter(self._overflow_in)))
         pending: dict[int, tuple[int, int]] | None = None
         had_ref = False
         if spec.referenced:
@@ -147,11 +168,18 @@ class Aggregation(Service):
         events = self.engine.contribute(f.job, chunk, f.src, data, length=f.elements)
         completed = False
         for ev in events:
+            if isinstance(ev, Completed) and spec.referenced:
+                wrap = self._reduce_regions(spec, ev.chunk, f.elements)
+                if wrap is not None and self.engine.overflow(f.job, ev.chunk, wrap):
+                    ev = Overflowed(f.job, ev.chunk, ev.recipients, wrap)  # nothing stored
+            elif isinstance(ev, Completed) and self._overflow_in.pop((f.job, ev.chunk), None) \
+                    is not None:
+                why = f"{spec.dtype} sum of chunk {ev.chunk} would wrap below switch {ctx.id}"
+                if self.engine.overflow(f.job, ev.chunk, why):
+                    ev = Overflowed(f.job, ev.chunk, ev.recipients, why)
             if isinstance(ev, Completed):
                 completed = True
                 table.last[f.job] = max(table.last.get(f.job, 0), ev.chunk)
-                if spec.referenced:
-                    self._reduce_regions(spec, ev.chunk, f.elements)
                 if f.job in table.parent:  # a partial: up first, results come down
                     self._awaiting.add((f.job, ev.chunk))
                     if f.job in table.owned:
@@ -171,7 +199,26 @@ class Aggregation(Service):
             elif isinstance(ev, Overflowed):
                 completed = True  # the chunk is over: the window moves on
                 table.last[f.job] = max(table.last.get(f.job, 0), ev.chunk)
-                self._mark_done(f.job, ev.chunk)
+                if f.job in table.parent:
+                    if self._is_done(f.job, ev.chunk):
+                        pass  # the parent's verdict came: tell this member again
+                    else:
+                        # below the root: the members elsewhere in the tree wait for
+                        # this chunk too. The parent learns it (again, on each resend
+                        # of a member here, as partials are) and its verdict comes
+                        # down to every member (_on_parent_overflow)
+                        key = (f.job, ev.chunk)
+                        again = key in self._awaiting
+                        if not again:
+                            self._awaiting.add(key)
+                            self._overflow_up[key] = f.elements
+                            if len(self._overflow_up) > OVERFLOWS_KEPT:
+                                self._overflow_up.pop(next(iter(self._overflow_up)))
+                        if key in self._overflow_up:
+                            self._send_overflow_up(spec, ev.chunk, f, retx=again)
+                        continue
+                else:
+                    self._mark_done(f.job, ev.chunk)
                 for member in ev.recipients:  # every member learns it, once
                     if member in ctx.ident:
                         ctx.nack(ctx.ident[member], member, f.job, f.psn, f.msg,
@@ -237,14 +284,21 @@ class Aggregation(Service):
                                       code=NackCode.MISSING, job=job, msg=msg,
                                       key=proof & PSN_MASK))
 
-    def _reduce_regions(self, spec: JobSpec, chunk: int, count: int) -> None:
-        """Memory plane: ld_reduce from every member's region, st into every one."""
+    def _reduce_regions(self, spec: JobSpec, chunk: int, count: int) -> str | None:
+        """Memory plane: ld_reduce from every member's region, st into every one; why
+        nothing was stored when an integer sum would wrap."""
         refs = self._refs.pop((spec.job, chunk))
         memory = self.regions.memory
         assert memory is not None  # a referenced job is refused without one
-        memory.reduce(DTYPES[spec.dtype], spec.op.value, [refs[m] for m in spec.members], count)
-        self.ctx.counters.mem_stores += len(refs)
-        self.ctx.counters.payload_copies += len(refs)
+        wrap = memory.reduce(DTYPES[spec.dtype], spec.op.value,
+                             [refs[m] for m in spec.members], count)
+        if wrap is None:
+            self.ctx.counters.mem_stores += len(refs)
+            self.ctx.counters.payload_copies += len(refs)
+        return wrap
+
+    def _is_done(self, job: int, chunk: int) -> bool:
+        return chunk < self._done_below.get(job, 0) or chunk in self._done_above.get(job, ())
 
     def _mark_done(self, job: int, chunk: int) -> None:
         """Chunk ``chunk`` of ``job`` is complete here: its results go out now."""
@@ -335,12 +389,50 @@ class Aggregation(Service):
         self._mark_done(f.job, chunk)
         self._send_results(spec, chunk, spec.members, data, f)
 
+    def _on_parent_overflow(self, f: fr.Frame) -> None:
+        """Our parent says a chunk we sent up ends in an overflow (the sum wrapped
+        above us, or below another child): tell our members and children."""
+        ctx, table = self.ctx, self.table
+        spec = table.specs.get(f.job)
+        if spec is None or table.parent.get(f.job) != f.src:
+            ctx.counters.unauthorised += 1
+            return
+        chunk = unwrap_psn(f.psn, table.last.get(f.job, 0))
+        if (f.job, chunk) not in self._awaiting:
+            return  # a late copy: passed down already
+        self._awaiting.discard((f.job, chunk))
+        self._await_owner.pop((f.job, chunk), None)
+        self._overflow_up.pop((f.job, chunk), None)
+        self.engine.overflow(f.job, chunk, f"{spec.dtype} sum of chunk {chunk} would wrap")
+        self._mark_done(f.job, chunk)
+        for member in spec.members:
+            if member in ctx.ident:
+                ctx.nack(ctx.ident[member], member, f.job, chunk & PSN_MASK, f.msg,
+                         NackCode.OVERFLOW, "the sum would wrap")
+
+    def _send_overflow_up(self, spec: JobSpec, chunk: int, f: fr.Frame, retx: bool) -> None:
+        """Our contribution to the parent for a chunk whose sum wrapped here: its
+        length in zeros, marked ``OVERFLOWED_BELOW`` (not a sum)."""
+        ctx = self.ctx
+        parent = self.table.parent[spec.job]
+        n = self._overflow_up[(spec.job, chunk)]
+        body = byte_view(np.zeros(n, DTYPES[spec.dtype]))
+        header = fr.encode_header(Op.REDUCE, src=ctx.id, dst=parent, job=spec.job,
+                                  psn=chunk & PSN_MASK, dtype=fr.dtype_from_name(spec.dtype),
+                                  msg=f.msg, key=f.key if spec.job in self.table.owned else 0,
+                                  offset=OVERFLOWED_BELOW, payload=body,
+                                  flags=Flag.RETX if retx else Flag.NONE, crc=ctx.crc)
+        ctx.send(ctx.next_hop[parent], header, body)
+
     def _resend_partial(self, f: fr.Frame) -> None:
         """Our parent lost our partial of a chunk: send it again (we keep it)."""
         spec = self.table.specs.get(f.job)
         if spec is None or self.table.parent.get(f.job) != f.src:
             return
         chunk = unwrap_psn(f.psn, self.table.last.get(f.job, 0))
+        if (f.job, chunk) in self._overflow_up and (f.job, chunk) in self._awaiting:
+            self._send_overflow_up(spec, chunk, f, retx=True)
+            return
         partial = self.engine.kept_result(f.job, chunk)
         if (f.job, chunk) in self._awaiting and partial is not None:
             self._send_up(spec, chunk, partial, f._replace(dtype=fr.dtype_from_name(

@@ -311,6 +311,21 @@ class AggregationEngine:
             return None
         return j.view(idx, j.length[idx])
 
+    def overflow(self, job: int, chunk: int, reason: str) -> bool:
+        """Completed ``chunk`` turned out to wrap (the memory plane checks as it
+        stores): resends of it now get :class:`Overflowed`, not its result.
+        False (and nothing changes) unless ``chunk`` is complete and held."""
+        j = self._jobs.get(job)
+        if j is None or chunk < 0:
+            return False
+        q, slot = divmod(chunk, j.slots)
+        idx = 2 * slot + (q & 1)
+        if j.held[idx] != chunk or j.bitmap[idx] != j.full:
+            return False
+        j.overflowed[idx] = reason
+        self._rejected += 1
+        return True
+
     def release(self, job: int) -> None:
         """Free a job's slots and memory. Unknown jobs are ignored (idempotent).
 

@@ -58,8 +58,10 @@ class MemoryPlane(Protocol):
         """Forget region ``key`` (unknown keys are ignored)."""
 
     def reduce(self, dtype: np.dtype[Any], op: str, refs: list[tuple[int, int]],
-               count: int) -> None:
-        """Load ``count`` elements at each ``(key, byte offset)``, reduce, store into all."""
+               count: int) -> str | None:
+        """Load ``count`` elements at each ``(key, byte offset)``, reduce, store into all;
+        an integer sum that would wrap stores nothing and returns why
+        (``kernels.reference.sum_wrap``)."""
 
 
 class Regions(Service):
