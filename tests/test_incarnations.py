@@ -202,6 +202,38 @@ def test_another_tenants_combine_partials_never_enter_a_sum() -> None:
     assert net.cores["sw0"].statistics().unauthorised >= 1
 
 
+def test_a_non_member_of_the_same_tenant_never_enters_a_groups_combine() -> None:
+    """w0 and w1 make a communicator; w2 (another group, same star) names its
+    message ids (group id in the top bits): refused, the members' sum exact."""
+    from fabric.core.programs import GROUP_MSG_BITS
+
+    topo = star(3)
+    net = Net(topo)
+    ids = sorted(topo.node(m).id for m in ("w0", "w1"))
+    for name in ("w0", "w1"):
+        net.ctrl(name, "group", members=ids, nth=0)
+    gid = control.parse(net.take("w1")[-1].payload)["gid"]
+    home = topo.node("w1").id
+    msg = gid << GROUP_MSG_BITS | 9
+    f32 = fr.dtype_from_name("float32")
+
+    def part(name: str, value: float) -> None:
+        body = np.concatenate([np.array([3], np.int32).view(np.float32),
+                               np.full(4, value, np.float32)])
+        net.send(name, fr.encode_header(Op.REDUCE, src=topo.node(name).id, dst=home,
+                                        flow=COMBINE_FLOW, job=2, psn=0, key=2, offset=1,
+                                        msg=msg, dtype=f32, payload=body), body)
+
+    net.take("w0")
+    part("w2", 777.0)  # not a member of the group
+    (nack,) = net.take("w2")
+    assert nack.op is Op.NACK and nack.nack_code is NackCode.PERMISSION
+    part("w0", 1.5)
+    part("w1", 2.0)
+    (got,) = net.take("w1")[-1:]
+    np.testing.assert_array_equal(np.frombuffer(got.payload, np.float32)[1:], np.full(4, 3.5))
+
+
 # ----------------------------------------------------------- group ids per tenant
 def _ask_groups(net: Net, name: str, partner: str, count: int) -> list[dict]:
     ids = sorted(net.topo.node(m).id for m in (name, partner))

@@ -382,7 +382,8 @@ class Endpoint:
         g = _group_of(group)
         if g is None:
             g = self.state.world_group
-        if self._scope is not None or not isinstance(g, Group) or self.rank < 0:
+        if self._scope is not None or not isinstance(g, Group) or self.rank < 0 \
+                or g.closed or g.rank < 0:  # (not a call of the group: refused here alone)
             yield
             return
         scope = self._scope = CallScope(self.state, g)

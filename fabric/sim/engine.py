@@ -536,7 +536,9 @@ class Simulation:
     def _program(self, node: _Node, op: Any) -> Program:
         if isinstance(op, _GROUP_CALLS):
             g = op.group if op.group is not None else node.state.world_group
-            if isinstance(g, Group):  # one member's failure ends it on every member
+            # one member's failure ends it on every member (a closed group, or one
+            # this node is not in, has no calls: refused here alone)
+            if isinstance(g, Group) and not g.closed and g.rank >= 0:
                 return GroupCall(node.state, g, lambda: self._build(node, op))
         return self._build(node, op)
 

@@ -7,8 +7,10 @@ leaf sums them; a token whose contributions are all in goes on to its home,
 those a frame completed in one frame; the sender gets one ACK per frame.
 Finished sums are kept (bounded) for a home that lost one and asks again by
 NACK. See fabric.core.moe for the workers' side. A contribution counts only
-for a home of the sender's own tenant (the sender is known by its port):
-another tenant's partials, whatever message and stream ids they name, never
+for a home of the sender's own tenant (the sender is known by its port), and,
+for a communicator's combine (the group id in the message id's top bits), only
+when the sender and the home are both its members: another tenant's, or
+another group's, partials, whatever message and stream ids they name, never
 enter a sum (PERMISSION).
 """
 
@@ -23,8 +25,10 @@ import numpy as np
 from fabric.core import frame as fr
 from fabric.core.frame import FrameError, NackCode, Op
 from fabric.core.memory import AccessError
+from fabric.core.programs import GROUP_MSG_BITS
 from kernels.dtypes import DTYPES, byte_view
 from switchd.core.context import SwitchContext
+from switchd.core.multicast import Multicast
 from switchd.core.service import Service
 
 __all__ = ["COMBINE_FLOW", "COMBINE_KEPT", "Combine", "CombineStats"]
@@ -66,8 +70,9 @@ class Combine(Service):
     name: ClassVar[str] = "combine"
     ops: ClassVar[tuple[Op, ...]] = (Op.REDUCE, Op.NACK)
 
-    def __init__(self, ctx: SwitchContext) -> None:
+    def __init__(self, ctx: SwitchContext, groups: Multicast | None = None) -> None:
         super().__init__(ctx)
+        self._groups = groups  # who is in which communicator (None: no check)
         self._open: dict[SumKey, _Sum] = {}
         self._done: OrderedDict[SumKey, _Sum] = OrderedDict()
 
@@ -93,6 +98,14 @@ class Combine(Service):
             ctx.counters.unauthorised += 1
             raise AccessError(NackCode.PERMISSION, f"node {f.src} may not contribute to the "
                               f"combine of node {home}: another tenant's")
+        gid = f.msg >> GROUP_MSG_BITS & 0xFF
+        if gid and self._groups is not None:
+            members = self._groups.groups.get(gid)
+            if members is None or f.src not in members or home not in members:
+                ctx.counters.unauthorised += 1
+                raise AccessError(NackCode.PERMISSION, f"node {f.src} may not contribute to "
+                                  f"the combine of node {home} in group {gid}: not both "
+                                  "members")
         if f.dtype not in _FLOAT_CODES or not 0 < f.key <= len(ctx.attached_ids) or n <= 0:
             raise FrameError(NackCode.INVALID,
                              f"combine frame: dtype {f.dtype}, {f.key} contributions, {n} tokens")

@@ -121,7 +121,7 @@ class SwitchCore:
         self.multicast = Multicast(ctx)
         aggregation = Aggregation(ctx, self.jobs, self.engine, self.regions)
         built: list[Service] = [
-            self.multicast, Combine(ctx), aggregation,
+            self.multicast, Combine(ctx, self.multicast), aggregation,
             Jobs(ctx, self.jobs, self.engine, self.regions, self.tenants, aggregation.forget),
             self.regions, Barriers(ctx, self.multicast)]
         built.extend(make(ctx) for make in services)
