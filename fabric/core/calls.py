@@ -216,10 +216,16 @@ class GroupCall(Chain):
 
     def handle_timer(self, now: float) -> list[Send]:
         try:
+            out: list[Send] = []
+            due = super().get_timer()
+            if due is not None and due <= now:
+                # first what is due here: this member's own error (a refusal it sent
+                # a peer a moment ago) comes before that peer's notice about it
+                out = super().handle_timer(now)
             told = self._told()
             if told is not None:
                 raise told
-            return super().handle_timer(now)
+            return out
         except SemfabError as exc:
             return self._fail(exc, now)
 

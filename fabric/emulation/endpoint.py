@@ -276,9 +276,11 @@ class Endpoint:
         quiet_until = time.monotonic() + self.timeout_s
         bounce: memoryview | None = None
         while not prog.done:
-            if self.state.aborts:
-                self._check_abandoned(prog)
             timer = prog.get_timer()
+            if self.state.aborts and (timer is None or timer > time.monotonic()):
+                # (a due timer first: this node's own error comes before a peer's
+                # notice about it)
+                self._check_abandoned(prog)
             until = quiet_until if timer is None else min(timer, quiet_until)
             wait_ms = max(math.ceil((until - time.monotonic()) * 1000), 0)
             got = self._wait(wait_ms)
