@@ -52,10 +52,19 @@ def refusals(checked: Any) -> dict[str, Any]:
     x = torch.full((5,), float(r + 1))
     seen["checked_after"] = outcome(lambda: dist.all_reduce(x, group=checked))
     seen["checked_value"] = x.tolist()
-    # the world group, unchecked: the fabric refuses or times out, naming the op;
-    # later calls fail at once
+    # one rank refuses its own argument: the other is told at once (no timeout)
+    # and the next call is exact on both
+    seen["one_refuses"] = outcome(lambda: dist.all_reduce(
+        torch.ones(4, dtype=torch.float64 if r == 1 else torch.float32)))
+    y = torch.full((3,), float(r + 1))
+    seen["one_after"] = outcome(lambda: dist.all_reduce(y))
+    seen["one_after_value"] = y.tolist()
+    # the world group, unchecked: the switch refuses the chunk whose length differs;
+    # the call ends on both ranks, naming the op, and the next call is exact
     seen["mismatch"] = outcome(lambda: dist.all_reduce(torch.ones(10 if r == 0 else 20)))
-    seen["after"] = outcome(lambda: dist.all_reduce(torch.ones(4)))
+    z = torch.full((4,), float(r + 1))
+    seen["after"] = outcome(lambda: dist.all_reduce(z))
+    seen["after_value"] = z.tolist()
     return seen
 
 

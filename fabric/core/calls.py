@@ -47,7 +47,8 @@ from fabric.core.programs import (
 )
 from fabric.errors import CallAborted, FabricTimeout, SemfabError, SumOverflowError
 
-__all__ = ["NOTIFY_TIMEOUT_S", "CallScope", "GroupCall", "abandoned_call", "aborted",
+__all__ = ["ENDED_EVERYWHERE", "NOTIFY_TIMEOUT_S", "CallScope", "GroupCall", "abandoned_call",
+           "aborted", "ended_everywhere",
            "interruptible",
            "notify_program", "shared_error"]
 
@@ -64,6 +65,17 @@ def shared_error(exc: Exception) -> bool:
     if isinstance(exc, CallAborted):
         return exc.earlier
     return not isinstance(exc, (FabricTimeout, SumOverflowError))
+
+
+#: Set on an error that ended a group call on every member (the peers were told,
+#: the group realigned): the communicator stays usable after it.
+ENDED_EVERYWHERE = "semfab_call_ended_everywhere"
+
+
+def ended_everywhere(exc: BaseException) -> bool:
+    """True when ``exc`` ended its group call on every member (this member told
+    the others, or a member told this one): the next call is exact."""
+    return isinstance(exc, CallAborted) or bool(getattr(exc, ENDED_EVERYWHERE, False))
 
 
 def abandoned_call(st: NodeState, g: Group, call: int) -> int | None:
@@ -152,6 +164,10 @@ class CallScope:
         self.g.abandon()
         if not shared_error(exc) or self.g.size < 2:
             return None
+        try:
+            setattr(exc, ENDED_EVERYWHERE, True)
+        except AttributeError:  # an exception type without a __dict__
+            pass
         return notify_program(self.st, self.g, self.call, exc)
 
 

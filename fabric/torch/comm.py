@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from fabric.core.calls import ended_everywhere
 from fabric.errors import FabricTimeout, PeerFailed, UsageError
 from fabric.torch.errors import TorchCommError, TorchOpError
 
@@ -167,8 +168,8 @@ class CommThread:
                 fut.set_result(result)
             except Exception as exc:
                 err = _typed(exc, self.rank, what)
-                if isinstance(exc, (FabricTimeout, PeerFailed)):
-                    self.broken = err
+                if isinstance(exc, (FabricTimeout, PeerFailed)) and not ended_everywhere(exc):
+                    self.broken = err  # (a call that ended on every rank leaves it usable)
                 fut.set_exception(err)
             finally:
                 if not fut.done():  # something beyond Exception: still complete the Work

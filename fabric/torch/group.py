@@ -12,10 +12,11 @@ the group's communicator maps them to fabric workers.
 
 from __future__ import annotations
 
+import functools
 import threading
 import zlib
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import numpy as np
 import torch
@@ -61,6 +62,31 @@ def _sizes(ts: Sequence[torch.Tensor], op: Any = None) -> tuple[Any, ...]:
     return (str(getattr(op, "op", op)), *[(t.numel(), str(t.dtype)) for t in ts])
 
 
+_Method = TypeVar("_Method", bound=Callable[..., FabricWork])
+
+
+def _collective(method: _Method) -> _Method:
+    """A collective of the group: an argument this rank refuses (a wrong size, a
+    bad dtype) also ends the operation on the other ranks, which raise the
+    fabric's CallAborted naming this rank instead of waiting for it."""
+
+    @functools.wraps(method)
+    def refused_everywhere(self: SemfabProcessGroup, *args: Any, **kwargs: Any) -> FabricWork:
+        outer = not self._in_collective  # one torch operation, one abandoned call
+        self._in_collective = True
+        try:
+            return method(self, *args, **kwargs)
+        except TorchOpError as exc:
+            if outer and not self._closed:
+                self._abandon(exc)
+            raise
+        finally:
+            if outer:
+                self._in_collective = False
+
+    return cast(_Method, refused_everywhere)
+
+
 def _opt(opts: Any, name: str, default: Any) -> Any:
     return getattr(opts, name, default) if opts is not None else default
 
@@ -84,6 +110,7 @@ class SemfabProcessGroup(dist.ProcessGroup):
         self._pending: list[_P2P] = []
         self._batch: list[_P2P] | None = None
         self._closed = False
+        self._in_collective = False  # inside a collective method (see _collective)
         self._memory_plane = rt.memory_plane
 
     # ------------------------------------------------------------ identity
@@ -149,6 +176,17 @@ class SemfabProcessGroup(dist.ProcessGroup):
             raise self._refuse(what, f"group ranks {others} issued another operation or other "
                                f"sizes (this rank: {desc})")
 
+    def _abandon(self, exc: TorchOpError) -> None:
+        """Queue this rank's end of the operation it refused: one fabric call of the
+        group, abandoned at once (the peers are told; fabric.core.calls)."""
+        ep, comm = self.rt.ep, self.comm
+
+        def run() -> None:
+            with ep.group_call(comm):
+                raise exc
+
+        self.rt.comm.submit(run, None, "refused operation")
+
     def _path(self, kind: str, nbytes: int) -> str:
         return path_for(kind, self.options.path or "ina", nbytes, self._memory_plane)
 
@@ -188,6 +226,7 @@ class SemfabProcessGroup(dist.ProcessGroup):
     # ------------------------------------------------------------ allreduce
     # (torch's stubs list the Python-level overloads of these methods; the C++
     # trampoline calls the (tensors, opts) form, hence the override ignores)
+    @_collective
     def allreduce(self, tensors: Any, opts: Any = None) -> FabricWork:  # type: ignore[override]
         """Reduce each tensor over the group, in place (SUM, AVG, MAX, MIN)."""
         what = "allreduce"
@@ -206,6 +245,7 @@ class SemfabProcessGroup(dist.ProcessGroup):
 
         return self._submit(what, run, ts, sig=_sizes(ts, ops[0][0]))
 
+    @_collective
     def allreduce_coalesced(self, tensors: Any, opts: Any = None) -> FabricWork:
         """Allreduce several tensors as one buffer per dtype."""
         what = "allreduce_coalesced"
@@ -234,6 +274,7 @@ class SemfabProcessGroup(dist.ProcessGroup):
         return self._submit(what, run, ts, sig=_sizes(ts, op))
 
     # ------------------------------------------------------------ broadcast / reduce
+    @_collective
     def broadcast(self, tensors: Any, opts: Any = None) -> FabricWork:  # type: ignore[override]
         """The root's tensor on every rank, in place."""
         what = "broadcast"
@@ -249,6 +290,7 @@ class SemfabProcessGroup(dist.ProcessGroup):
 
         return self._submit(what, run, [t], sig=(*_sizes([t]), root))
 
+    @_collective
     def reduce(self, tensors: Any, opts: Any = None) -> FabricWork:  # type: ignore[override]
         """Reduce over the group into the root's tensor (others keep theirs)."""
         what = "reduce"
@@ -295,6 +337,7 @@ class SemfabProcessGroup(dist.ProcessGroup):
 
         return run
 
+    @_collective
     def allgather(self, output_tensors: Any, input_tensors: Any, opts: Any = None) -> FabricWork:
         """Every rank's tensor into each rank's list, in rank order."""
         what = "allgather"
@@ -319,6 +362,7 @@ class SemfabProcessGroup(dist.ProcessGroup):
 
         return self._submit(what, run, [outs], sig=_sizes([inp]))
 
+    @_collective
     def _allgather_base(self, output: torch.Tensor, input: torch.Tensor,  # noqa: A002
                         opts: Any = None) -> FabricWork:
         """all_gather into one flat tensor (``all_gather_into_tensor``)."""
@@ -332,6 +376,7 @@ class SemfabProcessGroup(dist.ProcessGroup):
         """torch's newer name of :meth:`_allgather_base`."""
         return self._allgather_base(output, input, opts)
 
+    @_collective
     def allgather_into_tensor_coalesced(self, outputs: Any, inputs: Any,
                                         opts: Any = None) -> FabricWork:
         """Several flat all_gathers, run in order as one Work."""
@@ -363,6 +408,7 @@ class SemfabProcessGroup(dist.ProcessGroup):
                  zip(output_lists, ins, strict=True)]
         return works[-1]  # run in order: the last one completes after the others
 
+    @_collective
     def gather(  # type: ignore[override]
             self, output_tensors: Any, input_tensors: Any, opts: Any = None) -> FabricWork:
         """Every rank's tensor into the root's list."""
@@ -391,6 +437,7 @@ class SemfabProcessGroup(dist.ProcessGroup):
 
         return self._submit(what, run, [outs] if mine else [], sig=(*_sizes([inp]), root))
 
+    @_collective
     def scatter(  # type: ignore[override]
             self, output_tensors: Any, input_tensors: Any, opts: Any = None) -> FabricWork:
         """Tensor ``k`` of the root's list to rank ``k``."""
@@ -444,6 +491,7 @@ class SemfabProcessGroup(dist.ProcessGroup):
 
         return run
 
+    @_collective
     def reduce_scatter(  # type: ignore[override]
             self, output_tensors: Any, input_tensors: Any, opts: Any = None) -> FabricWork:
         """Reduce tensor ``k`` of every rank's list into rank ``k``'s output."""
@@ -458,6 +506,7 @@ class SemfabProcessGroup(dist.ProcessGroup):
         return self._submit(what, self._reduce_scatter_into(out, flat, opts, what), [out],
                             sig=_sizes([out], _opt(opts, "reduceOp", None)))
 
+    @_collective
     def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor,  # noqa: A002
                              opts: Any = None) -> FabricWork:
         """reduce_scatter of one flat tensor (``reduce_scatter_tensor``)."""
@@ -472,6 +521,7 @@ class SemfabProcessGroup(dist.ProcessGroup):
         """torch's newer name of :meth:`_reduce_scatter_base`."""
         return self._reduce_scatter_base(output, input, opts)
 
+    @_collective
     def reduce_scatter_tensor_coalesced(self, outputs: Any, inputs: Any,
                                         opts: Any = None) -> FabricWork:
         """Several flat reduce_scatters, run in order as one Work."""
@@ -520,6 +570,7 @@ class SemfabProcessGroup(dist.ProcessGroup):
                                f"{self._size} parts")
         return [s * per_row for s in sp]
 
+    @_collective
     def alltoall_base(self, output: torch.Tensor, input: torch.Tensor,  # noqa: A002
                       output_split_sizes: Any, input_split_sizes: Any,
                       opts: Any = None) -> FabricWork:
@@ -542,6 +593,7 @@ class SemfabProcessGroup(dist.ProcessGroup):
         """torch's newer name of :meth:`alltoall_base`."""
         return self.alltoall_base(output, input, output_split_sizes, input_split_sizes, opts)
 
+    @_collective
     def alltoall(self, output_tensors: Any, input_tensors: Any, opts: Any = None) -> FabricWork:
         """Tensor ``k`` of the input list to rank ``k``; output ``k`` from rank ``k``."""
         what = "alltoall"
@@ -657,6 +709,7 @@ class SemfabProcessGroup(dist.ProcessGroup):
         return work
 
     # ------------------------------------------------------------ barrier, teardown
+    @_collective
     def barrier(self, opts: Any = None) -> FabricWork:
         """Wait for every rank of the group."""
         return self._submit("barrier", self._target.barrier, [], sig=())
