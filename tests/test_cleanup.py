@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from collections.abc import Iterator
@@ -174,9 +175,13 @@ def test_a_new_run_sweeps_what_a_killed_one_left(tmp_path: Path) -> None:
     (folder / "sw0.sock").touch()
     shm = SHM_DIR / f"semfab-{run_id}-w0-1"
     shm.touch()
+    # the temporary folder of a coordinator killed here (semfab run --bench-tokens)
+    driver_dir = Path(tempfile.mkdtemp(prefix=f"semfab-{run_id}-"))
+    (driver_dir / "fabric.json").write_text("{}")
     try:
         leftovers.arrive(folder, "w0", "rNew")
         assert not shm.exists() and not (folder / "sw0.sock").exists()
+        assert not driver_dir.exists()
         assert sorted(p.name for p in folder.iterdir()) == ["w0.pid"]
     finally:
         shm.unlink(missing_ok=True)

@@ -12,7 +12,8 @@ leaves, under a lock on the folder:
 * removes its mark and its node's socket file (ZeroMQ leaves a bound ipc
   socket's file behind);
 * removes the marks and socket files of processes that died (their pid is
-  gone), and the shared memory of any run with no live process left here;
+  gone), and the shared memory of any run with no live process left here
+  (and the temporary folder of its coordinator, if one was killed here);
 * when no mark is left, it was the last one out: it removes the socket files
   of the topology's nodes and, if the folder is the default one, the folder.
 
@@ -24,6 +25,8 @@ from __future__ import annotations
 
 import fcntl
 import os
+import shutil
+import tempfile
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -83,9 +86,14 @@ def _marks(folder: Path) -> list[tuple[Path, int, str]]:
     return out
 
 
-def _remove_shm(run_id: str) -> None:
+def _remove_run(run_id: str) -> None:
+    """The run's shared memory here, and the temporary folder its coordinator
+    keeps here (``semfab-<run id>-*``, removed at its end unless it was killed)."""
     for leftover in SHM_DIR.glob(f"semfab-{run_id}-*"):
         leftover.unlink(missing_ok=True)
+    for folder in Path(tempfile.gettempdir()).glob(f"semfab-{run_id}-*"):
+        if folder.is_dir() and not folder.is_symlink():
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def _sweep(folder: Path, ended: Iterable[str]) -> list[tuple[Path, int, str]]:
@@ -100,7 +108,7 @@ def _sweep(folder: Path, ended: Iterable[str]) -> list[tuple[Path, int, str]]:
         else:
             live.append((mark, pid, run_id))
     for run_id in runs - {run_id for _, _, run_id in live}:
-        _remove_shm(run_id)
+        _remove_run(run_id)
     return live
 
 
