@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from fabric.core.timers import ChunkTimers, RttEstimator
 
@@ -126,3 +128,37 @@ def test_a_backed_off_rto_is_kept_until_a_sample_and_one_loss_backs_off_once() -
         assert t2.expired(0.1 + c * 0.001) == ([c], [])
     assert est2.rto == pytest.approx(0.2)
 
+
+
+# ------------------------------------------------------------------ Deadlines
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 7), st.one_of(st.none(), st.floats(0, 100)),
+                          st.booleans()), max_size=60))
+def test_deadlines_agree_with_a_scan(steps) -> None:
+    """The lazy heap answers as a scan over every key would, whatever the order
+    of sets, finishes and takes."""
+    from fabric.core.timers import Deadlines
+
+    d, want, finished = Deadlines(), {}, set()
+    for key, t, take in steps:
+        if take:
+            now = 50.0
+            due = d.take_due(now)
+            expect = sorted((v, k) for k, v in want.items() if v <= now)
+            assert due == [k for _, k in expect]
+            for k in due:
+                del want[k]
+        elif key in finished:
+            continue
+        elif t is None and key % 3 == 0:
+            assert d.set_done(key) is True
+            assert d.set_done(key) is False
+            finished.add(key)
+            want.pop(key, None)
+        else:
+            d.set(key, t)
+            if t is None:
+                want.pop(key, None)
+            else:
+                want[key] = t
+        assert d.earliest() == (min(want.values()) if want else None)

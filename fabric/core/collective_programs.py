@@ -57,6 +57,7 @@ from fabric.core.programs import (
     _zero_bytes,
     barrier_program,
 )
+from fabric.core.timers import Deadlines
 from fabric.errors import PeerFailed, UsageError
 from kernels.dtypes import UFUNCS, byte_view, np_dtype
 
@@ -206,6 +207,10 @@ class McastSend(Program):
         self.released: dict[int, int] = {}  # psn -> receivers whose window let it out
         self.retransmits = 0
         self.t0 = 0.0
+        # each receiver's next deadline, and how many are still to finish (no pass
+        # over every receiver per frame: see fabric.core.timers.Deadlines)
+        self._timers = Deadlines()
+        self._left = len(self.senders)
 
     def _frame(self, psn: int, handle: int, flags: Flag, dst: int, mcast: bool) -> Send:
         off = handle * self.fb
@@ -235,8 +240,16 @@ class McastSend(Program):
             out.append(self._frame(t.psn, t.handle, t.flags, self.g.gid, True))
         return out
 
+    def _note(self, d: int) -> None:
+        s = self.senders[d]
+        if s.done:
+            if self._timers.set_done(d):
+                self._left -= 1
+        else:
+            self._timers.set(d, s.get_timer())
+
     def _check_done(self, now: float, out: list[Send]) -> list[Send]:
-        if not self.done and all(s.done for s in self.senders.values()):
+        if not self.done and not self._left:
             self.done = True
             self.st.retransmits += self.retransmits
             self.st.timeouts += sum(s.statistics().timeouts for s in self.senders.values())
@@ -250,6 +263,7 @@ class McastSend(Program):
         for d, s in self.senders.items():
             frames = ((i, min(self.fb, self.nbytes - i * self.fb)) for i in range(self.nframes))
             out.extend(self._put(d, s.send_many(frames, now)))
+            self._note(d)
         return self._check_done(now, out)
 
     def wants(self, f: fr.Frame) -> bool:
@@ -264,18 +278,20 @@ class McastSend(Program):
             sends = s.handle_ack(f.psn, f.sack, now)
         else:
             sends = s.handle_nack(f.psn, f.offset, now)
-        return self._check_done(now, self._put(f.src, sends))
+        out = self._put(f.src, sends)
+        self._note(f.src)
+        return self._check_done(now, out)
 
     def get_timer(self) -> float | None:
-        times = [t for s in self.senders.values() if (t := s.get_timer()) is not None]
-        return None if self.done else min(times, default=None)
+        return None if self.done else self._timers.earliest()
 
     def handle_timer(self, now: float) -> list[Send]:
         out: list[Send] = []
-        for d, s in self.senders.items():
-            t = s.get_timer()
-            if t is not None and t <= now:
+        for d in self._timers.take_due(now):
+            s = self.senders[d]
+            if not s.done:
                 out.extend(self._put(d, s.handle_timer(now)))
+            self._note(d)
         return self._check_done(now, out)
 
     def waiting_for(self) -> str:

@@ -37,7 +37,7 @@ from fabric.core import frame as fr
 from fabric.core.frame import Flag, NackCode, Op
 from fabric.core.reliability import PSN_MASK, SACK_BITS, get_policy
 from fabric.core.semantic import SemanticCounts
-from fabric.core.timers import ChunkTimers, RttEstimator
+from fabric.core.timers import ChunkTimers, Deadlines, RttEstimator
 from fabric.core.topology import Topology
 from fabric.errors import FabricTimeout, PeerFailed, SumOverflowError, UsageError
 from kernels.dtypes import UFUNCS, byte_view, np_dtype
@@ -515,6 +515,11 @@ class Program:
     def waiting_for(self) -> str:
         """Whom it waits for, for a timeout's message."""
         return "its peers"
+
+    def source(self) -> int | None:
+        """The one node whose frames it may want (None: any node's); lets
+        :class:`Parallel` offer a frame to the programs of its sender only."""
+        return None
 
 
 # ---------------------------------------------------------------------- control
@@ -1553,6 +1558,9 @@ class StreamSend(Program):
         frames = ((i, min(self.fb, self.nbytes - i * self.fb)) for i in range(self.nframes))
         return self._put(self.sender.send_many(frames, now))
 
+    def source(self) -> int | None:
+        return self.dst  # its ACKs and NACKs
+
     def wants(self, f: fr.Frame) -> bool:
         return (f.flow == self.flow + 1 and f.src == self.dst and f.job == self.sid
                 and f.msg == self.msg and (f.op is Op.ACK or f.op is Op.NACK))
@@ -1606,6 +1614,9 @@ class StreamRecv(Program):
     def start(self, now: float) -> list[Send]:
         self.last_heard = now
         return []
+
+    def source(self) -> int | None:
+        return self.src
 
     def wants(self, f: fr.Frame) -> bool:
         return (f.op is Op.WRITE and f.flow == self.flow and f.src == self.src
@@ -1677,42 +1688,80 @@ class StreamRecv(Program):
 
 class Parallel(Program):
     """Several programs at once (e.g. a send and a receive): each frame goes to the
-    first that wants it; done when all are; results in order."""
+    first that wants it; done when all are; results in order.
+
+    A frame is offered to the programs of its sender (:meth:`Program.source`)
+    and to those that take any sender's, in order; the next deadline is kept
+    per program (:class:`fabric.core.timers.Deadlines`): with a thousand
+    receivers, neither costs a pass over all of them per frame.
+    """
 
     def __init__(self, progs: list[Program]) -> None:
         self.progs = progs
+        self._left = len(progs)
+        self._by_source: dict[int, list[int]] = {}
+        self._any: list[int] = []
+        for i, p in enumerate(progs):
+            src = p.source()
+            if src is None:
+                self._any.append(i)
+            else:
+                self._by_source.setdefault(src, []).append(i)
+        self._timers = Deadlines()
+
+    def _note(self, i: int) -> None:
+        """Program ``i`` ran a step: its deadline, and whether it is done."""
+        p = self.progs[i]
+        if p.done:
+            if self._timers.set_done(i):
+                self._left -= 1
+        else:
+            self._timers.set(i, p.get_timer())
 
     def _finish(self) -> None:
-        if all(p.done for p in self.progs):
+        if not self._left and not self.done:
             self.done = True
             self.result = [p.result for p in self.progs]
 
+    def _candidates(self, f: fr.Frame) -> list[int]:
+        mine = self._by_source.get(f.src)
+        if mine is None:
+            return self._any
+        return sorted(mine + self._any) if self._any else mine
+
     def start(self, now: float) -> list[Send]:
-        out = [s for p in self.progs for s in p.start(now)]
+        out: list[Send] = []
+        for i, p in enumerate(self.progs):
+            out.extend(p.start(now))
+            self._note(i)
         self._finish()
         return out
 
     def wants(self, f: fr.Frame) -> bool:
-        return any(not p.done and p.wants(f) for p in self.progs)
+        progs = self.progs
+        return any(not progs[i].done and progs[i].wants(f) for i in self._candidates(f))
 
     def handle_frame(self, f: fr.Frame, now: float) -> list[Send]:
-        for p in self.progs:
+        for i in self._candidates(f):
+            p = self.progs[i]
             if not p.done and p.wants(f):
                 out = p.handle_frame(f, now)
-                self._finish()
+                self._note(i)
+                if p.done:
+                    self._finish()
                 return out
         return []
 
     def get_timer(self) -> float | None:
-        times = [t for p in self.progs if not p.done and (t := p.get_timer()) is not None]
-        return min(times, default=None)
+        return self._timers.earliest()
 
     def handle_timer(self, now: float) -> list[Send]:
         out: list[Send] = []
-        for p in self.progs:
-            t = None if p.done else p.get_timer()
-            if t is not None and t <= now:
+        for i in self._timers.take_due(now):
+            p = self.progs[i]
+            if not p.done:
                 out.extend(p.handle_timer(now))
+            self._note(i)
         self._finish()
         return out
 
