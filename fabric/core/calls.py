@@ -14,7 +14,10 @@ next call could mix two calls' data. Instead:
   ``abort`` control message, resent until answered) and raises its own error;
 - a peer learns it while running the call (the notice wakes the call through
   its timer), or before starting it (the call fails at once): it raises
-  :class:`fabric.errors.CallAborted` naming the member and its reason;
+  :class:`fabric.errors.CallAborted` naming the member and its reason; a peer
+  that had already finished its part (a bystander of a mismatch between two
+  others) learns it in its next call, which then ends on every member too
+  (``CallAborted.earlier``), and realigns as the others did;
 - every member then forgets the group's in-network jobs (their switch slots may
   hold partial sums; they are released when the communicator closes) and skips
   the job ids the call may have registered (:meth:`Group.abandon`).
@@ -22,9 +25,10 @@ next call could mix two calls' data. Instead:
 Errors every member raises alike (an integer overflow), timeouts (the peer
 may be gone) and notices themselves are not passed on.
 
-This module holds the pieces both drivers use: :class:`GroupCall` wraps a
-call's program (the simulator runs it as is), and :func:`notify_program`,
-:func:`aborted` and :func:`shared_error` serve the emulator's blocking calls.
+This module holds the pieces both drivers use: :class:`CallScope` is one call
+on one member; :class:`GroupCall` wraps a call's program in one (the
+simulator runs it as is), and the emulator opens one around each blocking call
+(``Endpoint.group_call``).
 """
 
 from __future__ import annotations
@@ -48,9 +52,7 @@ from fabric.core.programs import (
 from fabric.errors import CallAborted, FabricTimeout, SemfabError, SumOverflowError
 
 __all__ = ["ENDED_EVERYWHERE", "NOTIFY_TIMEOUT_S", "CallScope", "GroupCall", "abandoned_call",
-           "aborted", "ended_everywhere",
-           "interruptible",
-           "notify_program", "shared_error"]
+           "aborted", "ended_everywhere", "interruptible", "notify_program", "shared_error"]
 
 #: Longest a failing member tries to reach its peers (resending with backoff):
 #: a peer that is gone must not hold up the member's own error for a full timeout.
