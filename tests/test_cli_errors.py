@@ -594,7 +594,7 @@ def _sim_pool(spawned: list[subprocess.Popen[str]], workers: str) -> tuple[
 def test_ctrl_c_on_a_simulation_pool_is_one_line(spawned: list[subprocess.Popen[str]]) -> None:
     """Ctrl-C reaches the terminal's whole process group, the pool's processes too:
     the command says `interrupted` once, with no traceback from any of them."""
-    proc, seen = _sim_pool(spawned, "256,1024")
+    proc, seen = _sim_pool(spawned, "64,1024")  # interrupted while 1024-worker points run
     os.killpg(proc.pid, signal.SIGINT)
     out = seen + proc.communicate(timeout=120)[0]
     assert proc.returncode == 130, out
