@@ -178,19 +178,23 @@ def test_a_released_groups_barrier_never_passes_for_the_next_group_with_its_id()
 
 
 # ----------------------------------------------------------- MoE combine
+def _combine_part(net: Net, name: str, home: int, msg: int, value: float) -> None:
+    """``name``'s MoE combine partial for token 3 of ``home`` (4 floats of
+    ``value``; stream 2, two contributions expected)."""
+    body = np.concatenate([np.array([3], np.int32).view(np.float32),
+                           np.full(4, value, np.float32)])
+    net.send(name, fr.encode_header(Op.REDUCE, src=net.topo.node(name).id, dst=home,
+                                    flow=COMBINE_FLOW, job=2, psn=0, key=2, offset=1, msg=msg,
+                                    dtype=fr.dtype_from_name("float32"), payload=body), body)
+
+
 def test_another_tenants_combine_partials_never_enter_a_sum() -> None:
     topo = tasks.tenant_topology(2)  # a: w0 w1, b: w2 w3; one switch
     net = Net(topo)
     home = topo.node("w1").id
-    f32 = fr.dtype_from_name("float32")
 
     def part(name: str, value: float) -> None:
-        body = np.concatenate([np.array([3], np.int32).view(np.float32),
-                               np.full(4, value, np.float32)])
-        n = topo.node(name)
-        net.send(name, fr.encode_header(Op.REDUCE, src=n.id, dst=home, flow=COMBINE_FLOW,
-                                        job=2, psn=0, key=2, offset=1, msg=5, dtype=f32,
-                                        payload=body), body)
+        _combine_part(net, name, home, 5, value)
 
     part("w2", 777.0)  # tenant b, the victim's message and stream ids
     (nack,) = net.take("w2")
@@ -215,14 +219,9 @@ def test_a_non_member_of_the_same_tenant_never_enters_a_groups_combine() -> None
     gid = control.parse(net.take("w1")[-1].payload)["gid"]
     home = topo.node("w1").id
     msg = gid << GROUP_MSG_BITS | 9
-    f32 = fr.dtype_from_name("float32")
 
     def part(name: str, value: float) -> None:
-        body = np.concatenate([np.array([3], np.int32).view(np.float32),
-                               np.full(4, value, np.float32)])
-        net.send(name, fr.encode_header(Op.REDUCE, src=topo.node(name).id, dst=home,
-                                        flow=COMBINE_FLOW, job=2, psn=0, key=2, offset=1,
-                                        msg=msg, dtype=f32, payload=body), body)
+        _combine_part(net, name, home, msg, value)
 
     net.take("w0")
     part("w2", 777.0)  # not a member of the group
