@@ -717,7 +717,7 @@ def _fmt_wrong(row: AllreduceRow) -> str:
     return "N/A" if row.wrong < 0 else str(row.wrong)
 
 
-def _markdown_table(head: Sequence[str], rows: Iterable[Sequence[str]],
+def markdown_table(head: Sequence[str], rows: Iterable[Sequence[str]],
                     left: Container[str] = ()) -> list[str]:
     """The lines of a GitHub Markdown (pipe) table of ``rows`` under ``head``.
 
@@ -766,7 +766,7 @@ def format_allreduce_table(rows: Iterable[AllreduceRow]) -> str:
             _fmt_bw(r.algbw_gbps), _fmt_bw(r.busbw_gbps), _fmt_wrong(r),
             _fmt_time(r.p50_us), _fmt_time(r.p99_us), _fmt_counters(r),
         ] + ([r.note] if with_note else []) for r in group]
-        out += _markdown_table(cols, cells, left=("type", "redop", "note"))
+        out += markdown_table(cols, cells, left=("type", "redop", "note"))
         ran = [r for r in group if r.ran and r.busbw_gbps is not None]
         failed = any(r.wrong > 0 for r in group)
         avg = (
@@ -921,7 +921,7 @@ def format_side_by_side(rows: Iterable[AllreduceRow], markdown: bool = False,
                                   for c in sub]
             out.append(f"#### {title}")
             out.append("")
-            out += _markdown_table(head, [*table, avg])
+            out += markdown_table(head, [*table, avg])
             out.append("")
             continue
         widths = {"busbw": 10, "time": 11, "spread": 18}

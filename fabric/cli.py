@@ -138,6 +138,9 @@ def build_parser() -> argparse.ArgumentParser:
                      "with and without the writer's handoff", "bench.wakeup")
     _add_lazy_parser(bsub, "core", "the protocol's own cost per allreduce: switch core and member "
                      "programs in one process, no IPC", "bench.core")
+    _add_lazy_parser(bsub, "incast", "N senders into one receiver on real processes, beside "
+                     "the same run simulated: queues, ECN, trimming, congestion-control policies "
+                     "(--cc)", "bench.incast")
     _add_lazy_parser(bsub, "moe", "MoE dispatch and combine, flat / hierarchical / in-network, "
                      "on a star or leaf/spine at several oversubscription ratios (emulated or "
                      "--sim)",

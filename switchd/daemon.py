@@ -30,6 +30,7 @@ from typing import Any
 import zmq
 
 from fabric.core import control
+from fabric.core.congestion.switchq import switch_queues
 from fabric.core.faults import FaultSpec, FaultStats, parse_faults
 from fabric.core.link import LinkPipeline
 from fabric.core.topology import Topology
@@ -113,12 +114,15 @@ class SwitchDaemon:
         # one pipeline per link direction we drive (inactive links get none)
         self._ingress: dict[bytes, LinkPipeline] = {}
         self._egress: dict[bytes, LinkPipeline] = {}
+        # this switch's buffer and ECN marker ([congestion]), shared by its egress ports
+        queues = switch_queues(topo, seed).get(name)
         for link in topo.links_of(name):
             peer_name = link.other(name)
             peer = peer_name.encode()
             spec = parse_faults(faults) if faults is not None else (
                 FaultSpec(loss=link.params.loss) if link.params.loss else None)
-            out = LinkPipeline(link.params, spec, seed=seed, stream=f"{name}>{peer_name}")
+            out = LinkPipeline(link.params, spec, seed=seed, stream=f"{name}>{peer_name}",
+                               queues=queues, port=topo.node(peer_name).id)
             if out.active:
                 self._egress[peer] = out
             if not topo.node(peer_name).is_switch:
@@ -230,6 +234,11 @@ class SwitchDaemon:
             return events
         elif transport.spin(sock, min(transport.SPIN_S, wait_s)):
             return {sock: zmq.POLLIN}
+        if wait_s < transport.SHORT_WAIT_S:  # a departure within the millisecond
+            socks = [sock, *self._dealers.values()]
+            if transport.nap_until(lambda: any(transport.has_frame(s) for s in socks), wait_s):
+                return dict(poller.poll(0))
+            return {}
         # whole milliseconds: a held frame leaves <= 1 ms late, but the link's
         # own timeline stays exact, so throughput is not lost
         return dict(poller.poll(math.ceil(wait_s * 1000)))
@@ -390,6 +399,12 @@ class SwitchDaemon:
             "doorbell_full": sum(b.outbox.full for b in self._bells.values()),
             "fault_lost": lost,  # injected losses by opcode
             "held_frames": sum(len(pipe) for _, pipe in self._pipes),
+            # [congestion]: what the egress queues did, per port ("switch>peer")
+            "queues": {f"{self.name}>{peer.decode()}": {
+                "overflow_drops": st.overflow_drops, "trims": st.trims,
+                "ecn_marks": st.ecn_marks, "peak_queue_bytes": st.peak_queue_bytes}
+                for peer, pipe in self._egress.items()
+                if pipe.queues is not None and (st := pipe.statistics())},
             "faults": {"in": _sum_faults(self._ingress), "out": _sum_faults(self._egress)},
             "uptime_s": time.monotonic() - self._started,
         }

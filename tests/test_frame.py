@@ -242,3 +242,37 @@ def test_flag_arithmetic_is_int_arithmetic_with_flag_results() -> None:
     assert int(Flag.REF | 0x100) == 0x110  # beyond 8 bits: IntFlag's own answer
     with pytest.raises(TypeError):
         Flag.REF & "x"  # type: ignore[operator]
+
+
+@given(st.binary(min_size=1, max_size=300), st.booleans(), u32)
+def test_a_congestion_mark_keeps_every_field_and_a_valid_crc(body: bytes, crc: bool,
+                                                              psn: int) -> None:
+    header = fr.encode_header(Op.WRITE, src=1, dst=2, flow=16, psn=psn, offset=7,
+                              payload=body, crc=crc)
+    marked = fr.mark_ce(header, body)
+    got, want = fr.decode(marked, body), fr.decode(header, body)
+    assert got.flags == want.flags | Flag.ECN
+    assert got._replace(flags=want.flags, payload=b"") == want._replace(payload=b"")
+    assert bytes(got.payload) == body
+
+
+@given(st.binary(min_size=1, max_size=300), st.booleans(), u32)
+def test_a_trimmed_frame_is_told_from_a_damaged_one(body: bytes, crc: bool, psn: int) -> None:
+    header = fr.encode_header(Op.WRITE, src=1, dst=2, flow=16, job=5, psn=psn, msg=9,
+                              payload=body, crc=crc)
+    assert fr.is_trimmed(header, None) and fr.is_trimmed(header, b"")
+    assert not fr.is_trimmed(header, body)
+    with pytest.raises(FrameError):  # decode refuses it: the payload is missing
+        fr.decode(header, b"")
+    cut = fr.decode_trimmed(header)
+    assert (cut.op, cut.src, cut.job, cut.psn, cut.msg, cut.length) == (
+        Op.WRITE, 1, 5, psn, 9, len(body))
+    assert cut.payload.nbytes == 0
+
+
+def test_frames_without_inline_bytes_are_not_trimmed() -> None:
+    ack = fr.encode_ack(src=1, dst=2, flow=17, cum_psn=3)
+    assert not fr.is_trimmed(ack, None)
+    assert not fr.is_trimmed(b"\x00" * 8, None)
+    with pytest.raises(FrameError, match="not a trimmed frame"):
+        fr.decode_trimmed(ack)

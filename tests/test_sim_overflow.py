@@ -79,7 +79,7 @@ def test_no_buffer_means_no_overflow_and_a_lossless_run() -> None:
 
 def test_a_buffer_smaller_than_a_frame_is_refused() -> None:
     t = star(2, bandwidth_gbps=10, mtu=4096).with_congestion(
-        CongestionSettings(buffer_bytes=20_000))  # a p2p stream frame is 64 KiB
+        CongestionSettings(buffer_bytes=4000))  # a frame is 4096 B and its header
     with pytest.raises(UsageError, match="cannot hold one frame"):
         Simulation(t)
 

@@ -37,7 +37,7 @@ import numpy as np
 from fabric.core import frame as fr
 from fabric.core.frame import Flag, Op
 from fabric.core.programs import (
-    STREAM_FRAME_BYTES,
+    COLL_FLOW,
     STREAM_MAX_RETRIES,
     STREAM_RTO_MAX_S,
     STREAM_WINDOW,
@@ -73,8 +73,6 @@ __all__ = [
     "stream_id",
 ]
 
-#: Flow of collective streams; their ACK/NACK travel on COLL_FLOW + 1.
-COLL_FLOW = 20
 #: Paths of each collective, the first being the default.
 COLLECTIVES: dict[str, tuple[str, ...]] = {
     "all_gather": ("ina", "host-p2p", "host-ring"),
@@ -186,14 +184,15 @@ class McastSend(Program):
 
     def __init__(self, st: NodeState, group: Group, data: np.ndarray | None, nbytes: int = 0,
                  *, sid: int, msg: int, policy: str = "selective",
-                 frame_bytes: int = STREAM_FRAME_BYTES,
+                 frame_bytes: int | None = None,
                  window_frames: int = STREAM_WINDOW) -> None:
         from fabric.core.reliability import Sender
 
         self.st, self.g = st, group
         self.buf = byte_view(data) if data is not None else None
         self.nbytes = self.buf.nbytes if self.buf is not None else nbytes
-        self.sid, self.msg, self.fb = sid & 0xFFFF, msg, frame_bytes
+        self.sid, self.msg = sid & 0xFFFF, msg
+        self.fb = frame_bytes = frame_bytes or st.stream_frame_bytes
         self.nframes = max(-(-self.nbytes // frame_bytes), 1)
         self.receivers = [d for d in group.ids if d != st.node_id]
         self.senders: dict[int, Sender[int]] = {}
@@ -203,7 +202,7 @@ class McastSend(Program):
                 COLL_FLOW, policy=policy, window_frames=window_frames,
                 max_retries=STREAM_MAX_RETRIES, rto_max=STREAM_RTO_MAX_S,
                 rto_initial=rto_initial, rto_min=rto_min, peer=st.topo.by_id(d).name,
-                operation="multicast stream")
+                operation="multicast stream", cc=st.stream_cc(d, frame_bytes))
         self.released: dict[int, int] = {}  # psn -> receivers whose window let it out
         self.retransmits = 0
         self.t0 = 0.0
@@ -275,7 +274,7 @@ class McastSend(Program):
         if s.done:
             return []
         if f.op is Op.ACK:
-            sends = s.handle_ack(f.psn, f.sack, now)
+            sends = s.handle_ack(f.psn, f.sack, now, bool(f.flags & Flag.ECN))
         else:
             sends = s.handle_nack(f.psn, f.offset, now)
         out = self._put(f.src, sends)

@@ -51,6 +51,9 @@ __all__ = [
     "encode_ack",
     "encode_nack",
     "decode",
+    "decode_trimmed",
+    "is_trimmed",
+    "mark_ce",
     "peek",
     "DTYPE_SIZES",
     "DTYPE_NAMES",
@@ -183,13 +186,16 @@ class NackCode(IntEnum):
     MISSING = 9  # the switch waits for this contribution (later ones came): send it again
     INVALID = 10  # intact (decoded, CRC good) but not acceptable here: the sender's mistake
     OVERFLOW = 11  # the chunk's integer sum would wrap: told to every member, once each
+    TRIMMED = 12  # a switch cut the payload for lack of buffer: send the frame again now
 
 
 #: Refusals a resend can cure: the frame was damaged (MALFORMED: it could not be
 #: decoded, BAD_CHECKSUM), came out of its window or before room was free, or was
-#: lost (MISSING). The reliability layer retries these within its limits.
+#: lost (MISSING) or trimmed (TRIMMED). The reliability layer retries these within
+#: its limits.
 TRANSIENT_NACKS = frozenset({NackCode.MALFORMED, NackCode.OUT_OF_WINDOW,
-                             NackCode.NO_RESOURCE, NackCode.BAD_CHECKSUM, NackCode.MISSING})
+                             NackCode.NO_RESOURCE, NackCode.BAD_CHECKSUM, NackCode.MISSING,
+                             NackCode.TRIMMED})
 #: Refusals no resend can cure (a permission, an unknown key or job, a protocol we
 #: do not speak, an intact frame that is wrong): the call ends, naming the cause.
 PERMANENT_NACKS = frozenset(set(NackCode) - TRANSIENT_NACKS)
@@ -204,7 +210,7 @@ _DTYPE_BY_VALUE = {int(d): d for d in DType}
 _FLAGS_BY_VALUE = [Flag(i) for i in range(256)]
 _FLAG_OF = dict(enumerate(_FLAGS_BY_VALUE))
 _SIZE_BY_VALUE = {int(d): n for d, n in DTYPE_SIZES.items()}
-_F_REF, _F_CRC = int(Flag.REF), int(Flag.CRC)
+_F_REF, _F_CRC, _F_ECN = int(Flag.REF), int(Flag.CRC), int(Flag.ECN)
 _VT_BASE = (VERSION << 4) | HEADER_TYPE_BASE
 # Opcodes that never carry data bytes: their length must be 0 (ACK/NACK) or
 # name remote memory (READ, which must say so with Flag.REF).
@@ -535,6 +541,56 @@ def decode(buf: bytes | bytearray | memoryview, payload: object = None) -> Frame
         opc, _FLAGS_BY_VALUE[flags], dt, src, dst, job, flow, psn, key, offset, length, msg,
         body, VERSION,
     ))
+
+
+def is_trimmed(header: bytes | bytearray | memoryview, payload: object = None) -> bool:
+    """Whether a two-part message is a trimmed frame: a header part alone (no payload
+    part, or an empty one) whose ``length`` names inline bytes. A switch sends that
+    when its buffer has no room for the payload (``[congestion] trim``)."""
+    view = memoryview(header)
+    if view.nbytes < HEADER_SIZE or (payload is not None and memoryview(payload).nbytes):  # type: ignore[arg-type]
+        return False
+    flags = view[2]
+    if flags & _F_REF or view.nbytes != HEADER_SIZE + (CRC_SIZE if flags & _F_CRC else 0):
+        return False
+    return bool(_HEADER.unpack_from(view)[11])
+
+
+def decode_trimmed(buf: bytes | bytearray | memoryview) -> Frame:
+    """Decode the header of a trimmed frame (:func:`is_trimmed`): a :class:`Frame`
+    whose payload is empty while ``length`` still says how many bytes were cut.
+
+    Every header field is checked as :func:`decode` does, except the CRC32C: it
+    covered the payload, which is gone."""
+    view = memoryview(buf)
+    if view.nbytes < HEADER_SIZE:
+        raise FrameError(NackCode.MALFORMED, f"short header: {view.nbytes} B")
+    fields = list(_HEADER.unpack_from(view))
+    flags, length = fields[2], fields[11]
+    if not length or flags & _F_REF:
+        raise FrameError(NackCode.MALFORMED, "not a trimmed frame: it names no inline bytes")
+    fields[2], fields[11] = flags & ~_F_CRC, 0
+    f = decode(_HEADER.pack(*fields), b"")
+    if length % _SIZE_BY_VALUE[fields[3]]:
+        raise FrameError(NackCode.MALFORMED, f"trimmed frame of length {length}: not a "
+                         f"multiple of the {f.dtype.name} element size")
+    return f._replace(length=length, flags=_FLAGS_BY_VALUE[flags])
+
+
+def mark_ce(header: bytes | bytearray | memoryview, payload: object = None) -> bytes:
+    """The header part with ``Flag.ECN`` (congestion experienced) set, its CRC32C
+    computed again when it has one (as a router rewrites a checksum it changes)."""
+    head = bytearray(memoryview(header)[:HEADER_SIZE])
+    head[2] |= _F_ECN
+    if not head[2] & _F_CRC:
+        return bytes(head)
+    value = _crc32c.crc32c(head)
+    if payload is not None:
+        body = memoryview(payload)  # type: ignore[arg-type]
+        if body.nbytes:
+            value = _crc32c.crc32c(body if body.ndim == 1 and body.itemsize == 1
+                                   else body.cast("B"), value)
+    return bytes(head) + _CRC.pack(value)
 
 
 def peek(buf: bytes | bytearray | memoryview) -> tuple[Op, Flag, int, int, int, int, int, int]:

@@ -4,10 +4,14 @@ A frame pushed into the pipeline goes through, in this order:
 
 1. **faults** (:class:`fabric.core.faults.FaultInjector`, seeded): loss, bursts,
    duplication, reordering, corruption, delay;
-2. **the queue** (optional, a switch's egress): with a
-   :class:`~fabric.core.congestion.timed.TimedBuffer`, a frame that would not fit
-   in the switch's buffer beside the frames still waiting to leave is dropped at
-   the tail (``overflow_drops``); the senders' own recovery resends it;
+2. **the queue** (optional, a switch's egress,
+   :class:`~fabric.core.congestion.switchq.SwitchQueues`): a frame that would not
+   fit in the switch's buffer beside the frames still waiting to leave is dropped
+   at the tail (``overflow_drops``; the senders' own recovery resends it) or, in a
+   buffer that trims, cut to its header (``trims``), which is sent ahead of the
+   queued data so the receiver asks for the frame at once; an admitted frame is
+   marked congestion experienced (``Flag.ECN``, ``ecn_marks``) by the switch's
+   RED marker on the data its port holds;
 3. **shaping** (:class:`LinkShaper`): it waits for the link to be free, occupies
    it for its serialisation time at the link's bandwidth, then travels
    ``latency_us``; a memory-plane frame is charged the bytes it names (the load
@@ -30,7 +34,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fabric.core import frame as fr
-from fabric.core.congestion.timed import TimedBuffer
+from fabric.core.congestion.buffer import Admission
+from fabric.core.congestion.switchq import SwitchQueues
+from fabric.core.congestion.timed import HEADER_CLASS
 from fabric.core.faults import FaultInjector, FaultSpec, FaultStats
 from fabric.core.frame import Flag, FrameError
 from fabric.core.topology import LinkParams
@@ -120,6 +126,9 @@ class PipelineStats:
     lost_by_op: dict[str, int] = field(default_factory=dict)
     faults: FaultStats | None = None
     overflow_drops: int = 0  # frames the switch's buffer had no room for
+    trims: int = 0  # frames cut to their header for lack of room
+    ecn_marks: int = 0  # frames marked congestion experienced
+    peak_queue_bytes: int = 0  # the most data bytes this port's queue held
 
 
 def _split(blob: bytes) -> tuple[bytes, memoryview | None]:
@@ -137,15 +146,19 @@ class LinkPipeline:
     def __init__(self, params: LinkParams | None = None, faults: FaultSpec | None = None,
                  *, seed: int = 0, stream: str = "", cut_through: int = 0,
                  to_switch: bool = False, injector: FaultInjector | None = None,
-                 buffer: TimedBuffer | None = None, port: int = 0) -> None:
+                 queues: SwitchQueues | None = None, port: int = 0) -> None:
         self.shaper = LinkShaper(params) if params is not None else None
         if self.shaper is not None and not self.shaper.active:
             self.shaper = None
         # a bounded queue: the switch's buffer, this link its port ``port`` (an
         # unshaped link never holds a frame back, so never queues)
-        self.buffer = buffer if self.shaper is not None and self.shaper.params.shaped else None
+        shaped = self.shaper is not None and self.shaper.params.shaped
+        self.queues = queues if shaped else None
         self.port = port
         self.overflow_drops = 0
+        self.trims = 0
+        self.ecn_marks = 0
+        self.peak_queue = 0
         if injector is not None:  # a caller's own, already seeded
             self.injector: FaultInjector | None = injector
         else:
@@ -214,7 +227,8 @@ class LinkPipeline:
             busy_s=sh.busy_s if sh else 0.0, held=len(self._held),
             lost_by_op=dict(self._lost_by_op),
             faults=self.injector.statistics() if self.injector is not None else None,
-            overflow_drops=self.overflow_drops)
+            overflow_drops=self.overflow_drops, trims=self.trims, ecn_marks=self.ecn_marks,
+            peak_queue_bytes=self.peak_queue)
 
     # ------------------------------------------------------------------ internals
     def _shape(self, item: Item, now: float, tail: float | None) -> None:
@@ -222,11 +236,23 @@ class LinkPipeline:
             due = end = now if tail is None else max(now, tail)
         else:
             nbytes = wire_bytes(item[0], item[1])
-            buf = self.buffer
-            if buf is not None and not buf.offer(self.port, nbytes, now):
-                self.overflow_drops += 1
-                self._count_lost(item[0])
-                return
+            q = self.queues
+            buf = q.buffer if q is not None else None
+            if q is not None and buf is not None:
+                queued = buf.queued(self.port, now)
+                admitted = buf.admit(self.port, nbytes, now)
+                if admitted is Admission.DROP:
+                    self.overflow_drops += 1
+                    self._count_lost(item[0])
+                    return
+                if admitted is Admission.TRIM:
+                    self._trim(item, now)
+                    return
+                if queued + nbytes > self.peak_queue:
+                    self.peak_queue = queued + nbytes
+                if q.marker is not None and q.marker.mark(queued):
+                    self.ecn_marks += 1
+                    item = (fr.mark_ce(item[0], item[1]), item[1])
             if self.cut_through:
                 head, end = self.shaper.schedule_cut_through(
                     nbytes, now, now if tail is None else tail, self.cut_through)
@@ -236,6 +262,20 @@ class LinkPipeline:
             if buf is not None:
                 buf.hold(self.port, nbytes, self.shaper.free_at)
         heapq.heappush(self._held, (due, next(self._seq), item, end))
+
+    def _trim(self, item: Item, now: float) -> None:
+        """Send ``item``'s header alone, ahead of the queued data (a class served
+        first: it waits for no data frame, and its few bytes are not charged to the
+        link's schedule)."""
+        assert self.shaper is not None and self.queues is not None
+        self.trims += 1
+        header = item[0]
+        params = self.shaper.params
+        sent = now + params.serialization_us(len(header)) * 1e-6
+        self.queues.buffer.hold(self.port, self.queues.buffer.buffer.trim_bytes, sent,
+                                HEADER_CLASS)
+        due = sent + params.latency_us * 1e-6
+        heapq.heappush(self._held, (due, next(self._seq), (header, None), due))
 
     def _count_lost(self, header: Any) -> None:
         try:

@@ -322,6 +322,8 @@ class NodeState:
         # round-trip estimators programs keep across calls, by role (ring, host, moe...)
         self.estimators: dict[str, RttEstimator] = {}
         self._bottleneck: dict[int | None, float | None] = {}
+        self.trims_received = 0  # frames that came trimmed (a switch cut their payload)
+        self._cc_paths: dict[int, Any] = {}
 
     def estimator(self, role: str, rto_min: float) -> RttEstimator:
         """The round-trip estimator of ``role``: later calls start from what earlier
@@ -435,6 +437,56 @@ class NodeState:
         wire = window_bytes * 8 / (gbps * 1e9)
         return (min(max(DEFAULT_RTO_INITIAL, STREAMS_IN_FLIGHT * wire), STREAM_RTO_MAX_S),
                 min(max(DEFAULT_RTO_MIN, wire), STREAM_RTO_MAX_S))
+
+    @property
+    def stream_frame_bytes(self) -> int:
+        """Payload bytes of one stream frame: STREAM_FRAME_BYTES, or the fabric's
+        smallest MTU when that is less (both ends of a stream agree on it)."""
+        return min(STREAM_FRAME_BYTES, self.mtu)
+
+    def stream_cc(self, dst: int, frame_bytes: int) -> Any:
+        """A new instance of the topology's ``[congestion] cc`` policy for a stream to
+        node ``dst`` (None: no policy named, or this node's link is unshaped, so
+        there is no line rate to start from).
+
+        Its path: this node's line rate, and the round trip of one frame and its
+        ACK on an idle fabric: ``[congestion] base_rtt_us``, or from the links
+        (each latency both ways and both serialisations, store and forward)."""
+        from fabric.core.congestion import CcPath, make_cc
+
+        name = self.topo.congestion.cc
+        if name is None:
+            return None
+        if dst not in self._cc_paths:
+            far = self.topo.by_id(dst).name
+            hops = [self.name, *self.topo.route(self.name, far), far]
+            links = [lk for a, b in zip(hops, hops[1:], strict=False)
+                     if (lk := self.topo.link_between(a, b)) is not None]
+            path = None
+            if links and links[0].params.shaped:
+                wire = frame_bytes + fr.HEADER_SIZE + (fr.CRC_SIZE if self.crc else 0)
+                ack = fr.HEADER_SIZE + (fr.CRC_SIZE if self.crc else 0)
+                rtt = sum(2 * lk.params.latency_us * 1e-6
+                          + lk.params.serialization_us(wire + ack) * 1e-6 for lk in links)
+                if self.topo.congestion.base_rtt_us is not None:
+                    rtt = self.topo.congestion.base_rtt_us * 1e-6
+                path = CcPath(link_gbps=links[0].params.bandwidth_gbps, base_rtt_s=rtt,
+                              mtu=wire, trimming=self.topo.congestion.trim)
+            self._cc_paths[dst] = path
+        path = self._cc_paths[dst]
+        return None if path is None else make_cc(name, path)
+
+    def answer_trimmed(self, f: fr.Frame) -> list[Send]:
+        """A trimmed frame came (:func:`fabric.core.frame.is_trimmed`): for a stream's
+        data (P2P_FLOW and collective streams, ACKed on their flow + 1) a TRIMMED NACK,
+        so its sender resends at once; other flows' are dropped like a lost frame
+        (their senders' timers resend them)."""
+        self.trims_received += 1
+        if f.op is not Op.WRITE or f.flow not in (P2P_FLOW, COLL_FLOW):
+            return []
+        return [(fr.encode_nack(src=self.node_id, dst=f.src, flow=f.flow + 1, psn=f.psn,
+                                code=NackCode.TRIMMED, job=f.job, msg=f.msg, crc=self.crc),
+                 None)]
 
     def _bottleneck_gbps(self, dst: int | None) -> float | None:
         """The lowest shaped bandwidth on the path to ``dst`` (None: none shaped)."""
@@ -1456,6 +1508,8 @@ def fixed_program(st: NodeState, t: Tensor, path: str, group: Group | None = Non
 #: when it has every byte; a retransmission after that (its last ACK was lost)
 #: is acknowledged by NodeState.answer_stale.
 P2P_FLOW = 16
+#: Flow of collective streams; their ACK/NACK travel on COLL_FLOW + 1.
+COLL_FLOW = 20
 #: Retransmissions of one frame before a stream fails, and the RTO ceiling: a
 #: fabric's round trip is milliseconds, and go-back-N under heavy loss needs
 #: many rounds for a tail frame.
@@ -1504,7 +1558,7 @@ class StreamSend(Program):
     by name), under the pure :class:`fabric.core.reliability.Sender`."""
 
     def __init__(self, st: NodeState, dst_rank: int, data: np.ndarray | None, nbytes: int = 0,
-                 *, policy: str = "selective", frame_bytes: int = STREAM_FRAME_BYTES,
+                 *, policy: str = "selective", frame_bytes: int | None = None,
                  window_frames: int = STREAM_WINDOW, sid: int | None = None,
                  flow: int = P2P_FLOW, msg: int = 0) -> None:
         from fabric.core.reliability import Sender
@@ -1519,7 +1573,7 @@ class StreamSend(Program):
         # collectives name their streams (sid, flow, msg); user streams are counted
         self.sid = _stream_id(st, "to", self.dst) if sid is None else sid & 0xFFFF
         self.flow, self.msg = flow, msg
-        self.fb = frame_bytes
+        self.fb = frame_bytes = frame_bytes or st.stream_frame_bytes
         self.nframes = max(-(-self.nbytes // frame_bytes), 1)
         self.peer = st.topo.by_id(self.dst).name
         rto_initial, rto_min = st.stream_rto(window_frames * frame_bytes, self.dst)
@@ -1527,7 +1581,7 @@ class StreamSend(Program):
             P2P_FLOW, policy=policy, window_frames=window_frames,
             span_frames=stream_span(policy, window_frames), max_retries=STREAM_MAX_RETRIES,
             rto_max=STREAM_RTO_MAX_S, peer=self.peer, rto_initial=rto_initial, rto_min=rto_min,
-            operation="WRITE stream")
+            operation="WRITE stream", cc=st.stream_cc(self.dst, frame_bytes))
         self.t0 = 0.0
 
     def _put(self, transmits: list[Any]) -> list[Send]:
@@ -1567,7 +1621,8 @@ class StreamSend(Program):
 
     def handle_frame(self, f: fr.Frame, now: float) -> list[Send]:
         if f.op is Op.ACK:
-            out = self._put(self.sender.handle_ack(f.psn, f.sack, now))
+            out = self._put(self.sender.handle_ack(f.psn, f.sack, now,
+                                                   bool(f.flags & Flag.ECN)))
         else:
             out = self._put(self.sender.handle_nack(f.psn, f.offset, now))
         return self._check_done(now, out)
@@ -1587,7 +1642,7 @@ class StreamRecv(Program):
     offset on first arrival), answering with ACK + SACK and gap NACKs."""
 
     def __init__(self, st: NodeState, src_rank: int, out: np.ndarray | None, nbytes: int = 0,
-                 *, policy: str = "selective", frame_bytes: int = STREAM_FRAME_BYTES,
+                 *, policy: str = "selective", frame_bytes: int | None = None,
                  window_frames: int = STREAM_WINDOW, sid: int | None = None,
                  flow: int = P2P_FLOW, msg: int = 0) -> None:
         from fabric.core.reliability import Receiver
@@ -1601,7 +1656,7 @@ class StreamRecv(Program):
         self.src = st.worker_ids[src_rank]
         self.sid = _stream_id(st, "from", self.src) if sid is None else sid & 0xFFFF
         self.flow, self.msg = flow, msg
-        self.fb = frame_bytes
+        self.fb = frame_bytes = frame_bytes or st.stream_frame_bytes
         self.nframes = max(-(-self.nbytes // frame_bytes), 1)
         self.receiver: Receiver[int] = Receiver(P2P_FLOW, policy=policy, ordered=False,
                                                 window=stream_span(policy, window_frames))

@@ -44,6 +44,8 @@ from typing import ClassVar, Final, Generic, TypeVar
 
 from mypy_extensions import mypyc_attr
 
+from fabric.core.congestion.dcqcn import CnpPacer
+from fabric.core.congestion.policy import CongestionControl
 from fabric.core.frame import PERMANENT_NACKS, Flag, NackCode, Op, encode_header
 from fabric.errors import FabricTimeout, PeerFailed, SemfabError
 
@@ -257,6 +259,9 @@ class Ack:
     sack: int
     nack_psn: int | None = None
     nack_code: NackCode = GAP_NACK_CODE
+    #: a frame this ACK covers arrived congestion experienced: the ACK carries
+    #: ``Flag.ECN`` back to the sender (the ECN echo)
+    ecn: bool = False
 
     def frames(
         self, *, src: int, dst: int, flow: int, job: int = 0, msg: int = 0, crc: bool = False
@@ -273,6 +278,7 @@ class Ack:
                 key=self.sack & 0xFFFF_FFFF,
                 offset=self.sack >> 32,
                 msg=msg,
+                flags=Flag.ECN if self.ecn else Flag.NONE,
                 crc=crc,
             )
         ]
@@ -332,6 +338,8 @@ class SenderStats:
     min_rtt: float | None
     inflight: int
     queued: int
+    ecn_echoes: int = 0  # ACKs that echoed a congestion mark
+    cwnd_bytes: float = math.inf  # the congestion policy's window (inf: no policy)
 
 
 @dataclass(frozen=True, slots=True)
@@ -353,6 +361,7 @@ class ReceiverStats:
     nacks_sent: int
     buffered: int
     max_buffered: int
+    ce_frames: int = 0  # frames that arrived congestion experienced (Flag.ECN)
 
 
 # ---------------------------------------------------------------------------
@@ -556,6 +565,7 @@ class _Flight(Generic[H]):
     retransmissions: int = 0
     losses: int = 0  # times declared lost itself (not resent as a policy's collateral)
     acked: bool = False
+    in_pipe: bool = True  # its size counts in the congestion window's bytes in flight
 
 
 class Sender(Generic[H]):
@@ -583,6 +593,15 @@ class Sender(Generic[H]):
     reordering window): a loss among the last frames of a stream is found by
     the ACKs of the frames behind it rather than by the RTO.
 
+    Congestion control (``cc``, a :class:`fabric.core.congestion.CongestionControl`
+    for this flow, optional): a new frame leaves only when the policy's window
+    admits it beside the bytes in flight and its pacing time has come (a timer);
+    the policy hears every ACK (bytes, the ECN echo, the round trip), every loss
+    (NACK or threshold: ``on_nack``; RTO: ``on_timeout``) and, for a policy that
+    wants CNPs, an ECN echo at most once per DCQCN's CNP interval (the pacing a
+    receiver's notification point would apply). Retransmissions go at once, as
+    without a policy. Receiver-driven (credit) policies are not for this sender.
+
     Errors: :class:`RetryLimitExceeded` from ``handle_timer`` / ``handle_ack``
     / ``handle_nack`` when a frame is declared lost again after
     ``max_retries`` losses (each loss = one retransmission of it);
@@ -608,7 +627,12 @@ class Sender(Generic[H]):
         first_psn: int = 0,
         peer: str = "peer",
         operation: str = "stream",
+        cc: CongestionControl | None = None,
     ) -> None:
+        if cc is not None and cc.receiver_driven:
+            raise ValueError(f"congestion control {cc.name!r} sends only what its receiver "
+                             "grants; a stream's receiver grants no credit (use nscc, dcqcn "
+                             "or none)")
         if not 1 <= window_frames < _HALF:
             raise ValueError(f"window_frames must be in [1, 2**31), got {window_frames}")
         if window_bytes < 1:
@@ -658,6 +682,13 @@ class Sender(Generic[H]):
         self.error: ReliabilityError | None = None
 
         self._rtt = RttEstimator(rto_initial, rto_min, rto_max, granularity)
+
+        self.cc = cc
+        self._cc_bytes = 0  # bytes in flight, as the policy's window counts them
+        self._pace_at = -math.inf  # the policy's pacing: no new frame before this
+        self._pace_wait: float | None = None  # a frame waits for the pacing time
+        self._cnp = CnpPacer() if cc is not None and cc.wants_cnp else None
+        self._ecn_echoes = 0
 
         self._sent = 0
         self._retransmitted = 0
@@ -709,8 +740,10 @@ class Sender(Generic[H]):
             self._queue.append((handle, size))
         return self._pump(now)
 
-    def handle_ack(self, cum_psn: int, sack: int, now: float) -> list[Transmit[H]]:
-        """Process an ACK: cumulative PSN and 64-bit SACK bitmap (bit i = cum_psn+1+i)."""
+    def handle_ack(self, cum_psn: int, sack: int, now: float,
+                   ecn: bool = False) -> list[Transmit[H]]:
+        """Process an ACK: cumulative PSN and 64-bit SACK bitmap (bit i = cum_psn+1+i);
+        ``ecn``: the ACK echoes a congestion mark (its ``Flag.ECN``)."""
         self._check_alive()
         self._acks += 1
         span = len(self._flight)
@@ -741,7 +774,9 @@ class Sender(Generic[H]):
                     f.acked = True
                     newly.append(f)
         if newly:
-            self._on_newly_acked(newly, now)
+            self._on_newly_acked(newly, now, ecn)
+        elif ecn and self.cc is not None:
+            self._cc_echo(now)
         lost = self._detect_by_threshold(now)
         out = self._retransmit(lost, now, timeout=False) if lost else []
         out.extend(self._pump(now))
@@ -779,7 +814,9 @@ class Sender(Generic[H]):
         # would resend the frame several times per round trip and exhaust its
         # retry limit on a healthy link).
         guard = self._rtt.srtt if self._rtt.srtt is not None else self._rtt.min_rtt
-        if f.retransmissions and (guard is None or now - f.last_sent < guard):
+        # (a TRIMMED NACK is about the copy a switch cut: each copy gets its own)
+        if f.retransmissions and code is not NackCode.TRIMMED and (
+                guard is None or now - f.last_sent < guard):
             self._nacks_ignored += 1
             return []
         return self._retransmit([psn], now, timeout=False)
@@ -793,11 +830,12 @@ class Sender(Generic[H]):
         """
         if self.error is not None:
             return None
-        rto = self._rto_deadline()
-        tail = self._tail_deadline
-        if tail is not None and (rto is None or tail < rto):
-            return tail
-        return rto
+        due = self._rto_deadline()
+        for t in (self._tail_deadline, self._pace_wait if self._queue else None,
+                  self.cc.get_timer() if self.cc is not None else None):
+            if t is not None and (due is None or t < due):
+                due = t
+        return due
 
     def handle_timer(self, now: float) -> list[Transmit[H]]:
         """Fire what is due: early retransmit at the tail, else the RTO (retransmit
@@ -807,8 +845,16 @@ class Sender(Generic[H]):
         if self._tail_deadline is not None and now >= self._tail_deadline:
             lost = self._detect_by_threshold(now)
             out = self._retransmit(lost, now, timeout=False) if lost else []
+        cc = self.cc
+        if cc is not None:
+            due = cc.get_timer()
+            if due is not None and now >= due:
+                cc.handle_timer(now)
+            self._pace_wait = None
         deadline = self._rto_deadline()
         if deadline is None or now < deadline:
+            if cc is not None:
+                out.extend(self._pump(now))
             return out
         rto = self._rtt.rto
         expired = [f.psn for f in self._flight.values() if not f.acked and f.last_sent + rto <= now]
@@ -852,6 +898,8 @@ class Sender(Generic[H]):
             min_rtt=self._rtt.min_rtt,
             inflight=self._unacked,
             queued=len(self._queue),
+            ecn_echoes=self._ecn_echoes,
+            cwnd_bytes=self.cc.cwnd if self.cc is not None else math.inf,
         )
 
     # -- internals ----------------------------------------------------------
@@ -866,10 +914,18 @@ class Sender(Generic[H]):
 
     def _pump(self, now: float) -> list[Transmit[H]]:
         out: list[Transmit[H]] = []
+        cc = self.cc
         while self._queue and not self._window_full():
             handle, size = self._queue[0]
             if self._flight and self._span_bytes + size > self.window_bytes:
                 break
+            if cc is not None:
+                if now < self._pace_at:
+                    self._pace_wait = self._pace_at
+                    break
+                if not cc.can_send(self._cc_bytes, size):
+                    break  # an ACK (or the policy's timer) opens the window
+                self._cc_sent(size, now)
             self._queue.popleft()
             psn = self._nxt
             self._nxt = psn_add(psn, 1)
@@ -883,10 +939,27 @@ class Sender(Generic[H]):
             out[-1] = replace(out[-1], ack_req=True)
         return out
 
+    def _cc_sent(self, size: int, now: float) -> None:
+        """A frame of ``size`` goes out under the policy: count it, pace the next."""
+        cc = self.cc
+        assert cc is not None
+        self._cc_bytes += size
+        cc.on_send(size, now)
+        rate = cc.rate_bps
+        # at the line rate the link itself spaces frames; below it the policy does
+        self._pace_at = now + size * 8 / rate if rate < cc.path.line_rate_bps else now
+
+    def _cc_echo(self, now: float) -> None:
+        """An ACK echoed a congestion mark."""
+        self._ecn_echoes += 1
+        cnp = self._cnp
+        if cnp is not None and self.cc is not None and cnp.on_ce(self.flow, now):
+            self.cc.on_cnp(now)
+
     def _window_full(self) -> bool:
         return self._unacked >= self.window_frames or len(self._flight) >= self.span_frames
 
-    def _on_newly_acked(self, newly: list[_Flight[H]], now: float) -> None:
+    def _on_newly_acked(self, newly: list[_Flight[H]], now: float, ecn: bool = False) -> None:
         # Karn's rule (RFC 6298 §3): only never-retransmitted frames give RTT
         # samples. Take the most recently sent one: its sample holds the least
         # queueing behind frames the same ACK covers.
@@ -904,6 +977,20 @@ class Sender(Generic[H]):
                 self._spurious += 1
         if sample is not None:
             self._rtt.sample(now - sample.last_sent)
+        cc = self.cc
+        if cc is not None:
+            acked = 0
+            for f in newly:
+                if f.in_pipe:
+                    f.in_pipe = False
+                    acked += f.size
+            self._cc_bytes -= acked
+            if ecn:
+                self._cc_echo(now)
+            # the policy's delay signal: the newest frame's round trip (Karn's
+            # sample when there is one: a resent frame's time is ambiguous)
+            last = sample if sample is not None else max(newly, key=lambda f: f.tx_seq)
+            cc.on_ack(acked, ecn and self._cnp is None, now - last.last_sent, now)
         self._acked += len(newly)
         self._unacked -= len(newly)
         self._acked_out.extend(f.handle for f in newly)
@@ -975,6 +1062,13 @@ class Sender(Generic[H]):
                     )
                 )
             f.losses += 1
+            if self.cc is not None and f.in_pipe:
+                f.in_pipe = False
+                self._cc_bytes -= f.size
+                if timeout:
+                    self.cc.on_timeout(f.size, now)
+                else:
+                    self.cc.on_nack(f.size, now)
         view = [
             FlightInfo(f.psn, f.acked, f.retransmissions, f.last_sent)
             for f in self._flight.values()
@@ -994,6 +1088,10 @@ class Sender(Generic[H]):
                 )
             g.retransmissions += 1
             g.last_sent = now
+            if self.cc is not None and not g.in_pipe:
+                g.in_pipe = True
+                self._cc_bytes += g.size
+                self.cc.on_send(g.size, now)
             self._tx_seq += 1
             g.tx_seq = self._tx_seq
             self._retransmitted += 1
@@ -1062,6 +1160,8 @@ class Receiver(Generic[H]):
         self._ack_deadline: float | None = None
         self._nack_psn: int | None = None
         self._nack_at = -math.inf
+        self._ce = False  # a frame since the last ACK arrived congestion experienced
+        self._ce_frames = 0
 
         self._received = 0
         self._delivered = 0
@@ -1085,6 +1185,9 @@ class Receiver(Generic[H]):
         self._received += 1
         delivered: list[Delivered[H]] = []
         immediate = bool(flags & Flag.ACK_REQ)
+        if flags & Flag.ECN:
+            self._ce = True
+            self._ce_frames += 1
         want_nack = False
         counts = True  # counts towards ack_every
         d = psn_diff(psn, self._nxt)
@@ -1157,6 +1260,7 @@ class Receiver(Generic[H]):
             nacks_sent=self._nacks_sent,
             buffered=self._bits.bit_count(),
             max_buffered=self._max_buffered,
+            ce_frames=self._ce_frames,
         )
 
     def _advance(self, delivered: list[Delivered[H]]) -> None:
@@ -1173,4 +1277,5 @@ class Receiver(Generic[H]):
         self._pending = 0
         self._ack_deadline = None
         self._acks_sent += 1
-        return Ack(self.cum_psn, self._bits & _SACK_MASK, nack)
+        ce, self._ce = self._ce, False
+        return Ack(self.cum_psn, self._bits & _SACK_MASK, nack, ecn=ce)

@@ -256,7 +256,9 @@ class Endpoint:
             try:
                 f = fr.decode(parts[0].buffer, parts[1].buffer if len(parts) > 1 else None)
             except fr.FrameError:
-                self.bad_frames += 1
+                if not self._trimmed(parts[0].buffer, parts[1].buffer if len(parts) > 1
+                                     else None):
+                    self.bad_frames += 1
                 continue
             self.defer(f)
 
@@ -282,8 +284,13 @@ class Endpoint:
                 # notice about it)
                 self._check_abandoned(prog)
             until = quiet_until if timer is None else min(timer, quiet_until)
-            wait_ms = max(math.ceil((until - time.monotonic()) * 1000), 0)
-            got = self._wait(wait_ms)
+            wait_s = until - time.monotonic()
+            if 0 < wait_s < transport.SHORT_WAIT_S and self.bell is None:
+                # (a paced sender's next frame: zmq's poll would round it up to 1 ms)
+                got = _SOCKET if transport.nap_until(lambda: transport.has_frame(sock),
+                                                     wait_s) else _NOTHING
+            else:
+                got = self._wait(max(math.ceil(wait_s * 1000), 0))
             if got == _NOTHING:
                 now = time.monotonic()
                 if timer is not None and now >= timer:
@@ -352,8 +359,9 @@ class Endpoint:
                 try:
                     f = fr.decode(bytes(hdr[:nh]), payload)
                 except fr.FrameError as exc:
-                    self.bad_frames += 1
-                    log.info("%s: dropped a bad frame: %s", self.name, exc)
+                    if not self._trimmed(hdr[:nh], payload):
+                        self.bad_frames += 1
+                        log.info("%s: dropped a bad frame: %s", self.name, exc)
                     continue
             if prog.wants(f):
                 now = time.monotonic()
@@ -363,6 +371,18 @@ class Endpoint:
             else:
                 self.defer(f)
         return prog.result
+
+    def _trimmed(self, header: Any, payload: Any) -> bool:
+        """If this undecodable frame is a trimmed one (a switch cut its payload), answer
+        it (a stream's sender is told to resend at once) and say so."""
+        if not fr.is_trimmed(header, payload):
+            return False
+        try:
+            cut = fr.decode_trimmed(header)
+        except fr.FrameError:
+            return False
+        self._send_all(self.state.answer_trimmed(cut))
+        return True
 
     def _check_abandoned(self, prog: Any) -> None:
         """Raise the peer's error when a member abandoned the group call running

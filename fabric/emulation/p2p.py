@@ -33,7 +33,7 @@ __all__ = ["P2P_FLOW", "STREAM_MAX_RETRIES", "STREAM_RTO_MAX_S", "STREAM_WINDOW"
 
 
 def stream_send(ep: Endpoint, dst_rank: int, data: np.ndarray, *, policy: str = "selective",
-                frame_bytes: int = 64 * 1024, flow: int = P2P_FLOW,
+                frame_bytes: int | None = None, flow: int = P2P_FLOW,
                 window_frames: int = STREAM_WINDOW) -> dict[str, Any]:
     """Send ``data``'s bytes reliably to worker ``dst_rank``; returns sender statistics
     plus ``seconds`` (first send to last ACK)."""
@@ -45,7 +45,7 @@ def stream_send(ep: Endpoint, dst_rank: int, data: np.ndarray, *, policy: str = 
 
 
 def stream_recv(ep: Endpoint, src_rank: int, out: np.ndarray, *, policy: str = "selective",
-                frame_bytes: int = 64 * 1024, flow: int = P2P_FLOW,
+                frame_bytes: int | None = None, flow: int = P2P_FLOW,
                 window_frames: int = STREAM_WINDOW) -> dict[str, Any]:
     """Receive a stream from worker ``src_rank`` into ``out``; returns receiver statistics."""
     from dataclasses import asdict

@@ -10,6 +10,7 @@ import os
 import socket
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import zmq
@@ -45,6 +46,26 @@ def spin(sock: zmq.Socket, seconds: float = SPIN_S) -> bool:
             return True
         if time.perf_counter() >= end:
             return False
+
+
+#: zmq's poll counts whole milliseconds. A wait shorter than SHORT_WAIT_S (a paced
+#: sender's next frame, a link's next departure) naps NAP_S at a time instead,
+#: checking for frames in between, so it ends within about a nap of its time
+#: rather than up to 1 ms late.
+SHORT_WAIT_S = 0.001
+NAP_S = 100e-6
+
+
+def nap_until(ready: Callable[[], bool], seconds: float) -> bool:
+    """Check ``ready()`` every NAP_S for up to ``seconds``; True once it is."""
+    end = time.perf_counter() + seconds
+    while True:
+        if ready():
+            return True
+        left = end - time.perf_counter()
+        if left <= 0:
+            return False
+        time.sleep(min(left, NAP_S))
 
 
 # plain ints: IntFlag arithmetic runs through the enum machinery (~1 us, and a

@@ -28,15 +28,14 @@ import numpy as np
 
 from fabric.core import frame as fr
 from fabric.core.calls import GroupCall
-from fabric.core.congestion.buffer import SharedBuffer
-from fabric.core.congestion.timed import TimedBuffer
+from fabric.core.congestion.config import CongestionConfigError
+from fabric.core.congestion.switchq import switch_queues
 from fabric.core.faults import FaultSpec, parse_faults
 from fabric.core.frame import Flag, FrameError, Op
 from fabric.core.hostnode import HostAggregator
 from fabric.core.link import LinkPipeline, wire_bytes
 from fabric.core.programs import (
     HOST_PS_FLOW,
-    STREAM_FRAME_BYTES,
     Chain,
     Group,
     NodeState,
@@ -121,6 +120,9 @@ class SimResult:
     overflow_drops: int = 0
     #: with buffers: the most bytes each switch egress ("switch>peer") ever queued
     queue_peaks: dict[str, int] = field(default_factory=dict)
+    #: frames the switches cut to their header ([congestion] trim), and marked CE
+    trims: int = 0
+    ecn_marks: int = 0
 
 
 class _Node:
@@ -234,10 +236,13 @@ class Simulation:
         self._node_regions: dict[str, tuple[int, int, str]] = {}
         self._sw_busy = dict.fromkeys(self.switches, 0.0)
         spec_all = parse_faults(faults) if faults is not None else None
-        buffers = _switch_buffers(topo)
-        self._buffers = buffers
+        try:
+            queues = switch_queues(topo, seed)
+        except CongestionConfigError as exc:
+            raise UsageError(str(exc)) from None
+        self._queues = queues
         lossless = (spec_all is None or spec_all.clean) and not any(
-            lk.params.loss for lk in topo.links) and not buffers
+            lk.params.loss for lk in topo.links) and not queues
         self.nodes: dict[str, _Node] = {}
         for n in topo.nodes:
             if not n.is_switch:
@@ -254,7 +259,7 @@ class Simulation:
                 self.pipes[(x, y)] = LinkPipeline(
                     link.params, spec, seed=seed, stream=f"{x}>{y}",
                     cut_through=self.timing.cut_through_bytes,
-                    to_switch=topo.node(y).is_switch, buffer=buffers.get(x),
+                    to_switch=topo.node(y).is_switch, queues=queues.get(x),
                     port=topo.node(y).id)
         for node in self.nodes.values():
             node.uplink = self.pipes[(node.name, node.state.switch_name)]
@@ -294,13 +299,17 @@ class Simulation:
             retransmits=sum(n.state.retransmits for n in self._workers),
             nodes={n.name: n.state for n in self._workers},
             overflow_drops=sum(p.overflow_drops for p in self.pipes.values()),
-            queue_peaks=self._queue_peaks())
+            queue_peaks=self._queue_peaks(),
+            trims=sum(p.trims for p in self.pipes.values()),
+            ecn_marks=sum(p.ecn_marks for p in self.pipes.values()))
 
     def _queue_peaks(self) -> dict[str, int]:
         out: dict[str, int] = {}
-        for sw, tb in self._buffers.items():
-            for key, peak in tb.buffer.statistics().queue_peaks.items():
-                out[f"{sw}>{self.topo.by_id(int(key.split('/')[0])).name}"] = peak
+        for sw, q in self._queues.items():
+            for key, peak in q.buffer.buffer.statistics().queue_peaks.items():
+                port, tc = key.split("/")
+                if tc == "0":  # data (trimmed headers have a class of their own)
+                    out[f"{sw}>{self.topo.by_id(int(port)).name}"] = peak
         return out
 
     def _drain(self, finished: Callable[[], bool], until: float | None) -> None:
@@ -398,8 +407,13 @@ class Simulation:
         try:
             f = fr.decode(header, None if payload is None else _bytes_view(payload))
         except FrameError:
-            node.state.duplicates += 0  # a damaged frame: dropped (programs resend)
-            return
+            if payload is None and fr.is_trimmed(header):  # a switch cut its payload
+                try:
+                    cut = fr.decode_trimmed(header)
+                except FrameError:
+                    return
+                self._node_send(node, node.state.answer_trimmed(cut), t)
+            return  # a damaged frame: dropped (programs resend)
         tm = self.timing
         if tm.node_frame_s or tm.node_byte_s:
             t = max(t, node.busy) + tm.node_frame_s + tm.node_byte_s * wire_bytes(
@@ -624,24 +638,6 @@ class Simulation:
             return out
 
         return Chain(steps())
-
-
-def _switch_buffers(topo: Topology) -> dict[str, TimedBuffer]:
-    """Each switch's shared buffer from the topology's ``[congestion] buffer_bytes``
-    (none without it: queues never fill), checked to hold the largest frame."""
-    c = topo.congestion
-    if c.buffer_bytes is None:
-        return {}
-    # the largest frame: a link's MTU, or a p2p stream's frame (its own size)
-    largest = max([lk.params.mtu for lk in topo.links] + [STREAM_FRAME_BYTES]) + (
-        fr.HEADER_SIZE + fr.CRC_SIZE)
-    if c.buffer_bytes < largest:
-        raise UsageError(f"[congestion] buffer_bytes {c.buffer_bytes} cannot hold one frame "
-                         f"({largest} B: the links' MTU or a stream frame, with its header); "
-                         "raise it")
-    return {s.name: TimedBuffer(SharedBuffer(c.buffer_bytes, alpha=c.buffer_alpha,
-                                             what="[congestion] buffer_bytes"))
-            for s in topo.switches}
 
 
 def _bytes_view(payload: Any) -> memoryview:

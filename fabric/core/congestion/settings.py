@@ -12,7 +12,10 @@ for queues and marking, HPCC's for PFC: :mod:`fabric.core.congestion.config`)::
     ecn_kmax_bytes = 120000    # ... every frame above
     ecn_pmax = 1.0
     pfc = false                # lossless data class (not with trim)
-    cc = "nscc"                # sender policy: none, dcqcn, nscc, eqds, or registered
+    cc = "nscc"                # streams' sender policy: none, dcqcn, nscc, or registered
+                               # (absent: the reliability window alone)
+    base_rtt_us = 2000.0       # the unloaded round trip policies assume (absent: the
+                               # topology's links; an emulator adds its software's)
 
 Pure: parsing and checks, one-line :class:`CongestionConfigError` on anything
 impossible.
@@ -33,9 +36,7 @@ __all__ = ["CONGESTION_KEYS", "CongestionSettings"]
 
 #: Keys of ``[congestion]``.
 CONGESTION_KEYS = ("buffer_bytes", "buffer_alpha", "trim", "ecn_kmin_bytes", "ecn_kmax_bytes",
-                   "ecn_pmax", "pfc", "cc")
-#: The policy a fabric's senders use when the file names none.
-DEFAULT_CC = "nscc"
+                   "ecn_pmax", "pfc", "cc", "base_rtt_us")
 
 
 @dataclass(frozen=True)
@@ -50,7 +51,12 @@ class CongestionSettings:
     ecn_kmax_bytes: int | None = None
     ecn_pmax: float | None = None
     pfc: bool = False
-    cc: str = DEFAULT_CC
+    #: the senders' policy; None: streams keep the reliability window alone (the
+    #: congestion scenarios default to nscc)
+    cc: str | None = None
+    #: the unloaded round trip (microseconds) the policies start from; None: from
+    #: the topology's links (each latency both ways, both serialisations)
+    base_rtt_us: float | None = None
 
     def __post_init__(self) -> None:
         if self.buffer_bytes is not None:
@@ -72,7 +78,12 @@ class CongestionSettings:
         if self.pfc and self.trim:
             raise CongestionConfigError("pfc and trim: a lossless class is never trimmed; "
                                         "choose one")
-        if self.cc not in CC_POLICIES:
+        b = self.base_rtt_us
+        if b is not None and not (isinstance(b, (int, float)) and not isinstance(b, bool)
+                                  and 0.0 < b < 1e7):
+            raise CongestionConfigError(f"base_rtt_us must be a positive number of "
+                                        f"microseconds (under 10 s), got {b!r}")
+        if self.cc is not None and self.cc not in CC_POLICIES:
             raise CongestionConfigError(f"cc {self.cc!r} is not a known policy; choose "
                                         f"{', '.join(sorted(CC_POLICIES))}")
 
@@ -97,7 +108,8 @@ class CongestionSettings:
                                                 f"got {value!r}")
             elif isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise CongestionConfigError(f"{key} must be a number, got {value!r}")
-            out[key] = float(value) if key in ("buffer_alpha", "ecn_pmax") else value
+            out[key] = float(value) if key in ("buffer_alpha", "ecn_pmax", "base_rtt_us") \
+                else value
         return cls(**out)
 
     def to_table(self) -> dict[str, Any]:

@@ -14,7 +14,10 @@ import heapq
 
 from fabric.core.congestion.buffer import Admission, SharedBuffer
 
-__all__ = ["TimedBuffer"]
+__all__ = ["DATA_CLASS", "HEADER_CLASS", "TimedBuffer"]
+
+#: Traffic classes of a port's queue: data, and trimmed headers (served first).
+DATA_CLASS, HEADER_CLASS = 0, 1
 
 
 class TimedBuffer:
@@ -22,23 +25,35 @@ class TimedBuffer:
 
     def __init__(self, buffer: SharedBuffer) -> None:
         self.buffer = buffer
-        self._leaving: list[tuple[float, int, int, int]] = []  # (time, seq, port, bytes)
+        # (time, seq, port, class, bytes)
+        self._leaving: list[tuple[float, int, int, int, int]] = []
         self._seq = 0
 
     def advance(self, now: float) -> None:
         """Release every frame whose last byte left by ``now``."""
         heap = self._leaving
         while heap and heap[0][0] <= now:
-            _t, _s, port, nbytes = heapq.heappop(heap)
-            self.buffer.release(port, 0, nbytes)
+            _t, _s, port, tc, nbytes = heapq.heappop(heap)
+            self.buffer.release(port, tc, nbytes)
+
+    def queued(self, port: int, now: float) -> int:
+        """Data bytes waiting in ``port``'s queue at ``now``."""
+        self.advance(now)
+        return self.buffer.queue_bytes(port, DATA_CLASS)
 
     def offer(self, port: int, nbytes: int, now: float) -> bool:
         """Whether a frame of ``nbytes`` may join ``port``'s queue now (tail drop
         otherwise); :meth:`hold` it with its departure time when it may."""
-        self.advance(now)
-        return self.buffer.offer(port, 0, nbytes) is Admission.ACCEPT
+        return self.admit(port, nbytes, now) is Admission.ACCEPT
 
-    def hold(self, port: int, nbytes: int, leaves_at: float) -> None:
+    def admit(self, port: int, nbytes: int, now: float) -> Admission:
+        """Admit a frame of ``nbytes`` to ``port``'s data queue, trim it (when the
+        buffer trims: its header is charged to the header class) or drop it."""
+        self.advance(now)
+        return self.buffer.offer(port, DATA_CLASS, nbytes,
+                                 trim_tc=HEADER_CLASS if self.buffer.trim_bytes else None)
+
+    def hold(self, port: int, nbytes: int, leaves_at: float, tc: int = DATA_CLASS) -> None:
         """The admitted frame leaves ``port`` at ``leaves_at`` (its last byte on the wire)."""
         self._seq += 1
-        heapq.heappush(self._leaving, (leaves_at, self._seq, port, nbytes))
+        heapq.heappush(self._leaving, (leaves_at, self._seq, port, tc, nbytes))

@@ -1,0 +1,76 @@
+"""`semfab bench incast`: the same incast on real processes and in virtual time,
+exact in both; its workload through a congested switch in the simulator; bad
+flags refused in one line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bench.incast import Settings, congestion, incast_work, links_rtt_s
+from fabric.cli import main
+from fabric.core.topology import star
+from fabric.sim import Simulation
+
+
+def _settings(**kw: object) -> Settings:
+    base = dict(senders=3, size=300_001, link_gbps=1.0, latency_us=20.0, mtu=8192,
+                policies=("nscc",), buffer=None, trim=False, kmin=None, kmax=None, pmax=None,
+                warmup=0, iters=2, seed=5, sim=True)
+    base.update(kw)
+    return Settings(**base)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("cc,trim", [("none", False), ("nscc", True), ("dcqcn", False)])
+def test_the_incast_workload_is_exact_through_a_congested_switch(cc: str, trim: bool) -> None:
+    s = _settings(trim=trim, buffer=3 * 8300)  # room for three frames: it overflows
+    topo = star(s.senders + 1, bandwidth_gbps=s.link_gbps, latency_us=s.latency_us,
+                mtu=s.mtu, hosts=0).with_congestion(congestion(s, cc, links_rtt_s(s)))
+    res = Simulation(topo, seed=s.seed, timeout_s=30).run(incast_work, s.senders, s.size,
+                                                          s.iters, s.seed)
+    assert [r["wrong"] for r in res.results[s.senders]] == [0, 0]  # every byte, each time
+    assert res.ecn_marks > 0
+    if trim:
+        assert res.trims > 0 and res.overflow_drops == 0
+    else:
+        assert res.overflow_drops > 0
+    assert res.retransmits > 0
+
+
+@pytest.mark.timeout(240)
+def test_bench_incast_emulated_and_simulated(tmp_path: Path) -> None:
+    out = tmp_path / "incast.json"
+    rc = main(["bench", "incast", "--senders", "2", "--size", "200K", "--mtu", "8192",
+               "--link-gbps", "0.2", "--cc", "nscc", "--trim", "-w", "0", "-n", "1",
+               "--run-dir", str(tmp_path / "runs"), "--json", str(out)])
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    rows = doc["results"]
+    assert [(r["world"], r["cc"]) for r in rows] == [("emulation", "nscc"),
+                                                     ("simulation", "nscc")]
+    for r in rows:
+        assert set(r) >= {"completion_s", "ideal_s", "fct_slowdown", "goodput_gbps", "jain",
+                          "drops", "trims", "ecn_marks", "pauses", "paused_s", "retransmits",
+                          "wrong"}
+        assert r["wrong"] == 0 and r["completion_s"] >= 0.99 * r["ideal_s"]
+    assert rows[0]["vs_sim"] > 0
+    st = doc["settings"]
+    assert st["base_rtt_s"] >= st["links_rtt_s"] > 0 and st["trim"] is True
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--pfc"], "PFC runs in"),
+    (["--senders", "9"], "must be 1..5"),
+    (["--cc", "eqds"], "grants credit"),
+    (["--cc", "reno"], "unknown policy"),
+    (["--kmin", "9000", "--kmax", "100"], "Kmin must be <= Kmax"),
+    (["--buffer", "100"], "at least"),
+    (["--spray"], "no second path"),
+])
+def test_bench_incast_refuses_bad_flags(argv: list[str], message: str,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "incast", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1

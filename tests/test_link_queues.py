@@ -1,0 +1,101 @@
+"""A switch egress's queue in a link pipeline (fabric.core.link with
+fabric.core.congestion.switchq): tail drop, trimming ahead of the data, RED
+marks on the queue a frame joins; and the queues a [congestion] table makes."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import numpy as np
+import pytest
+
+from fabric.core import frame as fr
+from fabric.core.congestion import CongestionConfigError, RedMarker, SharedBuffer
+from fabric.core.congestion.settings import CongestionSettings
+from fabric.core.congestion.switchq import SwitchQueues, switch_queues
+from fabric.core.congestion.timed import TimedBuffer
+from fabric.core.link import LinkPipeline
+from fabric.core.topology import LinkParams, star
+
+#: 8 Gb/s (1 byte per ns), 10 us of flight.
+PARAMS = LinkParams(bandwidth_gbps=8.0, latency_us=10.0)
+
+
+def _frames(n: int, size: int) -> list[tuple[bytes, np.ndarray]]:
+    rng = np.random.default_rng(3)
+    out = []
+    for psn in range(n):
+        body = rng.integers(0, 256, size, dtype=np.uint8)
+        out.append((fr.encode_header(fr.Op.WRITE, src=1, dst=2, flow=16, psn=psn,
+                                     payload=body), body))
+    return out
+
+
+def _pipe(buffer: int, *, trim: bool = False, kmin: int | None = None,
+          kmax: int | None = None) -> LinkPipeline:
+    buf = SharedBuffer(buffer + (64 if trim else 0), alpha=math.inf, trim_bytes=64 if trim else 0,
+                       trim_reserve_bytes=64 if trim else 0)
+    marker = RedMarker(kmin, kmax or kmin, 1.0, random.Random(0)) if kmin is not None else None
+    return LinkPipeline(PARAMS, queues=SwitchQueues(TimedBuffer(buf), marker), port=7)
+
+
+def test_a_full_buffer_drops_at_the_tail_and_frees_room_as_frames_leave() -> None:
+    pipe = _pipe(3 * 1032)
+    frames = _frames(5, 1000)  # 1032 B each on the wire
+    for item in frames[:4]:
+        pipe.push(item, 0.0)
+    assert pipe.statistics().overflow_drops == 1
+    assert pipe.statistics().peak_queue_bytes == 3 * 1032
+    pipe.push(frames[4], 1.1e-6)  # the first frame's last byte left at 1.032 us
+    assert pipe.statistics().overflow_drops == 1
+    got = [fr.decode(h, p).psn for h, p in pipe.pop_due(1.0)]
+    assert got == [0, 1, 2, 4]
+
+
+def test_a_trimmed_header_overtakes_the_queued_data() -> None:
+    pipe = _pipe(2 * 1032, trim=True)
+    frames = _frames(3, 1000)
+    for item in frames:
+        pipe.push(item, 0.0)
+    st = pipe.statistics()
+    assert (st.trims, st.overflow_drops) == (1, 0)
+    out = pipe.pop_due(1.0)
+    header, payload = out[0]  # the header of frame 2, first: a class served first
+    assert payload is None and fr.is_trimmed(header, payload)
+    assert fr.decode_trimmed(header).psn == 2
+    assert [fr.decode(h, p).psn for h, p in out[1:]] == [0, 1]
+
+
+def test_red_marks_by_the_queue_a_frame_joins() -> None:
+    pipe = _pipe(10 * 1032, kmin=1032, kmax=1032)  # every frame above one queued frame
+    for item in _frames(4, 1000):
+        pipe.push(item, 0.0)
+    flags = [bool(fr.decode(h, p).flags & fr.Flag.ECN) for h, p in pipe.pop_due(1.0)]
+    assert flags == [False, False, True, True]  # joined 0, 1032 (= Kmin), 2064, 3096 B
+    assert pipe.statistics().ecn_marks == 2
+
+
+def test_an_unshaped_link_never_queues() -> None:
+    buf = TimedBuffer(SharedBuffer(2000))
+    pipe = LinkPipeline(LinkParams(latency_us=1.0), queues=SwitchQueues(buf, None))
+    for item in _frames(5, 1000):
+        pipe.push(item, 0.0)
+    assert len(pipe.pop_due(1.0)) == 5 and pipe.statistics().overflow_drops == 0
+
+
+def test_the_congestion_table_makes_each_switch_its_queues() -> None:
+    t = star(3, bandwidth_gbps=10, mtu=4096)
+    assert switch_queues(t) == {}  # no buffer_bytes: queues never fill
+    q = switch_queues(t.with_congestion(CongestionSettings(buffer_bytes=100_000)))
+    assert q["sw0"].marker is None  # no policy and no ecn_* key: no marks
+    q = switch_queues(t.with_congestion(CongestionSettings(buffer_bytes=100_000, cc="nscc")))
+    marker = q["sw0"].marker
+    assert marker is not None and (marker.kmin, marker.kmax) == (4000, 16000)  # htsim's 0.2/0.8
+    q = switch_queues(t.with_congestion(CongestionSettings(buffer_bytes=20_000, trim=True,
+                                                           ecn_kmin_bytes=5000)))
+    marker = q["sw0"].marker
+    assert marker is not None and (marker.kmin, marker.kmax) == (5000, 16000)
+    assert q["sw0"].buffer.buffer.trim_bytes == 64
+    with pytest.raises(CongestionConfigError, match="cannot hold one frame"):
+        switch_queues(t.with_congestion(CongestionSettings(buffer_bytes=4000)))
