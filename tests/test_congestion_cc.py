@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pytest
 
+from fabric.core.congestion import CcPath
 from fabric.core.congestion.nscc import Nscc
 from fabric.sim.incast import IncastSettings, run_incast
 
@@ -66,3 +67,20 @@ def test_dcqcn_shares_fairly_on_average_and_keeps_the_queue_in_its_red_band(flow
         assert r["jain"] >= 0.85, r
         jains.append(r["jain"])
     assert sum(jains) / len(jains) >= 0.95, jains
+
+
+def test_a_late_dcqcn_timer_counts_every_period_it_missed() -> None:
+    from fabric.core.congestion.dcqcn import Dcqcn
+
+    path = CcPath(link_gbps=100.0, base_rtt_s=12e-6, mtu=4150)
+    on_time, late = Dcqcn(path), Dcqcn(path)
+    for d in (on_time, late):
+        d.on_cnp(0.0)
+        d.on_cnp(1e-6)
+    t = 0.0
+    while (due := on_time.get_timer()) is not None and due <= 30 * 55e-6:
+        t = due
+        on_time.handle_timer(t)
+    late.handle_timer(t)  # one wake for every period
+    assert late.rate_bps == pytest.approx(on_time.rate_bps)
+    assert late.alpha == pytest.approx(on_time.alpha)

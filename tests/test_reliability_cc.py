@@ -150,3 +150,26 @@ def test_nscc_and_dcqcn_drive_a_stream_sender() -> None:
 def test_a_credit_policy_is_refused_with_a_reason() -> None:
     with pytest.raises(ValueError, match="grants no credit"):
         _sender(make_cc("eqds", PATH))
+
+
+def test_a_late_wake_does_not_slow_the_pace() -> None:
+    cc = Recording(PATH, cwnd=1e9, rate_bps=1e9)  # frames 8 us apart
+    tx = _sender(cc)
+    tx.send_many([(i, 1000) for i in range(4)], 0.0)
+    assert [t.psn for t in tx.handle_timer(11e-6)] == [1]  # woke 3 us late
+    assert tx.get_timer() == pytest.approx(16e-6)  # the schedule, not 11 + 8 us
+    tx.send_many([(4, 1000)], 16e-6 - 1e-9)  # not yet: frame 2 waits for 16 us
+    # woke 24 us late: one interval is made up (frame 3 follows at once), no more
+    assert [t.psn for t in tx.handle_timer(40e-6)] == [2, 3]
+    assert tx.get_timer() == pytest.approx(48e-6)
+
+
+def test_the_policy_timer_is_applied_when_the_sender_next_acts() -> None:
+    cc = make_cc("dcqcn", PATH)
+    tx = _sender(cc)
+    tx.send_many([(i, 1000) for i in range(3)], 0.0)
+    tx.handle_ack(0, 0, 10e-6, ecn=True)  # a CNP: the rate is cut, timers start
+    cut = cc.rate_bps
+    assert cut < PATH.line_rate_bps and tx.get_timer() != cc.get_timer()
+    tx.handle_ack(1, 0, 10e-6 + 10 * 55e-6)  # ten recovery periods later
+    assert cc.rate_bps > cut

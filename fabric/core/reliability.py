@@ -601,6 +601,10 @@ class Sender(Generic[H]):
     wants CNPs, an ECN echo at most once per DCQCN's CNP interval (the pacing a
     receiver's notification point would apply). Retransmissions go at once, as
     without a policy. Receiver-driven (credit) policies are not for this sender.
+    The policy's own timer is applied when the sender next acts (an ACK, a NACK,
+    a pacing or retransmission timer, new frames), not woken for: a timer every
+    55 us (DCQCN's) would keep an emulated sender's process busy. A policy's
+    ``handle_timer`` therefore counts every period that ended by ``now``.
 
     Errors: :class:`RetryLimitExceeded` from ``handle_timer`` / ``handle_ack``
     / ``handle_nack`` when a frame is declared lost again after
@@ -773,6 +777,8 @@ class Sender(Generic[H]):
                 if not f.acked:
                     f.acked = True
                     newly.append(f)
+        if self.cc is not None:
+            self._cc_tick(now)
         if newly:
             self._on_newly_acked(newly, now, ecn)
         elif ecn and self.cc is not None:
@@ -831,8 +837,7 @@ class Sender(Generic[H]):
         if self.error is not None:
             return None
         due = self._rto_deadline()
-        for t in (self._tail_deadline, self._pace_wait if self._queue else None,
-                  self.cc.get_timer() if self.cc is not None else None):
+        for t in (self._tail_deadline, self._pace_wait if self._queue else None):
             if t is not None and (due is None or t < due):
                 due = t
         return due
@@ -846,11 +851,6 @@ class Sender(Generic[H]):
             lost = self._detect_by_threshold(now)
             out = self._retransmit(lost, now, timeout=False) if lost else []
         cc = self.cc
-        if cc is not None:
-            due = cc.get_timer()
-            if due is not None and now >= due:
-                cc.handle_timer(now)
-            self._pace_wait = None
         deadline = self._rto_deadline()
         if deadline is None or now < deadline:
             if cc is not None:
@@ -915,6 +915,8 @@ class Sender(Generic[H]):
     def _pump(self, now: float) -> list[Transmit[H]]:
         out: list[Transmit[H]] = []
         cc = self.cc
+        if cc is not None:
+            self._cc_tick(now)
         while self._queue and not self._window_full():
             handle, size = self._queue[0]
             if self._flight and self._span_bytes + size > self.window_bytes:
@@ -924,7 +926,8 @@ class Sender(Generic[H]):
                     self._pace_wait = self._pace_at
                     break
                 if not cc.can_send(self._cc_bytes, size):
-                    break  # an ACK (or the policy's timer) opens the window
+                    self._pace_wait = None  # held by the window, not the pacer
+                    break  # an ACK opens the window
                 self._cc_sent(size, now)
             self._queue.popleft()
             psn = self._nxt
@@ -946,8 +949,24 @@ class Sender(Generic[H]):
         self._cc_bytes += size
         cc.on_send(size, now)
         rate = cc.rate_bps
-        # at the line rate the link itself spaces frames; below it the policy does
-        self._pace_at = now + size * 8 / rate if rate < cc.path.line_rate_bps else now
+        if rate >= cc.path.line_rate_bps:
+            self._pace_at = now  # at the line rate the link itself spaces frames
+            return
+        # below it the policy does. A frame that waited for its pacing time and left
+        # late (a driver that woke late) gives the next one up to an interval back,
+        # so lateness does not add up; one that found the pacer idle starts afresh.
+        interval = size * 8 / rate
+        base = max(self._pace_at, now - interval) if self._pace_wait is not None else now
+        self._pace_wait = None
+        self._pace_at = base + interval
+
+    def _cc_tick(self, now: float) -> None:
+        """Apply the policy's timer if it is due (lazily: see the class doc)."""
+        cc = self.cc
+        assert cc is not None
+        due = cc.get_timer()
+        if due is not None and now >= due:
+            cc.handle_timer(now)
 
     def _cc_echo(self, now: float) -> None:
         """An ACK echoed a congestion mark."""

@@ -115,14 +115,16 @@ class Dcqcn(CongestionControl):
         return a if i is None or a < i else i
 
     def handle_timer(self, now: float) -> None:
-        if self._alpha_at is not None and self._alpha_at <= now:
+        # every period that ended by ``now`` counts: a driver that wakes late (an
+        # emulator's process) must not slow the recovery the periods stand for
+        while self._alpha_at is not None and self._alpha_at <= now:
             self.alpha *= 1.0 - G
-            self._alpha_at = now + ALPHA_TIMER_S if self.alpha > 1e-4 else None
-        if self._increase_at is not None and self._increase_at <= now:
+            self._alpha_at = self._alpha_at + ALPHA_TIMER_S if self.alpha > 1e-4 else None
+        while self._increase_at is not None and self._increase_at <= now:
             self._t_count += 1
             self._increase()
             self._increase_at = (None if self.rate_bps >= self.line
-                                 else now + INCREASE_TIMER_S)
+                                 else self._increase_at + INCREASE_TIMER_S)
 
     def statistics(self) -> dict[str, Any]:
         return {"rate_bps": self.rate_bps, "target_bps": self.target, "alpha": self.alpha,
