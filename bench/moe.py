@@ -55,6 +55,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-n", "--iters", type=int, default=3, help="timed iterations")
     p.add_argument("--sim", action="store_true",
                    help="simulate in virtual time instead of launching processes")
+    p.add_argument("--cc", metavar="POLICY",
+                   help="streams' congestion-control policy (none, nscc, dcqcn; default: "
+                   "none at all)")
+    p.add_argument("--buffer", metavar="BYTES",
+                   help="each switch's shared buffer (default: unbounded queues)")
+    p.add_argument("--trim", action="store_true",
+                   help="with --buffer: cut a frame that does not fit to its header")
     p.add_argument("--seed", type=int, default=7, help="routing and input seed")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds any wait may take")
     p.add_argument("--json", metavar="PATH", help="write rows and settings as JSON")
@@ -130,26 +137,49 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
             "routing": args.routing, "bandwidth_gbps": args.bandwidth_gbps,
             "latency_us": args.latency_us, "warmup": args.warmup, "iters": args.iters,
             "seed": args.seed, "world": "simulation" if args.sim else "emulation",
-            "dropped": dropped}
+            "dropped": dropped, "cc": args.cc, "buffer": _buffer(args), "trim": args.trim}
+    from bench.sweep import check_cc
+    from fabric.core.congestion import CongestionConfigError
+    from fabric.core.congestion.switchq import switch_queues
     from fabric.core.topology import TopologyError
 
+    check_cc(args.cc)
     for ratio in ratios:  # a bad link figure is one line now, not a traceback mid-run
         try:
-            _topology(settings, ratio)
-        except TopologyError as exc:
+            switch_queues(_topology(settings, ratio))
+        except (TopologyError, CongestionConfigError) as exc:
             raise UsageError(str(exc)) from None
     return settings
 
 
+def _buffer(args: argparse.Namespace) -> int | None:
+    if args.buffer is None:
+        if args.trim:
+            raise UsageError("--trim cuts frames a full buffer has no room for: give --buffer")
+        return None
+    try:
+        n = report.parse_size(args.buffer)
+    except ValueError as exc:
+        raise UsageError(f"--buffer {args.buffer}: {exc}") from None
+    if n < 1:
+        raise UsageError(f"--buffer {args.buffer}: must be a positive number of bytes")
+    return n
+
+
 def _topology(s: dict[str, Any], ratio: float) -> Any:
+    from fabric.core.congestion.settings import CongestionSettings
     from fabric.core.topology import leaf_spine, star
 
     if s["leaves"] == 1:
-        return star(s["ranks"], bandwidth_gbps=s["bandwidth_gbps"], latency_us=s["latency_us"],
+        topo = star(s["ranks"], bandwidth_gbps=s["bandwidth_gbps"], latency_us=s["latency_us"],
                     hosts=0)
-    return leaf_spine(s["leaves"], s["per_leaf"], oversubscription=ratio,
-                      leaf_bandwidth_gbps=s["bandwidth_gbps"], leaf_latency_us=s["latency_us"],
-                      spine_latency_us=s["latency_us"], hosts=0)
+    else:
+        topo = leaf_spine(s["leaves"], s["per_leaf"], oversubscription=ratio,
+                          leaf_bandwidth_gbps=s["bandwidth_gbps"],
+                          leaf_latency_us=s["latency_us"], spine_latency_us=s["latency_us"],
+                          hosts=0)
+    return topo.with_congestion(CongestionSettings(buffer_bytes=s.get("buffer"),
+                                                   trim=s.get("trim", False), cc=s.get("cc")))
 
 
 def moe_task(ep: Any, variant: str, s: dict[str, Any]) -> dict[str, Any]:
@@ -303,7 +333,10 @@ def _header(s: dict[str, Any]) -> str:
             f"{s['routing']}; links {s['bandwidth_gbps']:g} Gb/s, {s['latency_us']:g} us; "
             f"oversubscription {','.join(f'{r:g}' for r in s['ratios'])}; warmup "
             f"{s['warmup']}, iters {s['iters']}, seed {s['seed']}"
-            + (f"; left out: {', '.join(s['dropped'])}" if s.get("dropped") else ""))
+            + (f"; left out: {', '.join(s['dropped'])}" if s.get("dropped") else "")
+            + (f"; congestion: cc {s['cc'] or '(none)'}, buffer "
+               f"{s['buffer'] or 'unbounded'}{', trimming' if s['trim'] else ''}"
+               if s.get("cc") or s.get("buffer") else ""))
 
 
 _COLS = (("ratio", 6), ("variant", 13), ("dispatch ms", 12), ("combine ms", 11),

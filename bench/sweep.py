@@ -111,6 +111,10 @@ def add_arguments(p: argparse.ArgumentParser, all_paths: Sequence[str], *, sim_h
     p.add_argument("--faults", metavar="SPEC",
                    help="faults on every link, e.g. 'loss=0.01,reorder=0.05:2' "
                    "(docs/RELIABILITY.md)")
+    p.add_argument("--cc", metavar="POLICY",
+                   help="streams' congestion-control policy (none, nscc, dcqcn), over the "
+                   "topology's [congestion] cc; buffers, ECN and trimming come from that "
+                   "table (docs/CONGESTION.md)")
     p.add_argument("--json", metavar="PATH",
                    help="write every row and every setting of the run as JSON")
     p.add_argument("--markdown", metavar="PATH", help="write the header and tables as Markdown")
@@ -238,6 +242,7 @@ def parse_plan(args: argparse.Namespace, all_paths: Sequence[str], *,
     op_list = ops if ops is not None else parse_ops(args.op)
     if args.link_gbps < 0 or args.link_latency_us < 0:
         raise UsageError("--link-gbps and --link-latency-us must be >= 0")
+    check_cc(getattr(args, "cc", None))
     if args.iters < 1 or args.warmup < 0:
         raise UsageError("--iters must be at least 1 and --warmup at least 0")
     if not 1 <= getattr(args, "repeat", 1) <= 1000:
@@ -335,12 +340,41 @@ def check_run_inputs(args: argparse.Namespace, workers: list[int], fabric: bool)
 
 
 def topology(args: argparse.Namespace, workers: int) -> Any:
-    """The topology of ``workers``: the file, or the default star with the link flags."""
+    """The topology of ``workers``: the file, or the default star with the link flags;
+    ``--cc`` over its ``[congestion] cc``."""
     from fabric.core.topology import load, star
 
     if args.topology:
-        return load(args.topology)
-    return star(workers, bandwidth_gbps=args.link_gbps, latency_us=args.link_latency_us)
+        topo = load(args.topology)
+    else:
+        topo = star(workers, bandwidth_gbps=args.link_gbps, latency_us=args.link_latency_us)
+    cc = getattr(args, "cc", None)
+    if cc:
+        topo = topo.with_congestion(dataclasses.replace(topo.congestion, cc=cc))
+    return topo
+
+
+def congestion_text(topo: Any) -> str:
+    """The topology's ``[congestion]`` settings, in words, for the header."""
+    table = topo.congestion.to_table()
+    if not table:
+        return "none (queues never fill; streams keep the reliability window alone)"
+    return ", ".join(f"{k} {v}" for k, v in table.items())
+
+
+def check_cc(name: str | None) -> None:
+    """``--cc``: a registered policy a stream's sender can run (a UsageError if not)."""
+    from fabric.core.congestion import CC_POLICIES
+
+    if not name:
+        return
+    cls = CC_POLICIES.get(name)
+    if cls is None:
+        raise UsageError(f"--cc {name}: unknown policy; choose {', '.join(sorted(CC_POLICIES))}")
+    if cls.receiver_driven:
+        raise UsageError(f"--cc {name}: the receiver grants credit, and a stream's receiver "
+                         "has no credit pacer; it runs in `semfab sim incast` and "
+                         "`semfab sim permutation`")
 
 
 def worker_link_gbps(topo: Any) -> float | None:
@@ -429,6 +463,7 @@ def settings(args: argparse.Namespace, plan: Plan, name: str, n_cores: int,
         "paths": plan.paths, "topology": args.topology, "topology_text": topo_text,
         "link_gbps": args.link_gbps, "link_latency_us": args.link_latency_us,
         "faults": getattr(args, "faults", None), "timeout_s": args.timeout,
+        "cc": getattr(args, "cc", None),
         "sim": bool(getattr(args, "sim", False)), "cores": n_cores,
         "inplace": str(getattr(args, "inplace", "both")),
         # how --sim spread its points (the results do not depend on it)
@@ -465,6 +500,8 @@ def command_line(s: dict[str, Any], name: str = "allreduce") -> str:
         words += ["--link-latency-us", f"{s['link_latency_us']:g}"]
     if s["faults"]:
         words += ["--faults", s["faults"]]
+    if s.get("cc"):
+        words += ["--cc", s["cc"]]
     if s["timeout_s"] != 60.0:
         words += ["--timeout", f"{s['timeout_s']:g}"]
     if s.get("sim"):
@@ -514,6 +551,7 @@ def header_lines(args: argparse.Namespace, plan: Plan, name: str, n_cores: int,
         f"# topology: {topo_text}",
         f"# links: {links_text(topo0, args)}",
         f"# faults: {getattr(args, 'faults', None) or 'none'}",
+        f"# congestion: {congestion_text(topo0)}",
         "# environment: " + (" ".join(f"{k}={v}" for k, v in sorted(os.environ.items())
                                       if k in TUNING_ENV) or "defaults"),
         f"# machine: {socket.gethostname()}, {n_cores} cores{loadavg}",

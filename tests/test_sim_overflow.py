@@ -108,3 +108,20 @@ def test_in_network_aggregation_leaves_the_host_port_empty_where_host_ps_fills_i
     assert 0.5 * BUFFER < hps.queue_peaks["sw0>host0"] <= BUFFER
     assert all(v <= BUFFER for v in hps.queue_peaks.values())
     assert ina.end_s < hps.end_s
+
+
+@pytest.mark.parametrize("cc", [None, "nscc", "dcqcn"])
+def test_trimmed_frames_cross_the_spine_and_are_asked_for_at_once(cc: str | None) -> None:
+    """With trimming, a frame cut at a leaf's uplink travels on as a header through
+    the spine and the far leaf; its receiver NACKs it and the sender resends at
+    once: exact, and no stream waits for its retransmission timer."""
+    t = leaf_spine(2, 4, oversubscription=4, leaf_bandwidth_gbps=10, leaf_latency_us=1,
+                   spine_latency_us=1, mtu=4096).with_congestion(
+        CongestionSettings(buffer_bytes=40_000, trim=True, cc=cc))
+    r = Simulation(t, timeout_s=30).run(_collectives, 1 << 13, "host-p2p")
+    assert r.results == [0] * 8
+    assert r.trims > 0 and r.overflow_drops == 0
+    assert sum(n.trims_received for n in r.nodes.values()) == r.trims
+    assert sum(n.timeouts for n in r.nodes.values()) == 0
+    spine = r.switch_stats["spine0"]
+    assert spine.trimmed_forwarded > 0 and spine.malformed == 0

@@ -239,6 +239,9 @@ class LinkPipeline:
             q = self.queues
             buf = q.buffer if q is not None else None
             if q is not None and buf is not None:
+                if item[1] is None and fr.is_trimmed(item[0]):
+                    self._trim(item, now, again=True)  # cut upstream: a header already
+                    return
                 queued = buf.queued(self.port, now)
                 admitted = buf.admit(self.port, nbytes, now)
                 if admitted is Admission.DROP:
@@ -263,17 +266,20 @@ class LinkPipeline:
                 buf.hold(self.port, nbytes, self.shaper.free_at)
         heapq.heappush(self._held, (due, next(self._seq), item, end))
 
-    def _trim(self, item: Item, now: float) -> None:
+    def _trim(self, item: Item, now: float, again: bool = False) -> None:
         """Send ``item``'s header alone, ahead of the queued data (a class served
         first: it waits for no data frame, and its few bytes are not charged to the
-        link's schedule)."""
+        link's schedule); ``again``: it came trimmed (not counted twice; headers are
+        charged to a switch's buffer where they are cut, not on every hop)."""
         assert self.shaper is not None and self.queues is not None
-        self.trims += 1
         header = item[0]
         params = self.shaper.params
         sent = now + params.serialization_us(len(header)) * 1e-6
-        self.queues.buffer.hold(self.port, self.queues.buffer.buffer.trim_bytes, sent,
-                                HEADER_CLASS)
+        if not again:
+            if item[1] is not None and memoryview(item[1]).nbytes:
+                self.trims += 1  # (a frame of a header alone loses nothing: not counted)
+            self.queues.buffer.hold(self.port, self.queues.buffer.buffer.trim_bytes, sent,
+                                    HEADER_CLASS)
         due = sent + params.latency_us * 1e-6
         heapq.heappush(self._held, (due, next(self._seq), (header, None), due))
 

@@ -52,6 +52,7 @@ class Counters:
     mcast_frames: int = 0  # Flag.MCAST frames in, and the copies sent for them
     mcast_copies: int = 0
     jobs_refused: int = 0
+    trimmed_forwarded: int = 0  # trimmed frames (a switch cut their payload) passed on
     nack_codes: dict[str, int] = field(default_factory=dict)
 
 

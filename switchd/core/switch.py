@@ -91,6 +91,7 @@ class SwitchStats:
     mcast_frames: int
     mcast_copies: int
     jobs_refused: int
+    trimmed_forwarded: int
     regions: int
     nack_codes: dict[str, int]
     engine: EngineStats
@@ -232,6 +233,8 @@ class SwitchCore:
         try:
             f = fr.decode(header, payload)
         except FrameError as bad:
+            if fr.is_trimmed(header, payload) and self._forward_trimmed(port, header):
+                return
             c.malformed += 1
             try:
                 _op, _fl, src, job, psn, _k, _o, _l = fr.peek(header)
@@ -282,6 +285,23 @@ class SwitchCore:
         else:
             ctx.nack(port, f.src, f.job, f.psn, f.msg, NackCode.UNSUPPORTED,
                      f"switch does not serve {f.op.name}")
+
+    def _forward_trimmed(self, port: bytes, header: Any) -> bool:
+        """Pass on a trimmed frame (an upstream switch cut its payload) towards its
+        node, whose answer asks its sender for the frame again; False when it is not
+        one to pass on (for this switch itself, or from a port that may not send it)."""
+        try:
+            f = fr.decode_trimmed(header)
+        except FrameError:
+            return False
+        if f.dst == self.id or f.flags & Flag.MCAST or port not in self.ctx.switch_ports:
+            return False  # only switches trim, so only a switch link brings one
+        dst_port = self.ctx.next_hop.get(f.dst)
+        if dst_port is None:
+            return False
+        self.ctx.counters.trimmed_forwarded += 1
+        self.ctx.send(dst_port, bytes(header), None)
+        return True
 
     def _forward(self, f: fr.Frame, port: bytes, header: Any, payload: Any) -> None:
         ctx = self.ctx
