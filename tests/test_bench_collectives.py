@@ -342,3 +342,16 @@ def test_a_clean_run_removes_its_process_logs_unless_asked(tmp_path: Path,
     assert not list((tmp_path / "runs").glob("*/sw0.log"))
     assert main([*base, "--keep-runs"]) == 0
     assert list((tmp_path / "runs").glob("*/sw0.log"))
+
+
+def test_cc_reaches_the_topology_of_a_collective_bench() -> None:
+    import argparse
+
+    from bench import sweep
+
+    args = argparse.Namespace(topology=None, link_gbps=2.0, link_latency_us=0.0, cc="dcqcn")
+    topo = sweep.topology(args, 3)
+    assert topo.congestion.cc == "dcqcn" and len(topo.workers) == 3
+    assert "cc dcqcn" in sweep.congestion_text(topo)
+    args.cc = None
+    assert sweep.topology(args, 3).congestion.cc is None
