@@ -49,4 +49,5 @@ def test_the_command_reports_the_victim_and_the_deadlock(
     assert json.loads(out.read_text())["results"][0]["deadlock"] == ["s0:0", "s1:1", "s2:1"]
     assert main(["sim", "pfc", "victim"]) == 0
     text = capsys.readouterr().out
-    assert text.startswith("PFC : victim") and "trim: victim" in text
+    assert text.startswith("   pfc: victim") and "credit: victim" in text
+    assert "  trim: victim" in text

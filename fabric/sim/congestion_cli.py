@@ -56,6 +56,9 @@ def add_incast_parser(sub: Any) -> None:
     p.add_argument("--pfc", action="store_true",
                    help="lossless data class: PFC pauses senders (XOFF 1/8 of the free "
                    "buffer, headroom 3 x rate x link delay)")
+    p.add_argument("--credit", action="store_true",
+                   help="credit-based link flow control, the scale-up way: a link sends only "
+                   "into buffer its far end granted (a round trip of credits per link)")
     p.add_argument("--kmin", default=None, help="ECN: no mark at or below (bytes)")
     p.add_argument("--kmax", default=None, help="ECN: every frame marked above (bytes)")
     p.add_argument("--pmax", type=float, default=None,
@@ -138,9 +141,11 @@ def run_permutation_command(args: argparse.Namespace) -> int:
 def add_pfc_parser(sub: Any) -> None:
     """The ``pfc`` subcommand of `semfab sim`."""
     p = sub.add_parser(
-        "pfc", help="PFC's failures: a victim of head-of-line blocking, a deadlock on a ring",
+        "pfc", help="PFC's failures: a victim of head-of-line blocking (beside credits and "
+        "trimming), a deadlock on a ring",
         description="victim: 8 senders on one switch incast to a host on another, a ninth "
-        "sends to an idle host there; its completion time with PFC and with trimming. "
+        "sends to an idle host there; its completion time with PFC, with credit-based link "
+        "flow control and with trimming. "
         "ring: three switches in a ring under PFC, every flow two hops clockwise; the "
         "watchdog reports the cycle of paused ports (exit 0 when a deadlock was found).")
     p.add_argument("case", choices=("victim", "ring"), help="which experiment")
@@ -158,12 +163,13 @@ def run_pfc_command(args: argparse.Namespace) -> int:
         check_output_file("--json", args.json)
     rows: list[dict[str, Any]] = []
     if args.case == "victim":
-        for pfc in (True, False):
-            r = run_victim(pfc=pfc, seed=args.seed)
+        for pfc, credit in ((True, False), (False, True), (False, False)):
+            r = run_victim(pfc=pfc, credit=credit, seed=args.seed)
             rows.append(r)
-            print(f"{'PFC ' if pfc else 'trim'}: victim {r['victim_fct_s'] * 1e6:.1f} us = "
+            print(f"{r['mode']:>6}: victim {r['victim_fct_s'] * 1e6:.1f} us = "
                   f"{r['victim_slowdown']:.2f} x alone; incast {r['incast_completion_s'] * 1e6:.1f}"
                   f" us; pauses {r['pauses']} (uplink paused {r['uplink_paused_s'] * 1e6:.1f} us);"
+                  f" uplink waited for credits {r['uplink_credit_stalled_s'] * 1e6:.1f} us;"
                   f" trims {r['trims']}; wrong {r['wrong']}  ({NOTE})")
         ok = all(r["finished"] and r["wrong"] == 0 for r in rows)
     else:
@@ -192,7 +198,9 @@ def _print_figures(r: dict[str, Any]) -> None:
     print(f"drops {r['drops']}, trims {r['trims']}, ECN marks {r['ecn_marks']}, pauses "
           f"{r['pauses']} ({r['paused_s'] * 1e6:.1f} us), retransmits {r['retransmits']} "
           f"(timeouts {r['timeouts']}); peak queue {r['peak_queue_bytes']} B; wrong "
-          f"{r['wrong']}")
+          f"{r['wrong']}"
+          + (f"; credit stalls {r['credit_stalls']} ({r['credit_stalled_s'] * 1e6:.1f} us)"
+             if r.get("credit_stalls") else ""))
     print(f"# {r['events']} events in {r['wall_s']:.2f} s of wall time")
 
 
@@ -245,7 +253,7 @@ def settings_from_args(args: argparse.Namespace) -> Any:
         mtu=args.mtu, base_rtt_us=args.base_rtt_us, cc=_pick(args.cc, c.cc, "nscc"),
         buffer=_pick(_bytes("--buffer", args.buffer), c.buffer_bytes, None),
         buffer_alpha=_pick(args.buffer_alpha, c.buffer_alpha, math.inf),
-        trim=args.trim or c.trim, pfc=args.pfc or c.pfc,
+        trim=args.trim or c.trim, pfc=args.pfc or c.pfc, credit=args.credit,
         kmin=_pick(_bytes("--kmin", args.kmin), c.ecn_kmin_bytes, None),
         kmax=_pick(_bytes("--kmax", args.kmax), c.ecn_kmax_bytes, None),
         pmax=_pick(args.pmax, c.ecn_pmax, None), ecn=not args.no_ecn, seed=args.seed)
@@ -253,6 +261,11 @@ def settings_from_args(args: argparse.Namespace) -> Any:
         return s.resolved()
     except CongestionConfigError as exc:
         raise UsageError(str(exc)) from None
+
+
+def _loss_mode(s: Any) -> str:
+    return ("pfc" if s.pfc else f"credit ({s.link_credits} B per link)" if s.credit
+            else "trim" if s.trim else "tail drop")
 
 
 def run_incast_command(args: argparse.Namespace) -> int:
@@ -268,7 +281,7 @@ def run_incast_command(args: argparse.Namespace) -> int:
     print(f"# semfab sim incast ({NOTE}, {build()} build): {s.senders} -> 1, "
           f"{report.format_size(s.size)} each, {s.link_gbps:g} Gbit/s, mtu {s.mtu}, base RTT "
           f"{s.base_rtt_us:g} us, cc {s.cc}, buffer {s.buffer} B, "
-          + ("pfc" if s.pfc else "trim" if s.trim else "tail drop")
+          + _loss_mode(s)
           + (f", ECN {s.kmin}..{s.kmax} B pmax {s.pmax:g}" if s.ecn else ", no ECN"), flush=True)
     record: dict[str, Any] | None = {} if (args.plot or args.trace) else None
     r = run_incast(s, record)
@@ -278,7 +291,7 @@ def run_incast_command(args: argparse.Namespace) -> int:
         from fabric.sim import congestion_plots
 
         title = (f"incast {s.senders} -> 1 of {report.format_size(s.size)}, {s.cc}, "
-                 f"{'pfc' if s.pfc else 'trim' if s.trim else 'tail drop'} (virtual time)")
+                 f"{_loss_mode(s)} (virtual time)")
         if args.plot:
             congestion_plots.plot_queues(record, args.plot, title)
             print(f"# wrote {args.plot}")

@@ -65,6 +65,7 @@ from fabric.core.congestion.config import (
     bdp_bytes,
     check_bytes,
 )
+from fabric.core.congestion.credit import CreditLink, link_credit_bytes
 from fabric.core.congestion.dcqcn import CnpPacer
 from fabric.core.congestion.eqds import CreditPacer
 from fabric.sim.figures import count_wrong, jain, slowdowns, steady_jain
@@ -103,6 +104,7 @@ class IncastSettings:
     buffer_alpha: float = math.inf  # dynamic threshold (inf: the pool's size only)
     trim: bool = False
     pfc: bool = False
+    credit: bool = False  # credit-based flow control on every link (lossless)
     kmin: int | None = None  # ECN thresholds (bytes); None: the policy's profile
     kmax: int | None = None
     pmax: float | None = None
@@ -133,13 +135,24 @@ class IncastSettings:
         bdp = self.bdp
         buffer = self.buffer
         reserve = self.pfc_reserve
+        if self.credit and (self.pfc or self.trim):
+            raise CongestionConfigError("--credit and --pfc/--trim: credit-based links are "
+                                        "lossless by themselves; choose one")
         if buffer is None:
             buffer = max(HPCC_BUFFER_BYTES, 2 * reserve) if self.pfc else int(
                 (HTSIM_QUEUE_BDP_TRIM if self.trim else HTSIM_QUEUE_BDP_DROP) * bdp)
+            if self.credit:  # every link's credits are room in the buffer
+                buffer = max(buffer, self.credit_reserve)
         check_bytes("--buffer", buffer)
         if buffer < self.mtu:
             raise CongestionConfigError(f"--buffer {buffer} B holds no frame of one MTU "
                                         f"({self.mtu} B); give at least that")
+        if self.credit and buffer < self.credit_reserve:
+            raise CongestionConfigError(
+                f"--buffer {buffer} B is below the credits the switch grants its "
+                f"{self.senders + 1} links ({self.credit_reserve} B, "
+                f"{self.link_credits} B each: a round trip of each link at its rate); raise "
+                f"it to at least {self.credit_reserve} or drop --credit")
         if self.pfc and buffer < reserve + self.mtu:
             raise CongestionConfigError(
                 f"--buffer {buffer} B cannot keep PFC headroom for {self.senders + 1} ports "
@@ -172,6 +185,18 @@ class IncastSettings:
         rate = self.link_gbps * 1e9
         wire = 2 * (self.mtu + CONTROL_WIRE_BYTES) * 8 / rate
         return max(self.base_rtt_s - wire, 0.0) / 4
+
+    @property
+    def link_credits(self) -> int:
+        """Credits each link grants its sender: one round trip of the link at its
+        rate, plus an MTU (:func:`~fabric.core.congestion.credit.link_credit_bytes`)."""
+        return link_credit_bytes(self.link_gbps, self.link_latency_s, self.mtu,
+                                 CONTROL_WIRE_BYTES)
+
+    @property
+    def credit_reserve(self) -> int:
+        """The switch's buffer its links' credits stand for."""
+        return (self.senders + 1) * self.link_credits if self.credit else 0
 
     @property
     def pfc_reserve(self) -> int:
@@ -213,6 +238,7 @@ def run_incast(settings: IncastSettings,
                      resume_offset_bytes=s.mtu) if s.pfc else None
     sw = Switch(net, "sw0", buf, marker=marker, pfc=pfc, trim=s.trim, rng=rng)
     sw.pfc_reserve = s.pfc_reserve
+    sw.credit = s.credit
     path = CcPath(link_gbps=s.link_gbps, base_rtt_s=s.base_rtt_s, mtu=s.mtu, trimming=s.trim)
     policy = get_cc(s.cc)
     rto = max(RTO_MIN_RTTS * s.base_rtt_s, s.base_rtt_s + 2 * s.buffer * 8 / rate)
@@ -224,6 +250,10 @@ def run_incast(settings: IncastSettings,
         nic.connect(sw, port.index)
         port.connect(h, 0)
         sw.routes[h.hid] = [port.index]
+        if s.credit:  # each end holds the other's input buffer as credits
+            nic.credit = CreditLink(s.link_credits, mtu=s.mtu)
+            port.credit = CreditLink(s.link_credits, mtu=s.mtu)
+            h.returns_credit = True
     hot = sw.ports[receiver.hid]
     if record is not None:
         hot.depth = []
@@ -295,6 +325,8 @@ def run_incast(settings: IncastSettings,
         "ecn_marks": sw.ecn_marks,
         "pauses": sum(p.pause.pauses for p in ports),
         "paused_s": sum(p.pause.paused_s(end) for p in ports),
+        "credit_stalls": sum(p.credit.stalls for p in ports if p.credit is not None),
+        "credit_stalled_s": sum(p.credit.stalled(end) for p in ports if p.credit is not None),
         "retransmits": sum(f.retransmits for f in flows),
         "timeouts": sum(f.timeouts for f in flows),
         "nacks": sum(f.nacks for f in flows),

@@ -14,6 +14,12 @@ headers) is served first, strictly; ``DATA`` carries payload, and is the class
 PFC pauses. Control frames are not charged to the buffer, except trimmed
 headers (they stand for data).
 
+Credit-based link flow control (:mod:`fabric.core.congestion.credit`): a port
+with a :class:`~fabric.core.congestion.credit.CreditLink` sends a data frame only
+while it holds credits for it; the switch (or host) at the other end returns
+them in a ``K_CREDIT`` control frame when the frame leaves its buffer (a host:
+when it arrives).
+
 One event loop (:class:`Net`): a heap of ``(time, seq, callback, argument)``;
 nothing reads the wall clock, and one seed gives one run.
 """
@@ -37,10 +43,11 @@ from fabric.core.congestion import (
     find_pause_cycle,
 )
 from fabric.core.congestion.config import TRIM_HEADER_BYTES
+from fabric.core.congestion.credit import CreditLink
 from fabric.core.frame import Flag
 
 __all__ = ["CTRL", "DATA", "CONTROL_WIRE_BYTES", "Net", "Node", "Packet", "PfcWatchdog", "Port",
-           "Switch", "pause_waits"]
+           "Switch", "credit_packet", "pause_waits"]
 
 #: Traffic classes: control (strict priority) and data.
 CTRL, DATA = 0, 1
@@ -48,7 +55,7 @@ CTRL, DATA = 0, 1
 #: (IEEE 802.3), which also holds our 32-byte header.
 CONTROL_WIRE_BYTES = 64
 #: Packet kinds (what the header's opcode says, kept for cheap dispatch).
-K_DATA, K_ACK, K_NACK, K_CNP, K_PULL, K_PAUSE, K_RESUME = range(7)
+K_DATA, K_ACK, K_NACK, K_CNP, K_PULL, K_PAUSE, K_RESUME, K_CREDIT = range(8)
 
 _ECN = int(Flag.ECN)
 
@@ -140,7 +147,7 @@ class Port:
 
     __slots__ = ("net", "owner", "index", "peer", "peer_in", "rate", "latency", "ctrl", "data",
                  "busy", "pause", "data_bytes", "peak_bytes", "sent_frames", "sent_bytes",
-                 "depth", "name", "q_area", "q_t", "pause_log")
+                 "depth", "name", "q_area", "q_t", "pause_log", "credit")
 
     def __init__(self, net: Net, owner: Node, index: int, rate_bps: float,
                  latency_s: float) -> None:
@@ -164,6 +171,8 @@ class Port:
         self.q_area = 0.0  # integral of the data queue over time (byte-seconds)
         self.q_t = 0.0
         self.name = f"{owner.name}:{index}"
+        #: credit-based flow control of this link (None: off)
+        self.credit: CreditLink | None = None
 
     def connect(self, peer: Node, peer_in: int) -> None:
         self.peer, self.peer_in = peer, peer_in
@@ -204,12 +213,21 @@ class Port:
             self.pause.resume(tc, t)
             self.kick(t)
 
+    def add_credits(self, nbytes: int, t: float) -> None:
+        """A credit return from the peer arrived."""
+        assert self.credit is not None
+        self.credit.refill(nbytes)
+        self.kick(t)
+
     def _start(self, t: float) -> None:
         pkt: Packet | None
+        credit = self.credit
         if self.ctrl:
             pkt = self.ctrl.popleft()
         elif self.pause.is_paused(DATA):
             pkt = None
+        elif credit is not None and self.data and not credit.can_send(self.data[0].size, t):
+            pkt = None  # the head waits for credits, and everything behind it
         elif self.data:
             pkt = self.data.popleft()
             self.q_area += self.data_bytes * (t - self.q_t)
@@ -219,9 +237,14 @@ class Port:
                 self.depth.append((t, self.data_bytes))
         else:
             pkt = self.owner.pull(self, t)
+            if pkt is not None and credit is not None and pkt.tc == DATA:
+                if not credit.can_send(pkt.size, t):  # (a host's pull checks first)
+                    raise AssertionError(f"{self.name}: pulled a frame without credit")
         if pkt is None:
             self.busy = False
             return
+        if credit is not None and pkt.tc == DATA:
+            credit.spend(pkt.size, t)
         self.busy = True
         self.net.at(t + pkt.size * 8 / self.rate, self._done, pkt)
 
@@ -258,6 +281,8 @@ class Switch(Node):
         #: fraction of the free bytes outside it, so what a paused sender still has
         #: in flight always fits
         self.pfc_reserve = 0
+        #: credit-based flow control on every link into this switch
+        self.credit = False
         self.ecn_marks = 0
         self.lossless_drops = 0  # frames PFC should have held back (headroom too small)
 
@@ -280,6 +305,9 @@ class Switch(Node):
         if pkt.kind == K_PAUSE or pkt.kind == K_RESUME:
             self.ports[in_port].set_paused(pkt.flow, pkt.kind == K_PAUSE, t)
             return
+        if pkt.kind == K_CREDIT:
+            self.ports[in_port].add_credits(pkt.psn, t)
+            return
         choices = self.routes[pkt.dst]
         if len(choices) == 1:
             out = choices[0]
@@ -294,7 +322,12 @@ class Switch(Node):
             return
         pkt.in_port = in_port
         buf = self.buffers[out]
-        if self.pfc is not None:
+        if self.credit:
+            # lossless by credits: the sender had room here for this frame
+            verdict = buf.offer_lossless(out, DATA, pkt.size)
+            if verdict is not Admission.ACCEPT:
+                self.lossless_drops += 1
+        elif self.pfc is not None:
             # lossless: PFC, not a threshold, keeps the pool from filling
             verdict = buf.offer_lossless(out, DATA, pkt.size)
             if verdict is Admission.ACCEPT:
@@ -316,6 +349,9 @@ class Switch(Node):
             pkt.size = TRIM_HEADER_BYTES
             pkt.tc = CTRL
             port.enqueue(pkt, t)
+        elif self.credit:  # dropped after all (a pool smaller than the credits it
+            # granted): its room is free at once, so its credit goes back now
+            self.ports[in_port].enqueue(credit_packet(pkt.size), t)
 
     def departed(self, port: Port, pkt: Packet, t: float) -> None:
         if pkt.kind != K_DATA or pkt.in_port < 0:
@@ -325,6 +361,8 @@ class Switch(Node):
             buf.release(port.index, CTRL, pkt.size)
             return
         buf.release(port.index, DATA, pkt.size)
+        if self.credit:  # its room here is free again: the credit goes back upstream
+            self.ports[pkt.in_port].enqueue(credit_packet(pkt.size), t)
         if self.pfc is not None:
             ev = self.pfc.on_dequeue(pkt.in_port, DATA, pkt.size,
                                      max(buf.free - self.pfc_reserve, 0))
@@ -338,6 +376,12 @@ class Switch(Node):
         pkt = Packet(bytearray(CONTROL_WIRE_BYTES), None, CONTROL_WIRE_BYTES, kind, -1, -1,
                      ev.tc, 0, CTRL)
         self.ports[ev.port].enqueue(pkt, t)
+
+
+def credit_packet(nbytes: int) -> Packet:
+    """A credit return of ``nbytes`` (a control frame; the bytes ride in ``psn``)."""
+    return Packet(bytearray(CONTROL_WIRE_BYTES), None, CONTROL_WIRE_BYTES, K_CREDIT, -1, -1, 0,
+                  nbytes, CTRL)
 
 
 def pause_waits(switches: list[Switch]) -> dict[str, list[str]]:

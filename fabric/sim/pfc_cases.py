@@ -6,7 +6,9 @@ and a deadlock on a cyclic topology, detected.
   idle host on ``s2``. The ``s1``-``s2`` link is fast enough for everyone, so only
   ``r``'s port is congested. With PFC, ``s2`` pauses ``s1``'s whole data class on
   that link, and the victim waits behind frames it has nothing to do with; with
-  trimming instead, it does not.
+  trimming instead, it does not. With credit-based link flow control (``credit``)
+  the victim waits too: ``s1``'s credits for ``s2`` are spent on frames queued for
+  ``r``, so the victim's frames behind them do not go.
 * :func:`run_ring`: three switches in a ring, a host on each; every host sends
   to the host two switches on, clockwise. Each switch's ring ingress fills with
   frames for the next ring link; with PFC and a small XOFF they pause each
@@ -16,6 +18,7 @@ and a deadlock on a cyclic topology, detected.
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from typing import Any
@@ -31,8 +34,9 @@ from fabric.core.congestion.config import (
     TRIM_HEADER_BYTES,
     bdp_bytes,
 )
+from fabric.core.congestion.credit import CreditLink, link_credit_bytes
 from fabric.sim.figures import count_wrong
-from fabric.sim.network import Net, PfcWatchdog, Port, Switch
+from fabric.sim.network import CONTROL_WIRE_BYTES, Net, PfcWatchdog, Port, Switch
 from fabric.sim.transport import Host, ReceiverFlow, SenderFlow
 
 __all__ = ["run_ring", "run_victim"]
@@ -100,23 +104,34 @@ def _base_rtt(hops: int, mtu: int) -> float:
     return hops * 2 * (LATENCY_S + (mtu + 64) * 8 / (LINK_GBPS * 1e9))
 
 
-def run_victim(*, pfc: bool, senders: int = 8, size: int = 500_000, victim_size: int = 200_000,
-               cc: str = "none", buffer_bytes: int = VICTIM_BUFFER_BYTES, mtu: int = HTSIM_MTU,
+def run_victim(*, pfc: bool, credit: bool = False, senders: int = 8, size: int = 500_000,
+               victim_size: int = 200_000, cc: str = "none",
+               buffer_bytes: int = VICTIM_BUFFER_BYTES, mtu: int = HTSIM_MTU,
                seed: int = 0) -> dict[str, Any]:
-    """The victim flow's completion time beside the incast's, with PFC or with trimming.
+    """The victim flow's completion time beside the incast's, with PFC, credit-based
+    link flow control (``credit``) or trimming.
 
-    Both switches share ``buffer_bytes`` among their ports under a dynamic threshold
-    (alpha 1), with PFC (its headroom on top, XOFF at 1/8 of the free buffer) or
-    with trimming."""
+    With PFC or trimming both switches share ``buffer_bytes`` among their ports
+    under a dynamic threshold (alpha 1), PFC's headroom on top and XOFF at 1/8
+    of the free buffer. With credits each link's far end grants a round trip of
+    the link at its rate, and a switch's buffer is what it granted."""
     wall0 = time.perf_counter()
     net = Net()
     rate = LINK_GBPS * 1e9
     rtt = _base_rtt(3, mtu)
     bdp = bdp_bytes(LINK_GBPS, rtt)
-    trim = not pfc
+    trim = not pfc and not credit
     marker = RedMarker(int(0.2 * bdp), int(0.8 * bdp), 1.0, random.Random(seed + 1))
+    host_credits = link_credit_bytes(LINK_GBPS, LATENCY_S, mtu, CONTROL_WIRE_BYTES)
+    fast_credits = link_credit_bytes(LINK_GBPS * (senders + 1), LATENCY_S, mtu,
+                                     CONTROL_WIRE_BYTES)
 
-    def switch(name: str) -> Switch:
+    def switch(name: str, host_links: int) -> Switch:
+        if credit:
+            sw = Switch(net, name, SharedBuffer(host_links * host_credits + fast_credits,
+                                                alpha=math.inf), marker=marker)
+            sw.credit = True
+            return sw
         if pfc:
             ingress = _pfc(mtu, LINK_GBPS * (senders + 1), None)
             reserve = (senders + 3) * ingress.headroom
@@ -130,7 +145,7 @@ def run_victim(*, pfc: bool, senders: int = 8, size: int = 500_000, victim_size:
                                               trim_reserve_bytes=headers),
                       marker=marker, trim=True)
 
-    s1, s2 = switch("s1"), switch("s2")
+    s1, s2 = switch("s1", senders + 1), switch("s2", 2)
     up, down = _connect(s1, s2, rate * (senders + 1))
     hosts = [_host(net, s1, i, rate) for i in range(senders + 1)]  # the last is the victim
     r, r2 = _host(net, s2, senders + 1, rate), _host(net, s2, senders + 2, rate)
@@ -140,6 +155,14 @@ def run_victim(*, pfc: bool, senders: int = 8, size: int = 500_000, victim_size:
     for h in (r, r2):
         s1.routes[h.hid] = [up.index]
         s2.routes[h.hid] = [_port_to(s2, h)]
+    if credit:
+        for sw in (s1, s2):
+            for port in sw.ports:
+                port.credit = CreditLink(fast_credits if port in (up, down) else host_credits,
+                                         mtu=mtu)
+        for h in (*hosts, r, r2):
+            h.nic.credit = CreditLink(host_credits, mtu=mtu)
+            h.returns_credit = True
     path = CcPath(link_gbps=LINK_GBPS, base_rtt_s=rtt, mtu=mtu, trimming=trim)
     # a frame may wait for a whole buffer to drain ahead of it: no resend before that
     rto = max(4 * rtt, rtt + 2 * buffer_bytes * 8 / rate)
@@ -155,12 +178,14 @@ def run_victim(*, pfc: bool, senders: int = 8, size: int = 500_000, victim_size:
                + victim[0].wire_size(0) * 8 / rate * 2)
     ports = [p for sw in (s1, s2) for p in sw.ports] + [h.nic for h in hosts]
     return {
-        "scenario": "pfc-victim", "pfc": pfc, "finished": done,
+        "scenario": "pfc-victim", "pfc": pfc, "credit": credit,
+        "mode": "pfc" if pfc else "credit" if credit else "trim", "finished": done,
         "victim_fct_s": v_fct, "victim_alone_s": v_alone, "victim_slowdown": v_fct / v_alone,
         "incast_completion_s": incast_end,
         "pauses": sum(p.pause.pauses for p in ports),
         "paused_s": sum(p.pause.paused_s(net.now) for p in ports),
         "uplink_paused_s": up.pause.paused_s(net.now),
+        "uplink_credit_stalled_s": up.credit.stalled(net.now) if up.credit else 0.0,
         "trims": s1.buffer.trims + s2.buffer.trims, "drops": s1.buffer.drops + s2.buffer.drops,
         "wrong": count_wrong([*flows, victim]),
         "settings": {"senders": senders, "size": size, "victim_size": victim_size, "cc": cc,

@@ -30,6 +30,7 @@ from fabric.sim.network import (
     DATA,
     K_ACK,
     K_CNP,
+    K_CREDIT,
     K_DATA,
     K_NACK,
     K_PAUSE,
@@ -39,6 +40,7 @@ from fabric.sim.network import (
     Node,
     Packet,
     Port,
+    credit_packet,
 )
 
 __all__ = ["Host", "ReceiverFlow", "SenderFlow"]
@@ -253,6 +255,8 @@ class Host(Node):
         self._credit_at: float | None = None
         #: bytes each flow sends before its first credit (receiver-driven policies)
         self.unsolicited_bytes = 0
+        #: the link into this host is credit-controlled: return each frame's credit
+        self.returns_credit = False
 
     def attach(self, rate_bps: float, latency_s: float) -> Port:
         self.nic = Port(self.net, self, 0, rate_bps, latency_s)
@@ -268,9 +272,15 @@ class Host(Node):
     def pull(self, port: Port, t: float) -> Packet | None:
         flows = self.senders
         n = len(flows)
+        credit = port.credit
         for i in range(n):
             f = flows[(self._rr + i) % n]
             if f.ready(t):
+                if credit is not None:
+                    psn = f.next_frame()
+                    assert psn is not None
+                    if not credit.can_send(f.wire_size(psn), t):
+                        return None  # a credit return kicks the port again
                 self._rr = (self._rr + i + 1) % n
                 return f.take(t)
         # nothing ready: wake for the earliest paced flow (window-limited ones wake on ACKs)
@@ -305,6 +315,9 @@ class Host(Node):
         if kind == K_PAUSE or kind == K_RESUME:
             self.nic.set_paused(pkt.flow, kind == K_PAUSE, t)
             return
+        if kind == K_CREDIT:
+            self.nic.add_credits(pkt.psn, t)
+            return
         flow = self.by_fid.get(pkt.flow)
         if flow is None:
             return
@@ -321,6 +334,8 @@ class Host(Node):
         self.nic.kick(t)
 
     def _data(self, pkt: Packet, t: float) -> None:
+        if self.returns_credit:  # the NIC takes the frame at once: its room is free
+            self.nic.enqueue(credit_packet(pkt.size), t)
         _op, flags, _src, _job, psn, key, offset, length = fr.peek(bytes(pkt.header))
         rx = self.receivers[pkt.flow]
         if rx.first and self.credit is not None:
