@@ -1462,7 +1462,7 @@ def _run_parser(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argpars
 def _gen_congestion(args: argparse.Namespace) -> CongestionSettings:
     """`semfab topo gen`'s congestion flags as settings (a refusal as a TopologyError)."""
     fields: dict[str, Any] = {"buffer_bytes": args.buffer_bytes, "buffer_alpha": args.buffer_alpha,
-                              "trim": args.trim, "pfc": args.pfc,
+                              "trim": args.trim, "pfc": args.pfc, "credit": args.credit,
                               "ecn_kmin_bytes": args.ecn_kmin_bytes,
                               "ecn_kmax_bytes": args.ecn_kmax_bytes, "ecn_pmax": args.ecn_pmax}
     if args.cc is not None:
@@ -1554,6 +1554,8 @@ def gen_main(argv: Sequence[str]) -> int:
                       help="dynamic threshold: a queue may hold A x the free buffer")
     cong.add_argument("--trim", action="store_true", help="trim payloads instead of dropping")
     cong.add_argument("--pfc", action="store_true", help="lossless data class (PFC)")
+    cong.add_argument("--credit", action="store_true",
+                      help="credit-based link flow control (the scale-up way)")
     cong.add_argument("--ecn-kmin-bytes", type=int, default=None, metavar="B",
                       help="ECN: no mark at or below")
     cong.add_argument("--ecn-kmax-bytes", type=int, default=None, metavar="B",

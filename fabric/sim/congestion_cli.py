@@ -253,7 +253,8 @@ def settings_from_args(args: argparse.Namespace) -> Any:
         mtu=args.mtu, base_rtt_us=args.base_rtt_us, cc=_pick(args.cc, c.cc, "nscc"),
         buffer=_pick(_bytes("--buffer", args.buffer), c.buffer_bytes, None),
         buffer_alpha=_pick(args.buffer_alpha, c.buffer_alpha, math.inf),
-        trim=args.trim or c.trim, pfc=args.pfc or c.pfc, credit=args.credit,
+        trim=args.trim or c.trim, pfc=args.pfc or c.pfc,
+        credit=args.credit or c.credit,
         kmin=_pick(_bytes("--kmin", args.kmin), c.ecn_kmin_bytes, None),
         kmax=_pick(_bytes("--kmax", args.kmax), c.ecn_kmax_bytes, None),
         pmax=_pick(args.pmax, c.ecn_pmax, None), ecn=not args.no_ecn, seed=args.seed)

@@ -12,6 +12,7 @@ for queues and marking, HPCC's for PFC: :mod:`fabric.core.congestion.config`)::
     ecn_kmax_bytes = 120000    # ... every frame above
     ecn_pmax = 1.0
     pfc = false                # lossless data class (not with trim)
+    credit = false             # credit-based link flow control (not with pfc or trim)
     cc = "nscc"                # streams' sender policy: none, dcqcn, nscc, or registered
                                # (absent: the reliability window alone)
     base_rtt_us = 2000.0       # the unloaded round trip policies assume (absent: the
@@ -36,7 +37,7 @@ __all__ = ["CONGESTION_KEYS", "CongestionSettings"]
 
 #: Keys of ``[congestion]``.
 CONGESTION_KEYS = ("buffer_bytes", "buffer_alpha", "trim", "ecn_kmin_bytes", "ecn_kmax_bytes",
-                   "ecn_pmax", "pfc", "cc", "base_rtt_us")
+                   "ecn_pmax", "pfc", "credit", "cc", "base_rtt_us")
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,8 @@ class CongestionSettings:
     ecn_kmax_bytes: int | None = None
     ecn_pmax: float | None = None
     pfc: bool = False
+    #: credit-based link flow control, the scale-up way (packet-level scenarios)
+    credit: bool = False
     #: the senders' policy; None: streams keep the reliability window alone (the
     #: congestion scenarios default to nscc)
     cc: str | None = None
@@ -75,6 +78,9 @@ class CongestionSettings:
         p = self.ecn_pmax
         if p is not None and not (isinstance(p, (int, float)) and 0.0 < p <= 1.0):
             raise CongestionConfigError(f"ecn_pmax must be in (0, 1], got {p!r}")
+        if self.credit and (self.pfc or self.trim):
+            raise CongestionConfigError("credit with pfc or trim: credit-based links are "
+                                        "lossless by themselves; choose one")
         if self.pfc and self.trim:
             raise CongestionConfigError("pfc and trim: a lossless class is never trimmed; "
                                         "choose one")
@@ -96,7 +102,7 @@ class CongestionSettings:
                                         f"{', '.join(CONGESTION_KEYS)}")
         out: dict[str, Any] = {}
         for key, value in table.items():
-            if key in ("trim", "pfc"):
+            if key in ("trim", "pfc", "credit"):
                 if not isinstance(value, bool):
                     raise CongestionConfigError(f"{key} must be true or false, got {value!r}")
             elif key == "cc":
