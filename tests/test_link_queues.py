@@ -99,3 +99,18 @@ def test_the_congestion_table_makes_each_switch_its_queues() -> None:
     assert q["sw0"].buffer.buffer.trim_bytes == 64
     with pytest.raises(CongestionConfigError, match="cannot hold one frame"):
         switch_queues(t.with_congestion(CongestionSettings(buffer_bytes=4000)))
+
+
+def test_only_a_streams_data_is_trimmed() -> None:
+    pipe = _pipe(1032, trim=True)
+    body = np.arange(1000, dtype=np.uint8)
+    stream = fr.encode_header(fr.Op.WRITE, src=1, dst=2, flow=20, psn=1, payload=body)
+    other = fr.encode_header(fr.Op.WRITE, src=1, dst=2, flow=2, psn=2, payload=body)
+    group = fr.encode_header(fr.Op.WRITE, src=1, dst=2, flow=16, psn=3, payload=body,
+                             flags=fr.Flag.MCAST)
+    pipe.push(_frames(1, 1000)[0], 0.0)  # fills the buffer
+    for header in (stream, other, group):
+        pipe.push((header, body), 0.0)
+    st = pipe.statistics()
+    assert (st.trims, st.overflow_drops) == (1, 2)
+    assert fr.trimmable(stream) and not fr.trimmable(other) and not fr.trimmable(group)

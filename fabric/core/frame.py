@@ -53,6 +53,8 @@ __all__ = [
     "decode",
     "decode_trimmed",
     "is_trimmed",
+    "trimmable",
+    "STREAM_FLOWS",
     "mark_ce",
     "peek",
     "DTYPE_SIZES",
@@ -210,7 +212,7 @@ _DTYPE_BY_VALUE = {int(d): d for d in DType}
 _FLAGS_BY_VALUE = [Flag(i) for i in range(256)]
 _FLAG_OF = dict(enumerate(_FLAGS_BY_VALUE))
 _SIZE_BY_VALUE = {int(d): n for d, n in DTYPE_SIZES.items()}
-_F_REF, _F_CRC, _F_ECN = int(Flag.REF), int(Flag.CRC), int(Flag.ECN)
+_F_REF, _F_CRC, _F_ECN, _F_MCAST = int(Flag.REF), int(Flag.CRC), int(Flag.ECN), int(Flag.MCAST)
 _VT_BASE = (VERSION << 4) | HEADER_TYPE_BASE
 # Opcodes that never carry data bytes: their length must be 0 (ACK/NACK) or
 # name remote memory (READ, which must say so with Flag.REF).
@@ -289,7 +291,7 @@ class Frame(NamedTuple):
 
 # Opcodes as plain ints for the encoder's checks (enum attribute lookups and
 # comparisons cost more than the packing itself).
-_READ, _ACK, _NACK = int(Op.READ), int(Op.ACK), int(Op.NACK)
+_READ, _ACK, _NACK, _WRITE = int(Op.READ), int(Op.ACK), int(Op.NACK), int(Op.WRITE)
 _ATOMIC_ADD, _FETCH_ADD = int(Op.ATOMIC_ADD), int(Op.FETCH_ADD)
 
 
@@ -541,6 +543,21 @@ def decode(buf: bytes | bytearray | memoryview, payload: object = None) -> Frame
         opc, _FLAGS_BY_VALUE[flags], dt, src, dst, job, flow, psn, key, offset, length, msg,
         body, VERSION,
     ))
+
+
+#: The flows of reliable streams: point-to-point (16) and the collectives' (20);
+#: their ACKs and NACKs travel on flow + 1. Their receivers answer a trimmed frame
+#: with a TRIMMED NACK, so these are the frames a switch trims (others it drops).
+STREAM_FLOWS = (16, 20)
+
+
+def trimmable(header: bytes | bytearray | memoryview) -> bool:
+    """Whether a switch may trim this frame rather than drop it: a unicast WRITE of a
+    stream (:data:`STREAM_FLOWS`), whose receiver asks for it again at once."""
+    view = memoryview(header)
+    if view.nbytes < HEADER_SIZE or view[1] != _WRITE or view[2] & _F_MCAST:
+        return False
+    return _HEADER.unpack_from(view)[7] in STREAM_FLOWS
 
 
 def is_trimmed(header: bytes | bytearray | memoryview, payload: object = None) -> bool:

@@ -243,7 +243,10 @@ class LinkPipeline:
                     self._trim(item, now, again=True)  # cut upstream: a header already
                     return
                 queued = buf.queued(self.port, now)
-                admitted = buf.admit(self.port, nbytes, now)
+                # a frame of a header alone goes ahead whole; a stream's is cut to its
+                # header; any other is dropped (its receiver could not ask for it)
+                admitted = buf.admit(self.port, nbytes, now,
+                                     trimmable=item[1] is None or fr.trimmable(item[0]))
                 if admitted is Admission.DROP:
                     self.overflow_drops += 1
                     self._count_lost(item[0])

@@ -482,7 +482,7 @@ class NodeState:
         so its sender resends at once; other flows' are dropped like a lost frame
         (their senders' timers resend them)."""
         self.trims_received += 1
-        if f.op is not Op.WRITE or f.flow not in (P2P_FLOW, COLL_FLOW):
+        if f.op is not Op.WRITE or f.flow not in fr.STREAM_FLOWS:
             return []
         return [(fr.encode_nack(src=self.node_id, dst=f.src, flow=f.flow + 1, psn=f.psn,
                                 code=NackCode.TRIMMED, job=f.job, msg=f.msg, crc=self.crc),
@@ -1507,9 +1507,9 @@ def fixed_program(st: NodeState, t: Tensor, path: str, group: Group | None = Non
 #: (other flows: 2 host-ps, 3 ring, 20 collective streams). A receiver is done
 #: when it has every byte; a retransmission after that (its last ACK was lost)
 #: is acknowledged by NodeState.answer_stale.
-P2P_FLOW = 16
-#: Flow of collective streams; their ACK/NACK travel on COLL_FLOW + 1.
-COLL_FLOW = 20
+#: Flow of collective streams; their ACK/NACK travel on COLL_FLOW + 1 (both are
+#: the frame codec's STREAM_FLOWS: the flows a switch trims rather than drops).
+P2P_FLOW, COLL_FLOW = fr.STREAM_FLOWS
 #: Retransmissions of one frame before a stream fails, and the RTO ceiling: a
 #: fabric's round trip is milliseconds, and go-back-N under heavy loss needs
 #: many rounds for a tail frame.

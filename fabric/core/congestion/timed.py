@@ -46,12 +46,15 @@ class TimedBuffer:
         otherwise); :meth:`hold` it with its departure time when it may."""
         return self.admit(port, nbytes, now) is Admission.ACCEPT
 
-    def admit(self, port: int, nbytes: int, now: float) -> Admission:
+    def admit(self, port: int, nbytes: int, now: float, *, trimmable: bool = True
+              ) -> Admission:
         """Admit a frame of ``nbytes`` to ``port``'s data queue, trim it (when the
-        buffer trims: its header is charged to the header class) or drop it."""
+        buffer trims and the frame may be trimmed: its header is charged to the
+        header class) or drop it."""
         self.advance(now)
+        trim = self.buffer.trim_bytes and trimmable
         return self.buffer.offer(port, DATA_CLASS, nbytes,
-                                 trim_tc=HEADER_CLASS if self.buffer.trim_bytes else None)
+                                 trim_tc=HEADER_CLASS if trim else None)
 
     def hold(self, port: int, nbytes: int, leaves_at: float, tc: int = DATA_CLASS) -> None:
         """The admitted frame leaves ``port`` at ``leaves_at`` (its last byte on the wire)."""
