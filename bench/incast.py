@@ -85,6 +85,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=60.0, help="seconds any wait may take")
     p.add_argument("--json", metavar="PATH", help="write rows and settings as JSON")
     p.add_argument("--markdown", metavar="PATH", help="write the table as Markdown")
+    p.add_argument("--plot", metavar="PNG",
+                   help="draw the bottleneck queue over the last timed iteration, both worlds, "
+                   "one PNG per policy (NAME-POLICY.png)")
+    p.add_argument("--trace", metavar="JSON",
+                   help="write those queues as Perfetto counter tracks (ui.perfetto.dev)")
     p.add_argument("--run-dir", help="where process logs go")
     p.add_argument("--keep-runs", action="store_true",
                    help="keep the process logs of a clean run (removed by default)")
@@ -159,7 +164,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
         if v < (1 if flag == "--iters" else 0):
             raise UsageError(f"{flag} {v}: must be at least {1 if flag == '--iters' else 0}")
     check_seconds("--timeout", args.timeout)
-    for flag in ("json", "markdown"):
+    for flag in ("json", "markdown", "plot", "trace"):
         if getattr(args, flag, None):
             check_output_file(f"--{flag}", getattr(args, flag))
     return Settings(args.senders, size, float(args.link_gbps), float(args.latency_us), args.mtu,
@@ -202,7 +207,7 @@ def incast_work(ctx: Any, senders: int, size: int, iterations: int, seed: int
             t1 = yield ctx.clock()
             wrong = sum(int(np.count_nonzero(bufs[i] != flow_data(seed, it, i, size)))
                         for i in range(senders))
-            out.append({"seconds": t1 - t0, "wrong": wrong})
+            out.append({"seconds": t1 - t0, "t0": t0, "wrong": wrong})
         elif ctx.rank < senders:
             r = yield ctx.send(flow_data(seed, it, ctx.rank, size), senders)
             t1 = yield ctx.clock()
@@ -277,6 +282,14 @@ def ideal_s(s: Settings) -> tuple[float, float]:
     return s.senders * wire * 8 / rate + first, wire * 8 / rate + first
 
 
+def _last_window(s: Settings, per: list[list[dict[str, Any]]],
+                 series: list[tuple[float, int]] | None) -> list[tuple[float, int]]:
+    """The bottleneck queue over the last timed iteration, from its start (seconds)."""
+    last = per[s.senders][-1]
+    t0, t1 = last["t0"], last["t0"] + last["seconds"]
+    return [(t - t0, b) for t, b in series or () if t0 <= t <= t1]
+
+
 def _row(s: Settings, world: str, cc: str, per: list[list[dict[str, Any]]],
          counters: dict[str, int]) -> dict[str, Any]:
     from fabric.sim.figures import jain, slowdowns
@@ -311,8 +324,10 @@ def _queue_counters(stats: dict[str, Any], port: str) -> dict[str, int]:
     return {}
 
 
-def _emulate(s: Settings, cc: str, base_rtt_s: float, args: argparse.Namespace
-             ) -> dict[str, Any]:
+def _emulate(s: Settings, cc: str, base_rtt_s: float, args: argparse.Namespace,
+             record: dict[str, Any] | None = None) -> dict[str, Any]:
+    import os
+
     from fabric.emulation.launcher import launch
     from fabric.emulation.workloads import run_in_emulation
 
@@ -321,22 +336,43 @@ def _emulate(s: Settings, cc: str, base_rtt_s: float, args: argparse.Namespace
                           "remove_run_dir": not (args.run_dir or args.keep_runs)}
     if args.run_dir:
         kw["run_dir"] = f"{args.run_dir}/{cc}"
-    with launch(topology=topo, **kw) as fab:
-        per = fab.run(run_in_emulation, incast_work, s.senders, s.size, s.warmup + s.iters,
-                      s.seed)
-        counters = _queue_counters(fab.switch_stats(), f"sw0>w{s.senders}")
-    return _row(s, "emulation", cc, per, counters)
+    port = f"sw0>w{s.senders}"
+    before = os.environ.get("SEMFAB_QUEUE_TRACE")
+    if record is not None:  # the switch daemon records its queues (they inherit this)
+        os.environ["SEMFAB_QUEUE_TRACE"] = "1"
+    try:
+        with launch(topology=topo, **kw) as fab:
+            per = fab.run(run_in_emulation, incast_work, s.senders, s.size,
+                          s.warmup + s.iters, s.seed)
+            stats = fab.switch_stats()
+    finally:
+        if record is not None:
+            if before is None:
+                os.environ.pop("SEMFAB_QUEUE_TRACE", None)
+            else:
+                os.environ["SEMFAB_QUEUE_TRACE"] = before
+    if record is not None:
+        depth = next((sw["queue_depth"][port] for sw in stats.values()
+                      if isinstance(sw, dict) and port in (sw.get("queue_depth") or {})), None)
+        record[f"{cc} emulation {port}"] = _last_window(s, per, depth)
+    return _row(s, "emulation", cc, per, _queue_counters(stats, port))
 
 
-def _simulate(s: Settings, cc: str, base_rtt_s: float, timeout_s: float) -> dict[str, Any]:
+def _simulate(s: Settings, cc: str, base_rtt_s: float, timeout_s: float,
+              record: dict[str, Any] | None = None) -> dict[str, Any]:
     from fabric.sim import Simulation
 
     # the emulator's software share of the round trip, as latency on each link direction
     extra_us = max(base_rtt_s - links_rtt_s(s), 0.0) / 4 * 1e6
     topo = _star(s, extra_us).with_congestion(congestion(s, cc, base_rtt_s))
-    res = Simulation(topo, seed=s.seed, timeout_s=timeout_s).run(
-        incast_work, s.senders, s.size, s.warmup + s.iters, s.seed)
+    sim = Simulation(topo, seed=s.seed, timeout_s=timeout_s)
+    hot = sim.pipes[("sw0", f"w{s.senders}")]
+    if record is not None:
+        hot.depth = []
+    res = sim.run(incast_work, s.senders, s.size, s.warmup + s.iters, s.seed)
     port = f"sw0>w{s.senders}"
+    if record is not None:
+        record[f"{cc} simulation {port}"] = _last_window(s, res.results, hot.depth)
     counters = {"overflow_drops": res.overflow_drops, "trims": res.trims,
                 "ecn_marks": res.ecn_marks, "peak_queue_bytes": res.queue_peaks.get(port, 0)}
     return _row(s, "simulation", cc, res.results, counters)
@@ -391,6 +427,28 @@ def _header(s: Settings, base_rtt_s: float | None) -> str:
     return text
 
 
+def _pictures(s: Settings, queues: dict[str, Any], args: argparse.Namespace) -> None:
+    """The bottleneck queue of each policy's last timed iteration, both worlds."""
+    from pathlib import Path
+
+    from fabric.sim import congestion_plots
+
+    what = f"incast {s.senders} -> 1 of {report.format_size(s.size)}"
+    if args.plot:
+        base = Path(args.plot)
+        for cc in s.policies:
+            mine = {k: v for k, v in queues.items() if k.split()[0] == cc}
+            out = base.with_name(f"{base.stem}-{cc}{base.suffix or '.png'}")
+            congestion_plots.plot_queues({"queues": mine}, out, f"{what}, {cc}: the "
+                                         "bottleneck queue, last timed iteration",
+                                         xlabel="time from the receiver's start (us; "
+                                         "emulation: wall clock)")
+            print(f"# wrote {out}")
+    if args.trace:
+        congestion_plots.write_trace({"queues": queues}, args.trace, f"semfab bench {what}")
+        print(f"# wrote {args.trace}")
+
+
 def format_table(rows: list[dict[str, Any]]) -> str:
     """Markdown: one row per (policy, world)."""
     head = [name for name, _w in _COLS]
@@ -411,16 +469,17 @@ def run(args: argparse.Namespace) -> int:
     print(_header(s, base_rtt).split("\n")[1], flush=True)
     print("#" + "".join(f"{name:>{w}}" for name, w in _COLS)[1:], flush=True)
     rows: list[dict[str, Any]] = []
+    queues: dict[str, Any] | None = {} if (args.plot or args.trace) else None
     for cc in s.policies:
         sim_row: dict[str, Any] | None = None
         if s.sim:
             try:
-                sim_row = _simulate(s, cc, base_rtt, args.timeout)
+                sim_row = _simulate(s, cc, base_rtt, args.timeout, queues)
             except SemfabError as exc:
                 sim_row = {"world": "simulation", "cc": cc, "error": f"{type(exc).__name__}: "
                            f"{exc}"}
         try:
-            emu = _emulate(s, cc, base_rtt, args)
+            emu = _emulate(s, cc, base_rtt, args, queues)
             if sim_row is not None and "error" not in sim_row:
                 emu["vs_sim"] = emu["completion_s"] / sim_row["completion_s"]
         except SemfabError as exc:
@@ -453,4 +512,6 @@ def run(args: argparse.Namespace) -> int:
     if args.markdown:
         path = report.write_markdown(args.markdown, _header(s, base_rtt) + "\n\n" + table + "\n")
         print(f"# wrote {path}")
+    if queues is not None:
+        _pictures(s, queues, args)
     return 1 if failed or wrong else 0

@@ -130,6 +130,12 @@ class SwitchDaemon:
                 if inp.active:
                     self._ingress[peer] = inp
         self._pipes = [*self._ingress.items(), *self._egress.items()]
+        # SEMFAB_QUEUE_TRACE=1: record each bounded egress queue's depth (monotonic
+        # seconds), reported in statistics() as "queue_depth"
+        if os.environ.get("SEMFAB_QUEUE_TRACE", "") not in ("", "0"):
+            for pipe in self._egress.values():
+                if pipe.queues is not None:
+                    pipe.depth = []
         self.frames_out = 0
         self.bytes_out = 0
         self.unroutable = 0
@@ -405,6 +411,8 @@ class SwitchDaemon:
                 "ecn_marks": st.ecn_marks, "peak_queue_bytes": st.peak_queue_bytes}
                 for peer, pipe in self._egress.items()
                 if pipe.queues is not None and (st := pipe.statistics())},
+            "queue_depth": {f"{self.name}>{peer.decode()}": pipe.depth
+                            for peer, pipe in self._egress.items() if pipe.depth is not None},
             "faults": {"in": _sum_faults(self._ingress), "out": _sum_faults(self._egress)},
             "uptime_s": time.monotonic() - self._started,
         }

@@ -44,8 +44,14 @@ def test_bench_incast_emulated_and_simulated(tmp_path: Path) -> None:
     out = tmp_path / "incast.json"
     rc = main(["bench", "incast", "--senders", "2", "--size", "200K", "--mtu", "8192",
                "--link-gbps", "0.2", "--cc", "nscc", "--trim", "-w", "0", "-n", "1",
-               "--run-dir", str(tmp_path / "runs"), "--json", str(out)])
+               "--run-dir", str(tmp_path / "runs"), "--json", str(out),
+               "--plot", str(tmp_path / "q.png"), "--trace", str(tmp_path / "q.json")])
     assert rc == 0
+    assert (tmp_path / "q-nscc.png").stat().st_size > 0
+    trace = json.loads((tmp_path / "q.json").read_text())
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    names = {e["name"] for e in events if e.get("ph") == "C"}
+    assert any("emulation" in n for n in names) and any("simulation" in n for n in names)
     doc = json.loads(out.read_text())
     rows = doc["results"]
     assert [(r["world"], r["cc"]) for r in rows] == [("emulation", "nscc"),

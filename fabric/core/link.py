@@ -24,6 +24,10 @@ every link), so a frame is shaped and faulted once per link it crosses.
 
 Items are ``(header, payload)`` pairs; the pipeline's owner knows where the
 link leads.
+
+A queue's depth over time can be recorded (``depth = []``): at each frame that
+joins, the data bytes the port holds with it (drops and trims at the bytes it
+held), at most ``DEPTH_POINTS`` points.
 """
 
 from __future__ import annotations
@@ -41,7 +45,10 @@ from fabric.core.faults import FaultInjector, FaultSpec, FaultStats
 from fabric.core.frame import Flag, FrameError
 from fabric.core.topology import LinkParams
 
-__all__ = ["LinkPipeline", "LinkShaper", "PipelineStats", "wire_bytes"]
+__all__ = ["DEPTH_POINTS", "LinkPipeline", "LinkShaper", "PipelineStats", "wire_bytes"]
+
+#: Queue-depth samples a recording pipeline keeps (a long run has millions).
+DEPTH_POINTS = 200_000
 
 Item = tuple[Any, Any]
 
@@ -159,6 +166,8 @@ class LinkPipeline:
         self.trims = 0
         self.ecn_marks = 0
         self.peak_queue = 0
+        #: ``[(now, data bytes queued)]`` at each arrival when set to a list
+        self.depth: list[tuple[float, int]] | None = None
         if injector is not None:  # a caller's own, already seeded
             self.injector: FaultInjector | None = injector
         else:
@@ -243,6 +252,9 @@ class LinkPipeline:
                     self._trim(item, now, again=True)  # cut upstream: a header already
                     return
                 queued = buf.queued(self.port, now)
+                depth = self.depth
+                if depth is not None and len(depth) < DEPTH_POINTS:
+                    depth.append((now, queued))  # replaced below if the frame joins
                 # a frame of a header alone goes ahead whole; a stream's is cut to its
                 # header; any other is dropped (its receiver could not ask for it)
                 admitted = buf.admit(self.port, nbytes, now,
@@ -256,6 +268,8 @@ class LinkPipeline:
                     return
                 if queued + nbytes > self.peak_queue:
                     self.peak_queue = queued + nbytes
+                if depth is not None and depth and depth[-1] == (now, queued):
+                    depth[-1] = (now, queued + nbytes)
                 if q.marker is not None and q.marker.mark(queued):
                     self.ecn_marks += 1
                     item = (fr.mark_ce(item[0], item[1]), item[1])

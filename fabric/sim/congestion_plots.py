@@ -41,7 +41,8 @@ def _paused_spans(pauses: dict[str, list[tuple[float, bool]]]) -> list[tuple[flo
     return spans
 
 
-def plot_queues(record: dict[str, Any], path: str | Path, title: str) -> Path:
+def plot_queues(record: dict[str, Any], path: str | Path, title: str,
+                xlabel: str = "virtual time (us)") -> Path:
     """PNG: each recorded port's data queue (kB) against time (us); paused spans shaded."""
     import matplotlib
 
@@ -58,7 +59,7 @@ def plot_queues(record: dict[str, Any], path: str | Path, title: str) -> Path:
     for k, (a, b) in enumerate(spans):
         ax.axvspan(a * 1e6, b * 1e6, alpha=0.15, color="red",
                    label="some port paused (PFC)" if k == 0 else None)
-    ax.set_xlabel("virtual time (us)")
+    ax.set_xlabel(xlabel)
     ax.set_ylabel("data queue (kB)")
     ax.set_title(title)
     ax.grid(True, alpha=0.3)
