@@ -173,3 +173,12 @@ def test_the_policy_timer_is_applied_when_the_sender_next_acts() -> None:
     assert cut < PATH.line_rate_bps and tx.get_timer() != cc.get_timer()
     tx.handle_ack(1, 0, 10e-6 + 10 * 55e-6)  # ten recovery periods later
     assert cc.rate_bps > cut
+
+
+def test_a_frame_held_by_the_window_leaves_no_pacing_timer_behind() -> None:
+    cc = Recording(PATH, cwnd=1e9, rate_bps=1e9)  # frames 8 us apart
+    tx = Sender(1, cc=cc, window_frames=2, rto_initial=0.01, rto_min=0.001)
+    tx.send_many([(i, 1000) for i in range(3)], 0.0)
+    assert [t.psn for t in tx.handle_timer(8e-6)] == [1]
+    assert tx.handle_timer(16e-6) == []  # the pacer would let frame 2 go; the window not
+    assert tx.get_timer() == pytest.approx(0.01)  # the RTO, not a deadline gone by

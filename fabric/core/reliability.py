@@ -691,6 +691,7 @@ class Sender(Generic[H]):
         self._cc_bytes = 0  # bytes in flight, as the policy's window counts them
         self._pace_at = -math.inf  # the policy's pacing: no new frame before this
         self._pace_wait: float | None = None  # a frame waits for the pacing time
+        self._paced = False  # the last pump stopped at the pacer: the next frame waited
         self._cnp = CnpPacer() if cc is not None and cc.wants_cnp else None
         self._ecn_echoes = 0
 
@@ -917,6 +918,7 @@ class Sender(Generic[H]):
         cc = self.cc
         if cc is not None:
             self._cc_tick(now)
+            self._pace_wait = None  # set again below while the pacer holds a frame
         while self._queue and not self._window_full():
             handle, size = self._queue[0]
             if self._flight and self._span_bytes + size > self.window_bytes:
@@ -926,7 +928,6 @@ class Sender(Generic[H]):
                     self._pace_wait = self._pace_at
                     break
                 if not cc.can_send(self._cc_bytes, size):
-                    self._pace_wait = None  # held by the window, not the pacer
                     break  # an ACK opens the window
                 self._cc_sent(size, now)
             self._queue.popleft()
@@ -940,6 +941,8 @@ class Sender(Generic[H]):
             out.append(Transmit(psn, handle, size, retransmit=False))
         if out and (not self._queue or self._window_full()):
             out[-1] = replace(out[-1], ack_req=True)
+        # only a frame the pacer held may make up for a late wake (see _cc_sent)
+        self._paced = self._pace_wait is not None
         return out
 
     def _cc_sent(self, size: int, now: float) -> None:
@@ -956,8 +959,8 @@ class Sender(Generic[H]):
         # late (a driver that woke late) gives the next one up to an interval back,
         # so lateness does not add up; one that found the pacer idle starts afresh.
         interval = size * 8 / rate
-        base = max(self._pace_at, now - interval) if self._pace_wait is not None else now
-        self._pace_wait = None
+        base = max(self._pace_at, now - interval) if self._paced else now
+        self._paced = False
         self._pace_at = base + interval
 
     def _cc_tick(self, now: float) -> None:
