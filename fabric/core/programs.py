@@ -34,6 +34,7 @@ from mypy_extensions import mypyc_attr
 
 from fabric.core import control
 from fabric.core import frame as fr
+from fabric.core.congestion import CcPath, CongestionControl, make_cc
 from fabric.core.frame import Flag, NackCode, Op
 from fabric.core.reliability import PSN_MASK, SACK_BITS, get_policy
 from fabric.core.semantic import SemanticCounts
@@ -323,7 +324,7 @@ class NodeState:
         self.estimators: dict[str, RttEstimator] = {}
         self._bottleneck: dict[int | None, float | None] = {}
         self.trims_received = 0  # frames that came trimmed (a switch cut their payload)
-        self._cc_paths: dict[int, Any] = {}
+        self._cc_paths: dict[tuple[int, int], CcPath | None] = {}
 
     def estimator(self, role: str, rto_min: float) -> RttEstimator:
         """The round-trip estimator of ``role``: later calls start from what earlier
@@ -444,7 +445,7 @@ class NodeState:
         smallest MTU when that is less (both ends of a stream agree on it)."""
         return min(STREAM_FRAME_BYTES, self.mtu)
 
-    def stream_cc(self, dst: int, frame_bytes: int) -> Any:
+    def stream_cc(self, dst: int, frame_bytes: int) -> CongestionControl | None:
         """A new instance of the topology's ``[congestion] cc`` policy for a stream to
         node ``dst`` (None: no policy named, or this node's link is unshaped, so
         there is no line rate to start from).
@@ -452,12 +453,11 @@ class NodeState:
         Its path: this node's line rate, and the round trip of one frame and its
         ACK on an idle fabric: ``[congestion] base_rtt_us``, or from the links
         (each latency both ways and both serialisations, store and forward)."""
-        from fabric.core.congestion import CcPath, make_cc
-
         name = self.topo.congestion.cc
         if name is None:
             return None
-        if dst not in self._cc_paths:
+        key = (dst, frame_bytes)
+        if key not in self._cc_paths:
             far = self.topo.by_id(dst).name
             hops = [self.name, *self.topo.route(self.name, far), far]
             links = [lk for a, b in zip(hops, hops[1:], strict=False)
@@ -472,8 +472,8 @@ class NodeState:
                     rtt = self.topo.congestion.base_rtt_us * 1e-6
                 path = CcPath(link_gbps=links[0].params.bandwidth_gbps, base_rtt_s=rtt,
                               mtu=wire, trimming=self.topo.congestion.trim)
-            self._cc_paths[dst] = path
-        path = self._cc_paths[dst]
+            self._cc_paths[key] = path
+        path = self._cc_paths[key]
         return None if path is None else make_cc(name, path)
 
     def answer_trimmed(self, f: fr.Frame) -> list[Send]:
@@ -1502,13 +1502,12 @@ def fixed_program(st: NodeState, t: Tensor, path: str, group: Group | None = Non
 
 
 # ---------------------------------------------------------------------- p2p streams
-#: Flows of point-to-point streams: data travels on P2P_FLOW, ACK/NACK back on
-#: P2P_FLOW + 1, so A -> B and B -> A streams never take each other's frames
-#: (other flows: 2 host-ps, 3 ring, 20 collective streams). A receiver is done
-#: when it has every byte; a retransmission after that (its last ACK was lost)
-#: is acknowledged by NodeState.answer_stale.
-#: Flow of collective streams; their ACK/NACK travel on COLL_FLOW + 1 (both are
-#: the frame codec's STREAM_FLOWS: the flows a switch trims rather than drops).
+#: Flows of streams: point-to-point data travels on P2P_FLOW, collective streams'
+#: on COLL_FLOW, and their ACK/NACK back on the flow + 1, so A -> B and B -> A
+#: streams never take each other's frames (other flows: 2 host-ps, 3 ring). Both
+#: are the frame codec's STREAM_FLOWS, the flows a switch trims rather than drops.
+#: A receiver is done when it has every byte; a retransmission after that (its
+#: last ACK was lost) is acknowledged by NodeState.answer_stale.
 P2P_FLOW, COLL_FLOW = fr.STREAM_FLOWS
 #: Retransmissions of one frame before a stream fails, and the RTO ceiling: a
 #: fabric's round trip is milliseconds, and go-back-N under heavy loss needs
