@@ -182,3 +182,30 @@ def test_a_frame_held_by_the_window_leaves_no_pacing_timer_behind() -> None:
     assert [t.psn for t in tx.handle_timer(8e-6)] == [1]
     assert tx.handle_timer(16e-6) == []  # the pacer would let frame 2 go; the window not
     assert tx.get_timer() == pytest.approx(0.01)  # the RTO, not a deadline gone by
+
+
+class Halving(Recording):
+    """Halves its window on each timeout, down to one frame."""
+
+    def on_timeout(self, nbytes: int, now: float) -> None:
+        super().on_timeout(nbytes, now)
+        self.cwnd = max(self.cwnd / 2, 1000.0)
+
+
+def test_resends_after_a_timeout_wait_for_the_window_oldest_first() -> None:
+    cc = Halving(PATH, cwnd=4000.0)
+    tx = _sender(cc)
+    assert [t.psn for t in tx.send_many([(i, 1000) for i in range(6)], 0.0)] == [0, 1, 2, 3]
+    out = tx.handle_timer(0.011)  # the whole window was lost: its RTO
+    assert [(t.psn, t.retransmit) for t in out] == [(0, True)]  # one frame's window
+    assert [e for e in cc.events if e[0] == "timeout"] == [("timeout", 1000)] * 4
+    # the others wait for the window, not for timers of their own
+    assert tx.get_timer() is not None and tx.get_timer() > 0.012
+    out = tx.handle_ack(0, 0, 0.012)
+    assert [(t.psn, t.retransmit) for t in out] == [(1, True)]
+    out = tx.handle_ack(1, 0, 0.013)
+    assert [(t.psn, t.retransmit) for t in out] == [(2, True)]
+    # a late ACK for a frame still waiting takes it out of the resends
+    out = tx.handle_ack(3, 0, 0.014)
+    assert [(t.psn, t.retransmit) for t in out] == [(4, False)]
+    assert tx.statistics().retransmitted == 3

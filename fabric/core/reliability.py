@@ -566,6 +566,7 @@ class _Flight(Generic[H]):
     losses: int = 0  # times declared lost itself (not resent as a policy's collateral)
     acked: bool = False
     in_pipe: bool = True  # its size counts in the congestion window's bytes in flight
+    waiting: bool = False  # declared lost, its resend waits for the policy's window
 
 
 class Sender(Generic[H]):
@@ -599,8 +600,11 @@ class Sender(Generic[H]):
     the policy hears every ACK (bytes, the ECN echo, the round trip), every loss
     (NACK or threshold: ``on_nack``; RTO: ``on_timeout``) and, for a policy that
     wants CNPs, an ECN echo at most once per DCQCN's CNP interval (the pacing a
-    receiver's notification point would apply). Retransmissions go at once, as
-    without a policy. Receiver-driven (credit) policies are not for this sender.
+    receiver's notification point would apply). A frame declared lost waits for
+    the window and the pacer too, ahead of new frames (without that, an RTO that
+    finds a whole window lost resends all of it into the queue that dropped it,
+    and the resends are lost again). Receiver-driven (credit) policies are not
+    for this sender.
     The policy's own timer is applied when the sender next acts (an ACK, a NACK,
     a pacing or retransmission timer, new frames), not woken for: a timer every
     55 us (DCQCN's) would keep an emulated sender's process busy. A policy's
@@ -692,6 +696,7 @@ class Sender(Generic[H]):
         self._pace_at = -math.inf  # the policy's pacing: no new frame before this
         self._pace_wait: float | None = None  # a frame waits for the pacing time
         self._paced = False  # the last pump stopped at the pacer: the next frame waited
+        self._rtx: deque[int] = deque()  # lost frames waiting for the window, oldest first
         self._cnp = CnpPacer() if cc is not None and cc.wants_cnp else None
         self._ecn_echoes = 0
 
@@ -811,7 +816,7 @@ class Sender(Generic[H]):
                 )
             )
         f = self._flight.get(psn)
-        if f is None or f.acked or code is NackCode.NO_RESOURCE:
+        if f is None or f.acked or f.waiting or code is NackCode.NO_RESOURCE:
             self._nacks_ignored += 1
             return []
         # A NACK sent after the latest copy arrived cannot come back before a
@@ -858,7 +863,8 @@ class Sender(Generic[H]):
                 out.extend(self._pump(now))
             return out
         rto = self._rtt.rto
-        expired = [f.psn for f in self._flight.values() if not f.acked and f.last_sent + rto <= now]
+        expired = [f.psn for f in self._flight.values()
+                   if not f.acked and not f.waiting and f.last_sent + rto <= now]
         self._timeouts += 1
         # RFC 6298 §5.5: back off the timer (RTO = RTO * 2), bounded by rto_max.
         # The backed-off value stays until a valid RTT sample (Karn, §5.7).
@@ -870,7 +876,7 @@ class Sender(Generic[H]):
     def _rto_deadline(self) -> float | None:
         oldest: float | None = None
         for f in self._flight.values():
-            if not f.acked and (oldest is None or f.last_sent < oldest):
+            if not f.acked and not f.waiting and (oldest is None or f.last_sent < oldest):
                 oldest = f.last_sent
         return None if oldest is None else oldest + self._rtt.rto
 
@@ -919,6 +925,9 @@ class Sender(Generic[H]):
         if cc is not None:
             self._cc_tick(now)
             self._pace_wait = None  # set again below while the pacer holds a frame
+            if self._rtx and not self._resend_waiting(now, out):
+                self._paced = self._pace_wait is not None
+                return out  # new frames wait behind the resends
         while self._queue and not self._window_full():
             handle, size = self._queue[0]
             if self._flight and self._span_bytes + size > self.window_bytes:
@@ -944,6 +953,37 @@ class Sender(Generic[H]):
         # only a frame the pacer held may make up for a late wake (see _cc_sent)
         self._paced = self._pace_wait is not None
         return out
+
+    def _resend_waiting(self, now: float, out: list[Transmit[H]]) -> bool:
+        """Resend the lost frames the policy's window and pacer let out now, oldest
+        first, into ``out``; True when none is left waiting."""
+        cc = self.cc
+        assert cc is not None
+        rtx = self._rtx
+        while rtx:
+            g = self._flight.get(rtx[0])
+            if g is None or g.acked or not g.waiting:
+                rtx.popleft()  # acknowledged after all (a late ACK)
+                continue
+            if now < self._pace_at:
+                self._pace_wait = self._pace_at
+                return False
+            if not cc.can_send(self._cc_bytes, g.size):
+                return False
+            rtx.popleft()
+            g.waiting = False
+            self._cc_sent(g.size, now)
+            g.in_pipe = True
+            out.append(self._resend(g, now))
+        return True
+
+    def _resend(self, g: _Flight[H], now: float) -> Transmit[H]:
+        g.retransmissions += 1
+        g.last_sent = now
+        self._tx_seq += 1
+        g.tx_seq = self._tx_seq
+        self._retransmitted += 1
+        return Transmit(g.psn, g.handle, g.size, retransmit=True, ack_req=True)
 
     def _cc_sent(self, size: int, now: float) -> None:
         """A frame of ``size`` goes out under the policy: count it, pace the next."""
@@ -1044,6 +1084,8 @@ class Sender(Generic[H]):
         lost: list[int] = []
         acked_after = sent_after = 0
         for f in sorted(self._flight.values(), key=lambda f: f.tx_seq, reverse=True):
+            if f.waiting:
+                continue  # not on the wire: already declared lost
             if f.acked:
                 acked_after += 1
             elif acked_after >= self.packet_threshold:
@@ -1108,16 +1150,17 @@ class Sender(Generic[H]):
                     f"retransmit policy {self.policy.name!r} chose PSN {psn}, "
                     "which is not in flight or already acknowledged"
                 )
-            g.retransmissions += 1
-            g.last_sent = now
-            if self.cc is not None and not g.in_pipe:
-                g.in_pipe = True
-                self._cc_bytes += g.size
-                self.cc.on_send(g.size, now)
-            self._tx_seq += 1
-            g.tx_seq = self._tx_seq
-            self._retransmitted += 1
-            out.append(Transmit(psn, g.handle, g.size, retransmit=True, ack_req=True))
+            if self.cc is not None:
+                if not g.waiting:  # the policy's window decides when it goes
+                    if g.in_pipe:  # (go-back-N's collateral: still counted in flight)
+                        g.in_pipe = False
+                        self._cc_bytes -= g.size
+                    g.waiting = True
+                    self._rtx.append(psn)
+                continue
+            out.append(self._resend(g, now))
+        if self.cc is not None:
+            return self._pump(now)
         return out
 
 
