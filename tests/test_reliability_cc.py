@@ -209,3 +209,12 @@ def test_resends_after_a_timeout_wait_for_the_window_oldest_first() -> None:
     out = tx.handle_ack(3, 0, 0.014)
     assert [(t.psn, t.retransmit) for t in out] == [(4, False)]
     assert tx.statistics().retransmitted == 3
+
+
+def test_a_resend_held_by_the_pacer_keeps_its_timer_with_nothing_new_to_send() -> None:
+    cc = Recording(PATH, cwnd=1e9, rate_bps=1e9)  # frames 8 us apart
+    tx = _sender(cc)
+    assert [t.psn for t in tx.send_many([(0, 1000)], 0.0)] == [0]
+    assert tx.handle_nack(0, NackCode.TRIMMED, 1e-6) == []  # the pacer holds the resend
+    assert tx.get_timer() == pytest.approx(8e-6)
+    assert [(t.psn, t.retransmit) for t in tx.handle_timer(8e-6)] == [(0, True)]

@@ -843,7 +843,7 @@ class Sender(Generic[H]):
         if self.error is not None:
             return None
         due = self._rto_deadline()
-        for t in (self._tail_deadline, self._pace_wait if self._queue else None):
+        for t in (self._tail_deadline, self._pace_wait if self._queue or self._rtx else None):
             if t is not None and (due is None or t < due):
                 due = t
         return due
