@@ -215,9 +215,7 @@ def format_compare(runs: Sequence[SavedRun], markdown: bool = False) -> str:
             out.append("")
             head = ["size(B)"] + [c.replace("busbw", "busbw(GB/s)").replace("time", "time(us)")
                                   for c in cols]
-            out.append("| " + " | ".join(head) + " |")
-            out.append("|" + "|".join("---:" for _ in head) + "|")
-            out += ["| " + " | ".join(line) + " |" for line in lines]
+            out += report.markdown_table(head, lines)
             out.append("")
             continue
         widths = [11] + [max(10, len(c) + 2) for c in cols]

@@ -262,15 +262,14 @@ def profile_lines(prof: cProfile.Profile, calls: int, top: int) -> list[str]:
 
 def format_markdown(rows: list[CoreRow]) -> str:
     """Markdown table of the rows."""
-    out = ["| size | type | path | workers | frames in/out | switch p50 (µs) | members p50 (µs) | "
-           "total p50 (µs) | switch µs/frame | wrong |",
-           "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in rows:
-        out.append(f"| {r.size} | {r.dtype} | {r.path} | {r.workers} "
-                   f"| {r.frames_in:g}/{r.frames_out:g} "
-                   f"| {r.switch_p50_us:.1f} | {r.members_p50_us:.1f} | {r.total_p50_us:.1f} "
-                   f"| {r.switch_us_per_frame:.2f} | {r.wrong} |")
-    return "\n".join(out)
+    from bench.report import markdown_table
+
+    head = ["size", "type", "path", "workers", "frames in/out", "switch p50 (µs)",
+            "members p50 (µs)", "total p50 (µs)", "switch µs/frame", "wrong"]
+    cells = [[str(r.size), r.dtype, r.path, str(r.workers), f"{r.frames_in:g}/{r.frames_out:g}",
+              f"{r.switch_p50_us:.1f}", f"{r.members_p50_us:.1f}", f"{r.total_p50_us:.1f}",
+              f"{r.switch_us_per_frame:.2f}", str(r.wrong)] for r in rows]
+    return "\n".join(markdown_table(head, cells, left=("type", "path")))
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -97,19 +97,15 @@ def measure(
 
 def format_table(rows: list[FrameBenchRow]) -> str:
     """Markdown table; the ratio column compares each format with msgpack at that size."""
+    from bench.report import markdown_table
+
     by_size = {r.payload_bytes: r for r in rows if r.format == "msgpack-dict"}
-    out = [
-        "| format | payload (B) | wire (B) | header overhead | encode+decode (frames/s) "
-        "| ns/frame | vs msgpack |",
-        "|---|---:|---:|---:|---:|---:|---:|",
-    ]
-    for r in rows:
-        ratio = r.frames_per_s / by_size[r.payload_bytes].frames_per_s
-        out.append(
-            f"| {r.format} | {r.payload_bytes} | {r.wire_bytes} | {r.overhead_pct:.2f}% "
-            f"| {r.frames_per_s:,.0f} | {r.ns_per_frame:,.0f} | {ratio:.2f}x |"
-        )
-    return "\n".join(out)
+    head = ["format", "payload (B)", "wire (B)", "header overhead", "encode+decode (frames/s)",
+            "ns/frame", "vs msgpack"]
+    cells = [[r.format, str(r.payload_bytes), str(r.wire_bytes), f"{r.overhead_pct:.2f}%",
+              f"{r.frames_per_s:,.0f}", f"{r.ns_per_frame:,.0f}",
+              f"{r.frames_per_s / by_size[r.payload_bytes].frames_per_s:.2f}x"] for r in rows]
+    return "\n".join(markdown_table(head, cells, left=("format",)))
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -233,17 +233,17 @@ def run(args: argparse.Namespace) -> int:
 
 def format_table(results: list[dict[str, Any]]) -> str:
     """Markdown table, one row per (faults, path, policy)."""
-    out = ["| faults | path | policy | goodput (GB/s) | vs loss-free | lost | retransmitted "
-           "| retx/lost | spurious | RTO expiries | p99 (ms) | #wrong |",
-           "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    head = ["faults", "path", "policy", "goodput (GB/s)", "vs loss-free", "lost",
+            "retransmitted", "retx/lost", "spurious", "RTO expiries", "p99 (ms)", "#wrong"]
+    cells = []
     for r in results:
         ratio = f"{r['goodput_ratio']:.3f}" if r["goodput_ratio"] is not None else "—"
         per_lost = f"{r['retransmitted'] / r['lost']:.2f}" if r["lost"] else "—"
-        out.append(f"| {r['faults']} | {r['path']} | {r['policy']} | {r['goodput_gbps']:.3f} "
-                   f"| {ratio} | {r['lost']} | {r['retransmitted']} | {per_lost} "
-                   f"| {r['spurious']} | {r['rto_expiries']} | {r['p99_ms']:.1f} "
-                   f"| {r['wrong']} |")
-    return "\n".join(out)
+        cells.append([str(r["faults"]), str(r["path"]), str(r["policy"]),
+                      f"{r['goodput_gbps']:.3f}", ratio, str(r["lost"]), str(r["retransmitted"]),
+                      per_lost, str(r["spurious"]), str(r["rto_expiries"]), f"{r['p99_ms']:.1f}",
+                      str(r["wrong"])])
+    return "\n".join(report.markdown_table(head, cells, left=("faults", "path", "policy")))
 
 
 def plot(results: list[dict[str, Any]], path: str) -> None:

@@ -358,15 +358,15 @@ def _print_row(results: list[dict[str, Any]]) -> None:
 def format_table(results: list[dict[str, Any]], s: dict[str, Any]) -> str:
     """Markdown: one row per (ratio, variant), with the spine saving and the model."""
     flat = {r["ratio"]: r for r in results if r["variant"] == "flat"}
-    out = ["| ratio | variant | dispatch (ms) | combine (ms) | spine MB/iter | vs flat "
-           "| imbalance | slowdown | model | #wrong |",
-           "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    head = ["ratio", "variant", "dispatch (ms)", "combine (ms)", "spine MB/iter", "vs flat",
+            "imbalance", "slowdown", "model", "#wrong"]
+    cells = []
     for r in results:
         f = flat.get(r["ratio"])
         saving = (f"{r['spine_mb'] / f['spine_mb']:.2f}x" if f and f["spine_mb"] else "—")
         slow = f"{r['slowdown']:.2f}" if r.get("slowdown") is not None else "—"
         model = f"{r['model']:.2f}" if s["routing"] == "uniform" else "(uniform only)"
-        out.append(f"| {r['ratio']:g} | {r['variant']} | {r['dispatch_ms']:.3f} "
-                   f"| {r['combine_ms']:.3f} | {r['spine_mb']:.3f} | {saving} "
-                   f"| {r['imbalance']:.2f} | {slow} | {model} | {r['wrong']} |")
-    return "\n".join(out)
+        cells.append([f"{r['ratio']:g}", str(r["variant"]), f"{r['dispatch_ms']:.3f}",
+                      f"{r['combine_ms']:.3f}", f"{r['spine_mb']:.3f}", saving,
+                      f"{r['imbalance']:.2f}", slow, model, str(r["wrong"])])
+    return "\n".join(report.markdown_table(head, cells, left=("variant",)))

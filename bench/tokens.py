@@ -656,7 +656,7 @@ def _client_table(rows: list[dict[str, Any]], opts: Options, own: bool) -> list[
         cols += ["lost", "mismatched"]
     else:
         cols.append("failed")
-    out = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    table = []
     for r in rows:
         cells = [r["strategy"], r["load"], _f(r["request_throughput"]),
                  _f(r["input_throughput_tok_s"], 0), _f(r["output_throughput_tok_s"], 0)]
@@ -666,8 +666,8 @@ def _client_table(rows: list[dict[str, Any]], opts: Options, own: bool) -> list[
         cells.append(_f(r["goodput_req_s"]))
         cells += [str(r["lost_tokens"]), str(r["text_mismatches"])] if own else \
             [str(r["failed"])]
-        out.append("| " + " | ".join(cells) + " |")
-    return out
+        table.append(cells)
+    return report.markdown_table(cols, table, left=cols)
 
 
 def _warning_lines(rows: list[dict[str, Any]]) -> list[str]:
@@ -697,9 +697,9 @@ def tables(rows: list[dict[str, Any]], opts: Options) -> str:
             if (r["transport"], r["detok"], r["detok_at"]) == BASELINE}
     out.append("\n### Time per token in each layer (ms, p50 / p99); "
                "Δ p99 against direct+immediate at the same load\n")
-    out.append("| strategy | load | generation | transport | interpretation | presentation | "
-               "added p50 / p99 | Δ transport | Δ interp. | Δ present. |")
-    out.append("|" + "---|" * 10)
+    head = ["strategy", "load", "generation", "transport", "interpretation", "presentation",
+            "added p50 / p99", "Δ transport", "Δ interp.", "Δ present."]
+    table = []
     for r in rows:
         L = r["layers_ms"]
         b = base.get(r["load"])
@@ -709,18 +709,18 @@ def tables(rows: list[dict[str, Any]], opts: Options) -> str:
                 return "-"
             return f"{r['layers_ms'][layer]['p99'] - b['layers_ms'][layer]['p99']:+.3f}"
 
-        out.append(
-            f"| {r['strategy']} | {r['load']} | "
-            + " | ".join(f"{_f(L[k]['p50'], 3)} / {_f(L[k]['p99'], 3)}"
-                         for k in ("generation", "transport", "interpretation",
-                                   "presentation"))
-            + f" | {_f(r['added_ms']['p50'], 3)} / {_f(r['added_ms']['p99'], 3)} | "
-            f"{d('transport')} | {d('interpretation')} | {d('presentation')} |")
+        table.append(
+            [r["strategy"], r["load"]]
+            + [f"{_f(L[k]['p50'], 3)} / {_f(L[k]['p99'], 3)}"
+               for k in ("generation", "transport", "interpretation", "presentation")]
+            + [f"{_f(r['added_ms']['p50'], 3)} / {_f(r['added_ms']['p99'], 3)}",
+               d("transport"), d("interpretation"), d("presentation")])
+    out += report.markdown_table(head, table, left=head)
     out.append("\n### Semantic distance per token (copies / encodes / process crossings / "
                "switch hops), counted as the code ran\n")
-    out.append("| strategy | transport | interpretation | presentation | total | "
-               "detok µs/token p50 |")
-    out.append("|" + "---|" * 6)
+    head = ["strategy", "transport", "interpretation", "presentation", "total",
+            "detok µs/token p50"]
+    table = []
     seen = set()
     for r in rows:
         if r["strategy"] in seen:
@@ -734,19 +734,20 @@ def tables(rows: list[dict[str, Any]], opts: Options) -> str:
                     f"{s['hops']:.2g}")
 
         dt = r.get("detok_us_per_token")
-        out.append(f"| {r['strategy']} | {c('transport')} | {c('interpretation')} | "
-                   f"{c('presentation')} | {c('total')} | {_f(dt['p50'] if dt else None)} |")
+        table.append([r["strategy"], c("transport"), c("interpretation"), c("presentation"),
+                      c("total"), _f(dt["p50"] if dt else None)])
+    out += report.markdown_table(head, table, left=head)
     itl_text = f"{itl_slo:g} ms" if itl_slo is not None else "no SLO"
     out.append(f"\n### Effective experience = compute × completion × timeliness "
                f"(timeliness: ITL <= {itl_text})\n")
-    out.append("| strategy | load | compute | completion | timeliness | product | "
-               "UTF-8 held tokens |")
-    out.append("|" + "---|" * 7)
+    head = ["strategy", "load", "compute", "completion", "timeliness", "product",
+            "UTF-8 held tokens"]
+    table = []
     for r in rows:
         e = r["experience"]
-        out.append(f"| {r['strategy']} | {r['load']} | {_f(e['compute'], 3)} | "
-                   f"{_f(e['completion'], 3)} | {_f(e['timeliness'], 3)} | "
-                   f"{_f(e['product'], 3)} | {r['utf8_held_tokens']} |")
+        table.append([r["strategy"], r["load"], _f(e["compute"], 3), _f(e["completion"], 3),
+                      _f(e["timeliness"], 3), _f(e["product"], 3), str(r["utf8_held_tokens"])])
+    out += report.markdown_table(head, table, left=head)
     return "\n".join(out) + "\n"
 
 

@@ -122,12 +122,12 @@ def measure_row(handoff: bool, cpu: int | None, n: int, period_s: float, work_s:
 
 def format_table(rows: list[WakeupRow]) -> str:
     """Markdown table of the rows."""
-    out = ["| handoff | placement | rings | p50 (µs) | p90 (µs) | p99 (µs) | max (µs) |",
-           "|---|---|---:|---:|---:|---:|---:|"]
-    for r in rows:
-        out.append(f"| {'on' if r.handoff else 'off'} | {r.placement} | {r.rings} "
-                   f"| {r.p50_us:.0f} | {r.p90_us:.0f} | {r.p99_us:.0f} | {r.max_us:.0f} |")
-    return "\n".join(out)
+    from bench.report import markdown_table
+
+    head = ["handoff", "placement", "rings", "p50 (µs)", "p90 (µs)", "p99 (µs)", "max (µs)"]
+    cells = [["on" if r.handoff else "off", r.placement, str(r.rings), f"{r.p50_us:.0f}",
+              f"{r.p90_us:.0f}", f"{r.p99_us:.0f}", f"{r.max_us:.0f}"] for r in rows]
+    return "\n".join(markdown_table(head, cells, left=("handoff", "placement")))
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -44,7 +44,7 @@ from typing import ClassVar, Final, Generic, TypeVar
 
 from mypy_extensions import mypyc_attr
 
-from fabric.core.congestion.dcqcn import CnpPacer
+from fabric.core.congestion.gate import CcGate
 from fabric.core.congestion.policy import CongestionControl
 from fabric.core.frame import PERMANENT_NACKS, Flag, NackCode, Op, encode_header
 from fabric.errors import FabricTimeout, PeerFailed, SemfabError
@@ -595,20 +595,15 @@ class Sender(Generic[H]):
     the ACKs of the frames behind it rather than by the RTO.
 
     Congestion control (``cc``, a :class:`fabric.core.congestion.CongestionControl`
-    for this flow, optional): a new frame leaves only when the policy's window
-    admits it beside the bytes in flight and its pacing time has come (a timer);
-    the policy hears every ACK (bytes, the ECN echo, the round trip), every loss
-    (NACK or threshold: ``on_nack``; RTO: ``on_timeout``) and, for a policy that
-    wants CNPs, an ECN echo at most once per DCQCN's CNP interval (the pacing a
-    receiver's notification point would apply). A frame declared lost waits for
-    the window and the pacer too, ahead of new frames (without that, an RTO that
-    finds a whole window lost resends all of it into the queue that dropped it,
-    and the resends are lost again). Receiver-driven (credit) policies are not
-    for this sender.
-    The policy's own timer is applied when the sender next acts (an ACK, a NACK,
-    a pacing or retransmission timer, new frames), not woken for: a timer every
-    55 us (DCQCN's) would keep an emulated sender's process busy. A policy's
-    ``handle_timer`` therefore counts every period that ended by ``now``.
+    for this flow, optional; driven through a
+    :class:`fabric.core.congestion.gate.CcGate`): a new frame leaves only when the
+    policy's window admits it beside the bytes in flight and its pacing time has
+    come (a timer); the policy hears every ACK (bytes, the ECN echo, the round
+    trip) and every loss (NACK or threshold: ``on_nack``; RTO: ``on_timeout``).
+    A frame declared lost waits for the window and the pacer too, ahead of new
+    frames (without that, an RTO that finds a whole window lost resends all of
+    it into the queue that dropped it, and the resends are lost again).
+    Receiver-driven (credit) policies are not for this sender.
 
     Errors: :class:`RetryLimitExceeded` from ``handle_timer`` / ``handle_ack``
     / ``handle_nack`` when a frame is declared lost again after
@@ -637,10 +632,8 @@ class Sender(Generic[H]):
         operation: str = "stream",
         cc: CongestionControl | None = None,
     ) -> None:
-        if cc is not None and cc.receiver_driven:
-            raise ValueError(f"congestion control {cc.name!r} sends only what its receiver "
-                             "grants; a stream's receiver grants no credit (use nscc, dcqcn "
-                             "or none)")
+        # (refuses a receiver-driven policy: a stream's receiver grants no credit)
+        gate = CcGate(cc, flow) if cc is not None else None
         if not 1 <= window_frames < _HALF:
             raise ValueError(f"window_frames must be in [1, 2**31), got {window_frames}")
         if window_bytes < 1:
@@ -692,13 +685,8 @@ class Sender(Generic[H]):
         self._rtt = RttEstimator(rto_initial, rto_min, rto_max, granularity)
 
         self.cc = cc
-        self._cc_bytes = 0  # bytes in flight, as the policy's window counts them
-        self._pace_at = -math.inf  # the policy's pacing: no new frame before this
-        self._pace_wait: float | None = None  # a frame waits for the pacing time
-        self._paced = False  # the last pump stopped at the pacer: the next frame waited
+        self._gate = gate  # the policy's window, pacer and echoes (fabric.core.congestion)
         self._rtx: deque[int] = deque()  # lost frames waiting for the window, oldest first
-        self._cnp = CnpPacer() if cc is not None and cc.wants_cnp else None
-        self._ecn_echoes = 0
 
         self._sent = 0
         self._retransmitted = 0
@@ -783,12 +771,13 @@ class Sender(Generic[H]):
                 if not f.acked:
                     f.acked = True
                     newly.append(f)
-        if self.cc is not None:
-            self._cc_tick(now)
+        gate = self._gate
+        if gate is not None:
+            gate.tick(now)
         if newly:
             self._on_newly_acked(newly, now, ecn)
-        elif ecn and self.cc is not None:
-            self._cc_echo(now)
+        elif ecn and gate is not None:
+            gate.echo(now)
         lost = self._detect_by_threshold(now)
         out = self._retransmit(lost, now, timeout=False) if lost else []
         out.extend(self._pump(now))
@@ -843,7 +832,8 @@ class Sender(Generic[H]):
         if self.error is not None:
             return None
         due = self._rto_deadline()
-        for t in (self._tail_deadline, self._pace_wait if self._queue or self._rtx else None):
+        pace = self._gate.pace_wait if self._gate is not None else None
+        for t in (self._tail_deadline, pace if self._queue or self._rtx else None):
             if t is not None and (due is None or t < due):
                 due = t
         return due
@@ -856,10 +846,9 @@ class Sender(Generic[H]):
         if self._tail_deadline is not None and now >= self._tail_deadline:
             lost = self._detect_by_threshold(now)
             out = self._retransmit(lost, now, timeout=False) if lost else []
-        cc = self.cc
         deadline = self._rto_deadline()
         if deadline is None or now < deadline:
-            if cc is not None:
+            if self._gate is not None:  # the pacer's time
                 out.extend(self._pump(now))
             return out
         rto = self._rtt.rto
@@ -905,8 +894,8 @@ class Sender(Generic[H]):
             min_rtt=self._rtt.min_rtt,
             inflight=self._unacked,
             queued=len(self._queue),
-            ecn_echoes=self._ecn_echoes,
-            cwnd_bytes=self.cc.cwnd if self.cc is not None else math.inf,
+            ecn_echoes=self._gate.echoes if self._gate is not None else 0,
+            cwnd_bytes=self._gate.cwnd if self._gate is not None else math.inf,
         )
 
     # -- internals ----------------------------------------------------------
@@ -921,24 +910,20 @@ class Sender(Generic[H]):
 
     def _pump(self, now: float) -> list[Transmit[H]]:
         out: list[Transmit[H]] = []
-        cc = self.cc
-        if cc is not None:
-            self._cc_tick(now)
-            self._pace_wait = None  # set again below while the pacer holds a frame
-            if self._rtx and not self._resend_waiting(now, out):
-                self._paced = self._pace_wait is not None
+        gate = self._gate
+        if gate is not None:
+            gate.begin(now)
+            if self._rtx and not self._resend_waiting(gate, now, out):
+                gate.end()
                 return out  # new frames wait behind the resends
         while self._queue and not self._window_full():
             handle, size = self._queue[0]
             if self._flight and self._span_bytes + size > self.window_bytes:
                 break
-            if cc is not None:
-                if now < self._pace_at:
-                    self._pace_wait = self._pace_at
-                    break
-                if not cc.can_send(self._cc_bytes, size):
-                    break  # an ACK opens the window
-                self._cc_sent(size, now)
+            if gate is not None:
+                if not gate.allows(size, now):
+                    break  # the pacer's timer, or an ACK, lets it go
+                gate.sent(size, now)
             self._queue.popleft()
             psn = self._nxt
             self._nxt = psn_add(psn, 1)
@@ -950,29 +935,24 @@ class Sender(Generic[H]):
             out.append(Transmit(psn, handle, size, retransmit=False))
         if out and (not self._queue or self._window_full()):
             out[-1] = replace(out[-1], ack_req=True)
-        # only a frame the pacer held may make up for a late wake (see _cc_sent)
-        self._paced = self._pace_wait is not None
+        if gate is not None:
+            gate.end()
         return out
 
-    def _resend_waiting(self, now: float, out: list[Transmit[H]]) -> bool:
+    def _resend_waiting(self, gate: CcGate, now: float, out: list[Transmit[H]]) -> bool:
         """Resend the lost frames the policy's window and pacer let out now, oldest
         first, into ``out``; True when none is left waiting."""
-        cc = self.cc
-        assert cc is not None
         rtx = self._rtx
         while rtx:
             g = self._flight.get(rtx[0])
             if g is None or g.acked or not g.waiting:
                 rtx.popleft()  # acknowledged after all (a late ACK)
                 continue
-            if now < self._pace_at:
-                self._pace_wait = self._pace_at
-                return False
-            if not cc.can_send(self._cc_bytes, g.size):
+            if not gate.allows(g.size, now):
                 return False
             rtx.popleft()
             g.waiting = False
-            self._cc_sent(g.size, now)
+            gate.sent(g.size, now)
             g.in_pipe = True
             out.append(self._resend(g, now))
         return True
@@ -984,39 +964,6 @@ class Sender(Generic[H]):
         g.tx_seq = self._tx_seq
         self._retransmitted += 1
         return Transmit(g.psn, g.handle, g.size, retransmit=True, ack_req=True)
-
-    def _cc_sent(self, size: int, now: float) -> None:
-        """A frame of ``size`` goes out under the policy: count it, pace the next."""
-        cc = self.cc
-        assert cc is not None
-        self._cc_bytes += size
-        cc.on_send(size, now)
-        rate = cc.rate_bps
-        if rate >= cc.path.line_rate_bps:
-            self._pace_at = now  # at the line rate the link itself spaces frames
-            return
-        # below it the policy does. A frame that waited for its pacing time and left
-        # late (a driver that woke late) gives the next one up to an interval back,
-        # so lateness does not add up; one that found the pacer idle starts afresh.
-        interval = size * 8 / rate
-        base = max(self._pace_at, now - interval) if self._paced else now
-        self._paced = False
-        self._pace_at = base + interval
-
-    def _cc_tick(self, now: float) -> None:
-        """Apply the policy's timer if it is due (lazily: see the class doc)."""
-        cc = self.cc
-        assert cc is not None
-        due = cc.get_timer()
-        if due is not None and now >= due:
-            cc.handle_timer(now)
-
-    def _cc_echo(self, now: float) -> None:
-        """An ACK echoed a congestion mark."""
-        self._ecn_echoes += 1
-        cnp = self._cnp
-        if cnp is not None and self.cc is not None and cnp.on_ce(self.flow, now):
-            self.cc.on_cnp(now)
 
     def _window_full(self) -> bool:
         return self._unacked >= self.window_frames or len(self._flight) >= self.span_frames
@@ -1039,20 +986,17 @@ class Sender(Generic[H]):
                 self._spurious += 1
         if sample is not None:
             self._rtt.sample(now - sample.last_sent)
-        cc = self.cc
-        if cc is not None:
+        gate = self._gate
+        if gate is not None:
             acked = 0
             for f in newly:
                 if f.in_pipe:
                     f.in_pipe = False
                     acked += f.size
-            self._cc_bytes -= acked
-            if ecn:
-                self._cc_echo(now)
             # the policy's delay signal: the newest frame's round trip (Karn's
             # sample when there is one: a resent frame's time is ambiguous)
             last = sample if sample is not None else max(newly, key=lambda f: f.tx_seq)
-            cc.on_ack(acked, ecn and self._cnp is None, now - last.last_sent, now)
+            gate.acked(acked, ecn, now - last.last_sent, now)
         self._acked += len(newly)
         self._unacked -= len(newly)
         self._acked_out.extend(f.handle for f in newly)
@@ -1126,13 +1070,9 @@ class Sender(Generic[H]):
                     )
                 )
             f.losses += 1
-            if self.cc is not None and f.in_pipe:
+            if self._gate is not None and f.in_pipe:
                 f.in_pipe = False
-                self._cc_bytes -= f.size
-                if timeout:
-                    self.cc.on_timeout(f.size, now)
-                else:
-                    self.cc.on_nack(f.size, now)
+                self._gate.lost(f.size, now, timeout=timeout)
         view = [
             FlightInfo(f.psn, f.acked, f.retransmissions, f.last_sent)
             for f in self._flight.values()
@@ -1150,16 +1090,16 @@ class Sender(Generic[H]):
                     f"retransmit policy {self.policy.name!r} chose PSN {psn}, "
                     "which is not in flight or already acknowledged"
                 )
-            if self.cc is not None:
+            if self._gate is not None:
                 if not g.waiting:  # the policy's window decides when it goes
                     if g.in_pipe:  # (go-back-N's collateral: still counted in flight)
                         g.in_pipe = False
-                        self._cc_bytes -= g.size
+                        self._gate.inflight -= g.size
                     g.waiting = True
                     self._rtx.append(psn)
                 continue
             out.append(self._resend(g, now))
-        if self.cc is not None:
+        if self._gate is not None:
             return self._pump(now)
         return out
 

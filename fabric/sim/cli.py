@@ -637,11 +637,12 @@ def run_scale(args: argparse.Namespace) -> int:
         report.write_json(args.json, "sim-scale", rows, extra={"settings": settings})
         print(f"# wrote {args.json}")
     if args.markdown:
-        lines = ["| workers | ratio | path | time (ms) | busbw (GB/s) | ideal (ms) | "
-                 "of ideal |", "|---:|---:|---|---:|---:|---:|---:|"]
-        lines += [f"| {r['workers']} | {r['oversubscription']:g}:1 | {r['path']} | "
-                  f"{r['time_s'] * 1e3:.3f} | {r['busbw_gbps']:.2f} | {r['ideal_s'] * 1e3:.3f} "
-                  f"| {r['fraction_of_ideal']:.2f} |" for r in rows]
+        head = ["workers", "ratio", "path", "time (ms)", "busbw (GB/s)", "ideal (ms)",
+                "of ideal"]
+        lines = report.markdown_table(head, [
+            [str(r["workers"]), f"{r['oversubscription']:g}:1", str(r["path"]),
+             f"{r['time_s'] * 1e3:.3f}", f"{r['busbw_gbps']:.2f}", f"{r['ideal_s'] * 1e3:.3f}",
+             f"{r['fraction_of_ideal']:.2f}"] for r in rows], left=("path",))
         report.write_markdown(args.markdown, "\n".join(lines + ratio_lines) + "\n")
         print(f"# wrote {args.markdown}")
     if args.plot:
