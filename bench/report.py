@@ -47,6 +47,7 @@ __all__ = [
     "format_text_header",
     "format_text_row",
     "latency_stats",
+    "markdown_table",
     "merge_runs",
     "parse_size",
     "plot_busbw",

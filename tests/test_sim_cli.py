@@ -75,7 +75,7 @@ def test_moe_sim_leaves_in_network_out_above_its_32_ranks(
     assert main([*base, "--variants", "flat,in-network"]) == 2
     _one_line_error(capsys, "in-network", "32", "34")
     assert main(base) == 0  # the default: the variants that hold 34 ranks
-    text = capsys.readouterr().out
+    text = re.sub(" +", " ", capsys.readouterr().out)  # the table's cells, unpadded
     assert "left out: in-network (at most 32 ranks)" in text
     assert "| 1 | flat |" in text and "| 1 | hierarchical |" in text
     assert "| in-network |" not in text
@@ -164,8 +164,8 @@ def test_sim_scale_rows_do_not_depend_on_jobs(tmp_path: Path,
             "--paths", "ina,host-ring"]
     docs, tables = [], []
     for jobs in ("1", "2"):
-        out = tmp_path / f"j{jobs}.json"
-        assert main([*base, "--jobs", jobs, "--json", str(out)]) == 0
+        out, md = tmp_path / f"j{jobs}.json", tmp_path / f"j{jobs}.md"
+        assert main([*base, "--jobs", jobs, "--json", str(out), "--markdown", str(md)]) == 0
         text = capsys.readouterr().out
         assert ("2 at a time in local processes" in text) == (jobs == "2")
         docs.append(json.loads(out.read_text()))
@@ -175,6 +175,17 @@ def test_sim_scale_rows_do_not_depend_on_jobs(tmp_path: Path,
     assert len(docs[0]["results"]) == 8 and len(tables[0]) == 8
     assert _strip(docs[0]["results"]) == _strip(docs[1]["results"])
     assert tables[0] == tables[1]
+    # the Markdown table: path left-aligned, numbers right; cells as the JSON has them
+    head, align, *cells = [[c.strip() for c in ln.strip("|").split("|")]
+                           for ln in (tmp_path / "j1.md").read_text().splitlines()[:10]]
+    assert head == ["workers", "ratio", "path", "time (ms)", "busbw (GB/s)", "ideal (ms)",
+                    "of ideal"]
+    assert [a.startswith(":") or not a.endswith(":") for a in align] == [
+        False, False, True, False, False, False, False]
+    r = docs[0]["results"][3]
+    assert cells[3] == [str(r["workers"]), f"{r['oversubscription']:g}:1", r["path"],
+                        f"{r['time_s'] * 1e3:.3f}", f"{r['busbw_gbps']:.2f}",
+                        f"{r['ideal_s'] * 1e3:.3f}", f"{r['fraction_of_ideal']:.2f}"]
     # in the points' order: workers, then ratio, then path
     assert [(r["workers"], r["oversubscription"], r["path"]) for r in docs[1]["results"]] == [
         (w, o, p) for w in (4, 8) for o in (1.0, 2.0) for p in ("ina", "host-ring")]
