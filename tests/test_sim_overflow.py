@@ -125,3 +125,15 @@ def test_trimmed_frames_cross_the_spine_and_are_asked_for_at_once(cc: str | None
     assert sum(n.timeouts for n in r.nodes.values()) == 0
     spine = r.switch_stats["spine0"]
     assert spine.trimmed_forwarded > 0 and spine.malformed == 0
+
+
+@pytest.mark.parametrize("cc", ["nscc", "dcqcn"])
+def test_host_ps_under_a_policy_is_exact_and_in_network_leaves_the_host_port_empty(
+        cc: str) -> None:
+    t = star(8, bandwidth_gbps=10, latency_us=5, mtu=4096).with_congestion(
+        CongestionSettings(buffer_bytes=BUFFER, cc=cc))
+    hps = Simulation(t, timeout_s=30).run(_allreduce, 1 << 15, "host-ps")
+    ina = Simulation(t, timeout_s=30).run(_allreduce, 1 << 15, "ina")
+    assert hps.results == ina.results == [0] * 8
+    assert hps.ecn_marks > 0 and hps.queue_peaks["sw0>host0"] > 0.5 * BUFFER
+    assert ina.queue_peaks.get("sw0>host0", 0) == 0 and ina.end_s < hps.end_s

@@ -31,6 +31,8 @@ class _Pending:
     members: tuple[int, ...]
     seen: set[int] = field(default_factory=set)
     overflow: str = ""  # why the integer sum would wrap (then it is no sum)
+    marked: set[int] = field(default_factory=set)  # members whose message came CE-marked
+    arrived: dict[int, float] = field(default_factory=dict)  # member -> when its message came
 
 
 @dataclass
@@ -59,8 +61,16 @@ class HostAggregator:
         self._done: OrderedDict[ChunkKey, tuple[frozenset[int], bytes]] = OrderedDict()
         self.stats = HostStats()
 
-    def on_message(self, src: int, body: bytes | memoryview) -> list[tuple[int, bytes]]:
-        """Handle one host-ps message from node ``src``; returns ``[(dst, reply)]``."""
+    def on_message(self, src: int, body: bytes | memoryview, ce: bool = False,
+                   now: float = 0.0) -> list[tuple[int, bytes]]:
+        """Handle one host-ps message from node ``src`` at ``now``; returns
+        ``[(dst, reply)]``.
+
+        The reply is each member's ACK for its message, for its congestion control:
+        it names the members whose message arrived congestion experienced (``ce``:
+        ``Flag.ECN``) and, per member, how long the host held its message waiting
+        for the others (``held``, seconds; the way a QUIC ACK carries its ACK
+        delay), so that wait is not read as queueing on the way."""
         from kernels.dtypes import UFUNCS, byte_view, np_dtype
         from kernels.reference import first_wrap
 
@@ -106,6 +116,9 @@ class HostAggregator:
                 reduce(p.acc, data, out=p.acc)
         self.stats.copies += 1  # into the accumulator
         p.seen.add(src)
+        p.arrived[src] = now
+        if ce:
+            p.marked.add(src)
         if len(p.seen) < len(p.members):
             return []
         del self._pending[key]
@@ -113,7 +126,9 @@ class HostAggregator:
         # Per member chunk, what the host did: unpack + accumulate, plus a share
         # of the one reply it packs for everybody.
         reply = msgpack.packb({"seq": seq, "chunk": chunk, "data": byte_view(p.acc).data,
-                               "overflow": p.overflow,
+                               "overflow": p.overflow, "ce": sorted(p.marked),
+                               # [member, seconds] pairs (msgpack keys are strings)
+                               "held": [[m, max(now - t, 0.0)] for m, t in p.arrived.items()],
                                "h_copies": 2 + 1 / n, "h_encodes": 1 + 1 / n})
         self.stats.encodes += 1
         self.stats.copies += 1

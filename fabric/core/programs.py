@@ -35,6 +35,7 @@ from mypy_extensions import mypyc_attr
 from fabric.core import control
 from fabric.core import frame as fr
 from fabric.core.congestion import CcPath, CongestionControl, make_cc
+from fabric.core.congestion.gate import CcGate
 from fabric.core.frame import Flag, NackCode, Op
 from fabric.core.reliability import PSN_MASK, SACK_BITS, get_policy
 from fabric.core.semantic import SemanticCounts
@@ -475,6 +476,12 @@ class NodeState:
             self._cc_paths[key] = path
         path = self._cc_paths[key]
         return None if path is None else make_cc(name, path)
+
+    def congestion_gate(self, dst: int, frame_bytes: int, flow: int = 0) -> CcGate | None:
+        """The topology's policy for a flow of frames of ``frame_bytes`` to ``dst``, as
+        a chunk window drives it (None: as :meth:`stream_cc`)."""
+        cc = self.stream_cc(dst, frame_bytes)
+        return CcGate(cc, flow) if cc is not None else None
 
     def answer_trimmed(self, f: fr.Frame) -> list[Send]:
         """A trimmed frame came (:func:`fabric.core.frame.is_trimmed`): for a stream's
@@ -1298,6 +1305,13 @@ class HostPsAllreduce(Program):
         # completed from its kept replies (fabric.core.hostnode), so a resend counts once
         rtt = st.estimator("host", AGG_RTO_MIN_S)
         self.timers = ChunkTimers(rtt, st.timeout_s)
+        # the topology's congestion control ([congestion] cc), over the slots: a chunk
+        # goes when a slot is free and the policy's window and pacer let it; the host's
+        # reply is its ACK, echoing a mark its message carried (fabric.core.hostnode)
+        self.wire = fr.HEADER_SIZE + self.E * t.itemsize
+        self.gate = st.congestion_gate(st.host_id, self.wire, HOST_PS_FLOW)
+        self.next = 0  # the next chunk sent for the first time
+        self.sent_at: dict[int, float] = {}
 
     def _frame(self, i: int) -> Send:
         st, E = self.st, self.E
@@ -1318,10 +1332,35 @@ class HostPsAllreduce(Program):
         self.st.sem(self.label).copies += self.nch
         if self.nch == 0:
             self.done = True
-        first = range(min(self.S, self.nch))
-        for i in first:
+        return self._pump(now)
+
+    def _pump(self, now: float) -> list[Send]:
+        """First sends of the chunks the slots (and the policy) let out now."""
+        out: list[Send] = []
+        gate = self.gate
+        if gate is not None:
+            gate.begin(now)
+        while self.next < self.nch and len(self.timers) < self.S:
+            i = self.next
+            if gate is not None:
+                if not gate.allows(self.wire, now):
+                    break
+                gate.sent(self.wire, now)
+            self.next += 1
             self.timers.sent(i, now, self._allowance())
-        return [self._frame(i) for i in first]
+            self.sent_at[i] = now
+            out.append(self._frame(i))
+        if gate is not None:
+            gate.end()
+        return out
+
+    def _resends(self, chunks: list[int], now: float, *, timeout: bool) -> list[Send]:
+        gate = self.gate
+        if gate is not None:
+            for _ in chunks:  # lost, and sent again at once (the chunk timers pace these)
+                gate.lost(self.wire, now, timeout=timeout)
+                gate.sent(self.wire, now)
+        return [self._frame(i) for i in chunks]
 
     def _allowance(self) -> float:
         """Wire time of a chunk sent now to the host and back (see ChunkTimers.sent)."""
@@ -1330,7 +1369,13 @@ class HostPsAllreduce(Program):
                               len(self.timers), fan_in=len(self.group.ids))
 
     def get_timer(self) -> float | None:
-        return None if self.done else self.timers.next_deadline()
+        if self.done:
+            return None
+        due = self.timers.next_deadline()
+        pace = self.gate.pace_wait if self.gate is not None else None
+        if pace is not None and self.next < self.nch and (due is None or pace < due):
+            return pace
+        return due
 
     def handle_timer(self, now: float) -> list[Send]:
         resend, dead = self.timers.expired(now)
@@ -1341,7 +1386,10 @@ class HostPsAllreduce(Program):
                 f"{self.waiting_for()}")
         self.st.retransmits += len(resend)
         self.st.timeouts += len(resend)
-        return [self._frame(i) for i in resend]
+        out = self._resends(resend, now, timeout=True)
+        if self.gate is not None:
+            out.extend(self._pump(now))  # the pacer's time
+        return out
 
     def wants(self, f: fr.Frame) -> bool:
         return (f.op is Op.WRITE and f.flow == HOST_PS_FLOW and f.msg == self.msg
@@ -1371,7 +1419,15 @@ class HostPsAllreduce(Program):
         self.got[i] = 1
         self.left -= 1
         _, fast = self.timers.acked(i, now)
-        out = [self._frame(k) for k in fast]
+        if self.gate is not None:
+            # a mark on our message (the host echoes it) or on the reply itself
+            ecn = bool(f.flags & Flag.ECN) or self.st.node_id in reply.get("ce", ())
+            # the round trip without the host's wait for the other members
+            held = next((float(h) for m, h in reply.get("held", ()) if m == self.st.node_id),
+                        0.0)
+            rtt = max(now - self.sent_at.pop(i, now) - held, 0.0)
+            self.gate.acked(self.wire, ecn, rtt, now)
+        out = self._resends(fast, now, timeout=False)
         self.st.retransmits += len(fast)
         assert self.t.out is not None
         wrapped = reply.get("overflow")
@@ -1392,9 +1448,7 @@ class HostPsAllreduce(Program):
                                        f"scale the inputs to leave headroom for "
                                        f"{len(self.group.ids)} members")
             return []
-        if i + self.S < self.nch:
-            out.append(self._frame(i + self.S))
-            self.timers.sent(i + self.S, now, self._allowance())
+        out.extend(self._pump(now))
         return out
 
 

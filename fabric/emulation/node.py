@@ -200,7 +200,9 @@ def _serve_host(ep: Endpoint, aggregator: HostAggregator) -> None:
         try:
             f = fr.decode(parts[0].buffer, parts[1].buffer if len(parts) > 1 else None)
             if f.op is Op.WRITE and f.flow == HOST_PS_FLOW:
-                for dst, body in aggregator.on_message(f.src, f.payload):
+                for dst, body in aggregator.on_message(f.src, f.payload,
+                                                       bool(f.flags & Flag.ECN),
+                                                       time.monotonic()):
                     ep.send_frame(fr.encode_header(Op.WRITE, src=ep.node_id, dst=dst,
                                              flow=HOST_PS_FLOW, psn=f.psn, msg=f.msg,
                                              payload=body, crc=bool(f.flags & Flag.CRC)), body)

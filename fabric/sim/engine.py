@@ -438,7 +438,7 @@ class Simulation:
         if f.op is not Op.WRITE or f.flow != HOST_PS_FLOW:
             return
         try:
-            replies = node.host.on_message(f.src, f.payload)
+            replies = node.host.on_message(f.src, f.payload, bool(f.flags & Flag.ECN), t)
         except FrameError:
             return
         sends = [(fr.encode_header(Op.WRITE, src=node.state.node_id, dst=dst, flow=HOST_PS_FLOW,
