@@ -305,6 +305,7 @@ def sim_point(topo_text: str, topo_source: str, path: str, size: int, dtype: str
     halves = []
     sem = None
     retransmits = 0
+    runs = []
     for place in places:
         sim = Simulation(topo, seed=seed, faults=faults, timeout_s=timeout_s,
                          crc=bool(faults and "corrupt" in faults))
@@ -314,6 +315,7 @@ def sim_point(topo_text: str, topo_source: str, path: str, size: int, dtype: str
         except SimulationError as exc:
             return {"error": str(exc)}
         retransmits += res.retransmits
+        runs.append(res)
         halves.append((place, res.results))
         if sem is None:
             sem = next(iter(res.nodes.values())).sem(path)
@@ -321,7 +323,7 @@ def sim_point(topo_text: str, topo_source: str, path: str, size: int, dtype: str
     counters = {k: getattr(sem, k) / max(sem.chunks, 1)
                 for k in ("copies", "encodes", "crossings", "hops")}
     return {"halves": halves, "chunks": sem.chunks, "counters": counters,
-            "retransmits": retransmits}
+            "retransmits": retransmits, "queues": sweep.queue_figures(runs)}
 
 
 class SimFabric(sweep.SimStandIn):
@@ -338,7 +340,8 @@ class SimFabric(sweep.SimStandIn):
         """What :func:`measure_on_worker` returns, per rank, for one size."""
         calls = max(self.args.warmup + 2 * self.args.iters, 1)  # of the first half's run
         retransmits = result["retransmits"]
-        note = [SIM_NOTE + (f"; {retransmits} retransmissions" if retransmits else "")]
+        note = [SIM_NOTE + (f"; {retransmits} retransmissions" if retransmits else "")
+                + sweep.queue_note(result.get("queues", {}))]
         halves = result["halves"]
         out = []
         for k in range(len(self.topo.workers)):

@@ -450,6 +450,7 @@ def sim_point(topo_text: str, topo_source: str, kind: str, path: str, size: int,
 
     topo = topology_from_text(topo_text, topo_source)
     per_place, retransmits = [], 0
+    runs: list[Any] = []
     sem: dict[str, Any] = {}
     for place in places:
         sim = Simulation(topo, seed=seed, faults=faults, timeout_s=timeout_s,
@@ -461,10 +462,12 @@ def sim_point(topo_text: str, topo_source: str, kind: str, path: str, size: int,
             return {"error": str(exc)}
         per_place.append([r[0] for r in res.results])
         retransmits += res.retransmits
+        runs.append(res)
         if len(per_place) == 1:
             first = [n.sem(path) for n in res.nodes.values()][0]
             sem = {"chunks": first.chunks, "per_chunk": first.per_chunk()}
-    return {"per_place": per_place, "sem": sem, "retransmits": retransmits}
+    return {"per_place": per_place, "sem": sem, "retransmits": retransmits,
+            "queues": sweep.queue_figures(runs)}
 
 
 class SimFabric(sweep.SimStandIn):
@@ -508,7 +511,8 @@ class SimFabric(sweep.SimStandIn):
                                        "chunks": sem["chunks"] / max(args.warmup
                                                                      + 2 * args.iters, 1)}
         retransmits = result["retransmits"]
-        note = SIM_NOTE + (f"; {retransmits} retransmissions" if retransmits else "")
+        note = (SIM_NOTE + (f"; {retransmits} retransmissions" if retransmits else "")
+                + sweep.queue_note(result.get("queues", {})))
         return combine(kind, path, w, dtype, run_op, root, per_rank, bool(args.check), note)
 
 

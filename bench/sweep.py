@@ -354,6 +354,31 @@ def topology(args: argparse.Namespace, workers: int) -> Any:
     return topo
 
 
+def queue_figures(results: list[Any]) -> dict[str, Any]:
+    """What the switches' queues did over simulations (``SimResult``s): drops, trims,
+    ECN marks and the fullest egress queue; empty without ``[congestion]`` buffers."""
+    peaks: dict[str, int] = {}
+    for r in results:
+        for port, b in r.queue_peaks.items():
+            peaks[port] = max(peaks.get(port, 0), b)
+    if not peaks:
+        return {}
+    port = max(peaks, key=lambda k: peaks[k])
+    return {"overflow_drops": sum(r.overflow_drops for r in results),
+            "trims": sum(r.trims for r in results),
+            "ecn_marks": sum(r.ecn_marks for r in results),
+            "peak_queue": [port, peaks[port]]}
+
+
+def queue_note(q: dict[str, Any]) -> str:
+    """:func:`queue_figures` in words, for a row's note ("" without buffers)."""
+    if not q:
+        return ""
+    port, peak = q["peak_queue"]
+    return (f"; queues: {q['overflow_drops']} drops, {q['trims']} trims, {q['ecn_marks']} "
+            f"ECN marks, fullest {port} at {peak} B")
+
+
 def congestion_text(topo: Any) -> str:
     """The topology's ``[congestion]`` settings, in words, for the header."""
     table = topo.congestion.to_table()
