@@ -54,28 +54,30 @@ AGREEMENT = 0.15
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Flags of `semfab bench incast`."""
-    p.add_argument("--senders", type=int, default=4,
+    p.add_argument("--senders", type=int, default=4, metavar="N",
                    help=f"senders into the one receiver (1..{MAX_EMULATED_SENDERS})")
-    p.add_argument("--size", default="1M", help="bytes each sender streams (K/M suffixes)")
-    p.add_argument("--link-gbps", type=float, default=0.5,
+    p.add_argument("--size", default="1M", metavar="BYTES",
+                   help="bytes each sender streams (K/M suffixes)")
+    p.add_argument("--link-gbps", type=float, default=0.5, metavar="G",
                    help="every link's rate (shaped; the receiver's is the bottleneck)")
-    p.add_argument("--latency-us", type=float, default=50.0, help="every link's latency")
-    p.add_argument("--mtu", type=int, default=16384,
+    p.add_argument("--latency-us", type=float, default=50.0, metavar="US",
+                   help="every link's latency")
+    p.add_argument("--mtu", type=int, default=16384, metavar="BYTES",
                    help="frame payload bytes (streams cut their frames to it)")
-    p.add_argument("--cc", default="none,nscc,dcqcn",
+    p.add_argument("--cc", default="none,nscc,dcqcn", metavar="POLICIES",
                    help="sender policies, comma-separated (none, nscc, dcqcn or a registered "
                    "one): a pair of rows each")
-    p.add_argument("--buffer", default=None,
+    p.add_argument("--buffer", default=None, metavar="BYTES",
                    help="the switch's shared buffer in bytes (default: htsim's 5 BDP, 1 BDP "
                    "with --trim)")
     p.add_argument("--trim", action="store_true",
                    help="cut a frame that does not fit to its header instead of dropping it")
-    p.add_argument("--kmin", type=int, default=None, help="ECN marking from this queue (bytes; "
-                   "default 0.2 BDP)")
-    p.add_argument("--kmax", type=int, default=None, help="... every frame above this (bytes; "
-                   "default 0.8 BDP)")
-    p.add_argument("--pmax", type=float, default=None, help="marking probability at Kmax "
-                   "(default 1)")
+    p.add_argument("--kmin", type=int, default=None, metavar="BYTES",
+                   help="ECN marking from this queue (default 0.2 BDP)")
+    p.add_argument("--kmax", type=int, default=None, metavar="BYTES",
+                   help="... every frame above this (default 0.8 BDP)")
+    p.add_argument("--pmax", type=float, default=None, metavar="P",
+                   help="marking probability at Kmax (default 1)")
     p.add_argument("--pfc", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--spray", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("-w", "--warmup", type=int, default=1, help="untimed iterations")
