@@ -25,6 +25,13 @@ way there), ``fct_slowdown`` (each flow's time over its time alone),
 ``goodput_gbps``, ``jain``, ``drops``, ``trims``, ``ecn_marks``, ``pauses``
 and ``paused_s`` (0: these queues have no PFC), ``retransmits``, ``wrong``;
 emulation rows add ``vs_sim`` (their completion over the simulated one).
+
+``--packet-level`` adds a third row per policy: the same incast in the packet-level
+model of ``semfab sim incast`` (a queue per port and class, an ACK per frame,
+control frames free of the buffer), with the same links, base round trip,
+buffer, marks and policy; its ``vs_sim`` measures what the protocol paths'
+link pipelines (departures computed at enqueue, coalesced ACKs) cost in
+accuracy against it.
 """
 
 from __future__ import annotations
@@ -83,6 +90,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-w", "--warmup", type=int, default=1, help="untimed iterations")
     p.add_argument("-n", "--iters", type=int, default=3, help="timed iterations")
     p.add_argument("--no-sim", action="store_true", help="emulate only (no simulated rows)")
+    p.add_argument("--packet-level", action="store_true",
+                   help="also a row from the packet-level model of `semfab sim incast` (per-"
+                   "frame queues, an ACK per frame) with the same settings: what the "
+                   "protocol paths' coarser link pipelines cost in accuracy")
     p.add_argument("--seed", type=int, default=1, help="data and marking seed")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds any wait may take")
     p.add_argument("--json", metavar="PATH", help="write rows and settings as JSON")
@@ -116,6 +127,7 @@ class Settings:
     iters: int
     seed: int
     sim: bool
+    packet_level: bool = False
 
 
 def settings_from(args: argparse.Namespace) -> Settings:
@@ -171,7 +183,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
             check_output_file(f"--{flag}", getattr(args, flag))
     return Settings(args.senders, size, float(args.link_gbps), float(args.latency_us), args.mtu,
                     policies, buffer, args.trim, args.kmin, args.kmax, args.pmax, args.warmup,
-                    args.iters, args.seed, not args.no_sim)
+                    args.iters, args.seed, not args.no_sim, args.packet_level)
 
 
 def _bytes(flag: str, text: str, minimum: int) -> int:
@@ -380,6 +392,30 @@ def _simulate(s: Settings, cc: str, base_rtt_s: float, timeout_s: float,
     return _row(s, "simulation", cc, res.results, counters)
 
 
+def _packet_level(s: Settings, cc: str, base_rtt_s: float) -> dict[str, Any]:
+    """The same incast in the packet-level model (fabric.sim.incast), with the same
+    links, base round trip, buffer, marking and policy (one run: its flows once)."""
+    from fabric.core import frame as fr
+    from fabric.sim.incast import IncastSettings, run_incast
+
+    c = congestion(s, cc, base_rtt_s)
+    r = run_incast(IncastSettings(
+        senders=s.senders, size=s.size, link_gbps=s.link_gbps, mtu=s.mtu + fr.HEADER_SIZE,
+        base_rtt_us=base_rtt_s * 1e6, cc=cc, buffer=c.buffer_bytes, trim=s.trim,
+        kmin=c.ecn_kmin_bytes, kmax=c.ecn_kmax_bytes, pmax=c.ecn_pmax, seed=s.seed))
+    ideal, _alone = ideal_s(s)
+    return {
+        "world": "packet-level", "cc": cc, "completion_s": r["completion_s"],
+        "completions_s": [r["completion_s"]], "ideal_s": ideal,
+        "of_ideal": r["completion_s"] / ideal, "fct_slowdown": r["fct_slowdown"],
+        "goodput_gbps": r["goodput_gbps"], "jain": r["jain"], "drops": r["drops"],
+        "trims": r["trims"], "ecn_marks": r["ecn_marks"], "pauses": r["pauses"],
+        "paused_s": r["paused_s"], "retransmits": r["retransmits"],
+        "timeouts": r["timeouts"], "wrong": r["wrong"],
+        "peak_queue_bytes": r["peak_queue_bytes"], "samples": 1,
+        "finished": r["finished"]}
+
+
 def probe_base_rtt(s: Settings, args: argparse.Namespace) -> float:
     """The emulator's unloaded round trip of one frame and its ACK (seconds)."""
     from fabric.emulation.launcher import launch
@@ -395,7 +431,7 @@ def probe_base_rtt(s: Settings, args: argparse.Namespace) -> float:
 
 
 # ---------------------------------------------------------------------- output
-_COLS = (("world", 11), ("cc", 7), ("done ms", 9), ("x ideal", 8), ("p99 fct", 8),
+_COLS = (("world", 13), ("cc", 7), ("done ms", 9), ("x ideal", 8), ("p99 fct", 8),
          ("Gb/s", 7), ("jain", 6), ("drops", 6), ("trims", 6), ("marks", 6), ("rtx", 5),
          ("vs sim", 7), ("#wrong", 7))
 
@@ -486,7 +522,18 @@ def run(args: argparse.Namespace) -> int:
                 emu["vs_sim"] = emu["completion_s"] / sim_row["completion_s"]
         except SemfabError as exc:
             emu = {"world": "emulation", "cc": cc, "error": f"{type(exc).__name__}: {exc}"}
-        for r in (emu, sim_row):
+        packet: dict[str, Any] | None = None
+        if s.packet_level:
+            try:
+                packet = _packet_level(s, cc, base_rtt)
+                if sim_row is not None and "error" not in sim_row:
+                    packet["vs_sim"] = packet["completion_s"] / sim_row["completion_s"]
+                if not packet.pop("finished"):
+                    packet = {"world": "packet-level", "cc": cc, "error": "did not finish"}
+            except SemfabError as exc:
+                packet = {"world": "packet-level", "cc": cc,
+                          "error": f"{type(exc).__name__}: {exc}"}
+        for r in (emu, sim_row, packet):
             if r is not None:
                 rows.append(r)
                 _print_row(r)

@@ -44,6 +44,7 @@ def test_bench_incast_emulated_and_simulated(tmp_path: Path) -> None:
     out = tmp_path / "incast.json"
     rc = main(["bench", "incast", "--senders", "2", "--size", "200K", "--mtu", "8192",
                "--link-gbps", "0.2", "--cc", "nscc", "--trim", "-w", "0", "-n", "1",
+               "--packet-level",
                "--run-dir", str(tmp_path / "runs"), "--json", str(out),
                "--plot", str(tmp_path / "q.png"), "--trace", str(tmp_path / "q.json")])
     assert rc == 0
@@ -55,13 +56,14 @@ def test_bench_incast_emulated_and_simulated(tmp_path: Path) -> None:
     doc = json.loads(out.read_text())
     rows = doc["results"]
     assert [(r["world"], r["cc"]) for r in rows] == [("emulation", "nscc"),
-                                                     ("simulation", "nscc")]
+                                                     ("simulation", "nscc"),
+                                                     ("packet-level", "nscc")]
     for r in rows:
         assert set(r) >= {"completion_s", "ideal_s", "fct_slowdown", "goodput_gbps", "jain",
                           "drops", "trims", "ecn_marks", "pauses", "paused_s", "retransmits",
                           "wrong"}
         assert r["wrong"] == 0 and r["completion_s"] >= 0.99 * r["ideal_s"]
-    assert rows[0]["vs_sim"] > 0
+    assert rows[0]["vs_sim"] > 0 and rows[2]["vs_sim"] > 0
     st = doc["settings"]
     assert st["base_rtt_s"] >= st["links_rtt_s"] > 0 and st["trim"] is True
 
