@@ -7,6 +7,11 @@
 * :mod:`.policy` — sender congestion control as pluggable policies, by name:
   ``none`` (here), ``dcqcn`` (:mod:`.dcqcn`), ``nscc`` (:mod:`.nscc`), ``eqds``
   (:mod:`.eqds`);
+* :mod:`.credit` — credit-based link flow control (the scale-up way);
+* :mod:`.gate` — one flow's policy as a sender drives it (window, pacer, echoes);
+* :mod:`.switchq` — each switch's buffer and ECN marker from a topology's
+  ``[congestion]`` table (:mod:`.settings`), for the link pipelines of both worlds;
+  :mod:`.timed` — a buffer whose frames leave at computed times;
 * :mod:`.config` — the named constants with their sources, and the settings' error.
 
 Like the rest of ``fabric.core``, nothing here reads a clock or does I/O.
