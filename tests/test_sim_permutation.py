@@ -55,3 +55,20 @@ def test_command_json_and_one_line_refusals(tmp_path: Path,
         err = capsys.readouterr().err.strip()
         assert err.startswith("semfab: error: ") and len(err.splitlines()) == 1, err
         assert word in err, err
+
+
+def test_the_fullest_leaf_spine_queues_are_recorded_and_drawn(tmp_path: Path) -> None:
+    record: dict = {}
+    s = PermutationSettings(leaves=4, per_leaf=4, spines=4, size=200_000)
+    r = run_permutation(s, record)
+    queues = record["queues"]
+    assert 0 < len(queues) <= 4 and r["wrong"] == 0
+    peak = max(max(b for _t, b in series) for series in queues.values())
+    assert peak == r["peak_queue_bytes"]  # ECMP's collisions queue between leaves and spines
+    png, trace = tmp_path / "q.png", tmp_path / "q.json"
+    assert main(["sim", "permutation", "--leaves", "4", "--per-leaf", "4", "--spines", "4",
+                 "--size", "200K", "--plot", str(png), "--trace", str(trace)]) == 0
+    assert png.stat().st_size > 0
+    events = json.loads(trace.read_text())
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    assert any(e.get("ph") == "C" for e in events)

@@ -102,6 +102,11 @@ def add_permutation_parser(sub: Any) -> None:
     p.add_argument("--no-ecn", action="store_true", help="switches mark nothing")
     p.add_argument("--seed", type=int, default=0, help="permutation, data, marks, spraying")
     p.add_argument("--json", metavar="PATH", help="write the figures and every setting")
+    p.add_argument("--plot", metavar="PNG",
+                   help="the fullest leaf-spine queues over time (records every such port: "
+                   "memory grows with the run)")
+    p.add_argument("--trace", metavar="PATH",
+                   help="those queues as Perfetto counter tracks (Chrome trace JSON)")
     p.set_defaults(sim_func=run_permutation_command)
 
 
@@ -122,16 +127,30 @@ def run_permutation_command(args: argparse.Namespace) -> int:
             seed=args.seed).resolved()
     except CongestionConfigError as exc:
         raise UsageError(str(exc)) from None
-    if args.json:
-        check_output_file("--json", args.json)
+    for flag in ("json", "plot", "trace"):
+        if getattr(args, flag, None):
+            check_output_file(f"--{flag}", getattr(args, flag))
     print(f"# semfab sim permutation ({NOTE}, {build()} build): {s.leaves} leaves x "
           f"{s.per_leaf} hosts, {s.spines} spines, {s.oversubscription:g}:1 "
           f"({s.uplink_gbps:g} Gbit/s uplinks), {report.format_size(s.size)} per host, "
           f"{s.link_gbps:g} Gbit/s, {s.latency_us:g} us links, mtu {s.mtu}, cc {s.cc}, "
           f"{'spray' if s.spray else 'ECMP'}, {'trim' if s.trim else 'tail drop'}, "
           f"{s.buffer} B per port", flush=True)
-    r = run_permutation(s)
+    record: dict[str, Any] | None = {} if (args.plot or args.trace) else None
+    r = run_permutation(s, record)
     _print_figures(r)
+    if record is not None:
+        from fabric.sim import congestion_plots
+
+        title = (f"permutation {s.leaves}x{s.per_leaf}, {s.spines} spines, "
+                 f"{'spray' if s.spray else 'ECMP'}, {s.cc}: fullest leaf-spine queues "
+                 "(virtual time)")
+        if args.plot:
+            congestion_plots.plot_queues(record, args.plot, title)
+            print(f"# wrote {args.plot}")
+        if args.trace:
+            congestion_plots.write_trace(record, args.trace, title)
+            print(f"# wrote {args.trace}")
     if args.json:
         report.write_json(args.json, "sim-permutation", [r], extra={"note": NOTE})
         print(f"# wrote {args.json}")

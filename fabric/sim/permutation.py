@@ -143,8 +143,17 @@ def _derangement(n: int, rng: random.Random) -> list[int]:
             return p
 
 
-def run_permutation(settings: PermutationSettings) -> dict[str, Any]:
-    """Simulate one permutation; the figures of :func:`fabric.sim.incast.run_incast`."""
+#: Ports whose queues a recorded run keeps: the fullest switch-to-switch ones.
+HOT_PORTS = 4
+
+
+def run_permutation(settings: PermutationSettings,
+                    record: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Simulate one permutation; the figures of :func:`fabric.sim.incast.run_incast`.
+
+    ``record`` (a dict) gets ``queues``: the data queue over time (``[(t, bytes)]``)
+    of the HOT_PORTS fullest ports between leaves and spines, where ECMP's
+    collisions queue (recording every such port costs memory on large runs)."""
     s = settings.resolved()
     assert s.buffer is not None
     wall0 = time.perf_counter()
@@ -177,12 +186,17 @@ def run_permutation(settings: PermutationSettings) -> dict[str, Any]:
         port = leaf.add_port(rate, lat, port_buffer())
         nic.connect(leaf, port.index)
         port.connect(h, 0)
+    fabric_ports = []
     for leaf in leaves:
         for sp in spines:
             a = leaf.add_port(up, lat, port_buffer())
             b = sp.add_port(up, lat, port_buffer())
             a.connect(sp, b.index)
             b.connect(leaf, a.index)
+            fabric_ports += [a, b]
+    if record is not None:
+        for p in fabric_ports:
+            p.depth = []
     for li, leaf in enumerate(leaves):
         uplinks = list(range(s.per_leaf, s.per_leaf + s.spines))
         for h in hosts:
@@ -232,6 +246,10 @@ def run_permutation(settings: PermutationSettings) -> dict[str, Any]:
     switches = leaves + spines
     pools = [b for sw in switches for b in sw.buffers]
     ports = [h.nic for h in hosts] + [p for sw in switches for p in sw.ports]
+    if record is not None:
+        hot = sorted(fabric_ports, key=lambda p: p.peak_bytes, reverse=True)[:HOT_PORTS]
+        record["queues"] = {p.name: p.depth for p in hot if p.peak_bytes}
+        record["pauses"] = {}
     return {
         "scenario": "permutation",
         "finished": done,
