@@ -140,17 +140,9 @@ def run_permutation_command(args: argparse.Namespace) -> int:
     r = run_permutation(s, record)
     _print_figures(r)
     if record is not None:
-        from fabric.sim import congestion_plots
-
-        title = (f"permutation {s.leaves}x{s.per_leaf}, {s.spines} spines, "
-                 f"{'spray' if s.spray else 'ECMP'}, {s.cc}: fullest leaf-spine queues "
-                 "(virtual time)")
-        if args.plot:
-            congestion_plots.plot_queues(record, args.plot, title)
-            print(f"# wrote {args.plot}")
-        if args.trace:
-            congestion_plots.write_trace(record, args.trace, title)
-            print(f"# wrote {args.trace}")
+        _pictures(record, args, f"permutation {s.leaves}x{s.per_leaf}, {s.spines} spines, "
+                  f"{'spray' if s.spray else 'ECMP'}, {s.cc}: fullest leaf-spine queues "
+                  "(virtual time)")
     if args.json:
         report.write_json(args.json, "sim-permutation", [r], extra={"note": NOTE})
         print(f"# wrote {args.json}")
@@ -283,6 +275,18 @@ def settings_from_args(args: argparse.Namespace) -> Any:
         raise UsageError(str(exc)) from None
 
 
+def _pictures(record: dict[str, Any], args: argparse.Namespace, title: str) -> None:
+    """``--plot`` and ``--trace`` of a recorded scenario."""
+    from fabric.sim import congestion_plots
+
+    if args.plot:
+        congestion_plots.plot_queues(record, args.plot, title)
+        print(f"# wrote {args.plot}")
+    if args.trace:
+        congestion_plots.write_trace(record, args.trace, title)
+        print(f"# wrote {args.trace}")
+
+
 def _loss_mode(s: Any) -> str:
     return ("pfc" if s.pfc else f"credit ({s.link_credits} B per link)" if s.credit
             else "trim" if s.trim else "tail drop")
@@ -308,16 +312,8 @@ def run_incast_command(args: argparse.Namespace) -> int:
     _print_figures(r)
     print(f"# bottleneck queue mean {r['mean_queue_bytes']:.0f} B")
     if record is not None:
-        from fabric.sim import congestion_plots
-
-        title = (f"incast {s.senders} -> 1 of {report.format_size(s.size)}, {s.cc}, "
-                 f"{_loss_mode(s)} (virtual time)")
-        if args.plot:
-            congestion_plots.plot_queues(record, args.plot, title)
-            print(f"# wrote {args.plot}")
-        if args.trace:
-            congestion_plots.write_trace(record, args.trace, title)
-            print(f"# wrote {args.trace}")
+        _pictures(record, args, f"incast {s.senders} -> 1 of {report.format_size(s.size)}, "
+                  f"{s.cc}, {_loss_mode(s)} (virtual time)")
     if args.json:
         report.write_json(args.json, "sim-incast", [r], extra={"note": NOTE})
         print(f"# wrote {args.json}")

@@ -41,16 +41,11 @@ class TimedBuffer:
         self.advance(now)
         return self.buffer.queue_bytes(port, DATA_CLASS)
 
-    def offer(self, port: int, nbytes: int, now: float) -> bool:
-        """Whether a frame of ``nbytes`` may join ``port``'s queue now (tail drop
-        otherwise); :meth:`hold` it with its departure time when it may."""
-        return self.admit(port, nbytes, now) is Admission.ACCEPT
-
     def admit(self, port: int, nbytes: int, now: float, *, trimmable: bool = True
               ) -> Admission:
         """Admit a frame of ``nbytes`` to ``port``'s data queue, trim it (when the
         buffer trims and the frame may be trimmed: its header is charged to the
-        header class) or drop it."""
+        header class) or drop it; :meth:`hold` an admitted frame with its departure."""
         self.advance(now)
         trim = self.buffer.trim_bytes and trimmable
         return self.buffer.offer(port, DATA_CLASS, nbytes,
