@@ -99,3 +99,41 @@ def test_topo_gen_writes_the_settings(tmp_path: Path, capsys: pytest.CaptureFixt
     assert main(["topo", "gen", "--workers", "2", "--cc", "cubic"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("semfab: error: ") and "cubic" in err and len(err.splitlines()) == 1
+
+
+def test_rto_ceiling_follows_bounded_buffers() -> None:
+    """Streams back off to 1 s on unbounded queues; behind bounded buffers to two
+    windows at the bottleneck rate, or to ``rto_max_us``; jittered and with a time
+    floor on giving up only there."""
+    from fabric.core.programs import (
+        STREAM_GIVE_UP_S,
+        STREAM_RTO_MAX_S,
+        NodeState,
+    )
+
+    base = star(3, bandwidth_gbps=2.0)
+    window = 16 * 65536
+    wire = window * 8 / 2e9  # one window at 2 Gb/s: 4.19 ms
+    for cong, ceiling in [(CongestionSettings(), STREAM_RTO_MAX_S),
+                          (CongestionSettings(buffer_bytes=400_000), 2 * 0.005),
+                          (CongestionSettings(buffer_bytes=400_000, rto_max_us=30_000.0), 0.03)]:
+        st = NodeState(base.with_congestion(cong), "w0")
+        first, floor, top = st.stream_rto(window, st.worker_ids[1])
+        assert top == pytest.approx(ceiling)
+        assert floor == pytest.approx(min(max(0.005, wire), ceiling))
+        assert floor <= first <= top
+        tx = st.stream_sender(16, st.worker_ids[1], policy="selective", window_frames=16,
+                              frame_bytes=65536, operation="WRITE stream", key=1)
+        assert tx.rto_max == pytest.approx(ceiling)
+        bounded = cong.buffer_bytes is not None
+        assert tx.give_up_s == (STREAM_GIVE_UP_S if bounded else 0.0)
+        assert tx._rtt.jitter == (0.5 if bounded else 0.0)
+
+
+def test_rto_max_us_is_checked_and_written_by_topo_gen(tmp_path: Path) -> None:
+    with pytest.raises(TopologyError, match="rto_max_us must be a positive number"):
+        loads(BODY + "\n[congestion]\nrto_max_us = -3\n", "f.toml")
+    out = tmp_path / "t.toml"
+    assert main(["topo", "gen", "--workers", "2", "--bandwidth-gbps", "1", "--buffer-bytes",
+                 "200000", "--rto-max-us", "20000", "-o", str(out)]) == 0
+    assert load(out).congestion.rto_max_us == 20000.0

@@ -370,6 +370,59 @@ def test_retry_limit_names_peer_flow_psn_operation() -> None:
         tx.send(99, 1, now=10.0)
 
 
+
+def test_give_up_s_keeps_retrying_past_the_count_until_its_time() -> None:
+    """With a short ceiling the retry count alone would give up in a few tens of
+    ms; ``give_up_s`` keeps the frame alive until that long after its first send."""
+    tx: Sender[int] = Sender(3, peer="w1", max_retries=2, rto_initial=0.125, rto_min=0.125,
+                             rto_max=0.25, give_up_s=2.0)
+    tx.send(0, 10, now=0.0)
+    times = []
+    while True:
+        t = tx.get_timer()
+        assert t is not None
+        try:
+            assert psns(tx.handle_timer(t)) == [0]
+        except RetryLimitExceeded as exc:
+            assert t >= 2.0 and exc.elapsed == t
+            break
+        times.append(t)
+    # 0.125, then 0.25 each (the ceiling), and no give-up before 2 s
+    assert times[:3] == [0.125, 0.375, 0.625] and times[-1] < 2.0 <= times[-1] + 0.25
+    assert len(times) > 2  # past max_retries
+
+
+def test_jittered_backoff_is_seeded_and_bounded() -> None:
+    import random
+
+    def expiries(seed: str) -> list[float]:
+        tx: Sender[int] = Sender(3, max_retries=50, rto_initial=0.125, rto_min=0.125,
+                                 rto_max=1.0, rto_jitter=0.5, rng=random.Random(seed))
+        tx.send(0, 10, now=0.0)
+        out, last = [], 0.0
+        for _ in range(8):
+            t = tx.get_timer()
+            assert t is not None
+            tx.handle_timer(t)
+            out.append(t - last)
+            last = t
+        return out
+
+    a, b = expiries("x"), expiries("x")
+    assert a == b  # a seed repeats
+    assert a != expiries("y")
+    assert a[0] == 0.125  # the first timeout is not backed off yet
+    prev = a[0]
+    for gap in a[1:]:  # twice the last, capped at 1 s, stretched by [0, 50%)
+        lo = min(2 * prev, 1.0)
+        assert lo <= gap < 1.5 * lo + 1e-12
+        prev = gap
+    assert max(a) > 1.0  # the ceiling is stretched too
+    with pytest.raises(ValueError, match="needs an rng"):
+        Sender(3, rto_jitter=0.5)
+    with pytest.raises(ValueError, match="give_up_s"):
+        Sender(3, give_up_s=-1.0)
+
 # ---------------------------------------------------------------------------
 # window
 # ---------------------------------------------------------------------------

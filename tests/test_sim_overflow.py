@@ -137,3 +137,31 @@ def test_host_ps_under_a_policy_is_exact_and_in_network_leaves_the_host_port_emp
     assert hps.results == ina.results == [0] * 8
     assert hps.ecn_marks > 0 and hps.queue_peaks["sw0>host0"] > 0.5 * BUFFER
     assert ina.queue_peaks.get("sw0>host0", 0) == 0 and ina.end_s < hps.end_s
+
+
+def _alltoall(ctx: Any, n: int) -> Generator[Any, Any, int]:
+    x = (np.arange(n, dtype=np.int32) + ctx.rank * n).astype(np.int32)
+    got = yield ctx.alltoall(x, path="host-p2p")
+    m = n // ctx.world
+    want = np.concatenate([np.arange(ctx.rank * m, (ctx.rank + 1) * m, dtype=np.int32) + r * n
+                           for r in range(ctx.world)])
+    return int(np.count_nonzero(got != want))
+
+
+def test_tail_drop_behind_a_full_queue_costs_round_trips_not_seconds() -> None:
+    """16 streams of 64 KiB frames share each 4:1 uplink and the buffer holds six
+    frames: losses end in timeouts. Bounded by two windows' time on the path, the
+    backoff keeps the alltoall within a few times its unbounded time; a 1 s
+    ceiling (``rto_max_us``) makes it an order of magnitude slower."""
+    t = leaf_spine(2, 4, oversubscription=4, leaf_bandwidth_gbps=2)
+    n = 1 << 18  # 1 MiB per rank
+    free = Simulation(t, timeout_s=60).run(_alltoall, n)
+    cong = CongestionSettings(buffer_bytes=400_000)
+    short = Simulation(t.with_congestion(cong), timeout_s=60).run(_alltoall, n)
+    long_ = Simulation(t.with_congestion(CongestionSettings(buffer_bytes=400_000,
+                                                            rto_max_us=1e6)),
+                       timeout_s=60).run(_alltoall, n)
+    assert free.results == short.results == long_.results == [0] * 8
+    assert short.overflow_drops > 0 and long_.overflow_drops > 0
+    assert short.end_s < 4.5 * free.end_s  # 39 ms against 10.8 ms (a cold first call)
+    assert long_.end_s > 5 * short.end_s  # 395 ms

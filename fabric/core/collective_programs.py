@@ -38,8 +38,6 @@ from fabric.core import frame as fr
 from fabric.core.frame import Flag, Op
 from fabric.core.programs import (
     COLL_FLOW,
-    STREAM_MAX_RETRIES,
-    STREAM_RTO_MAX_S,
     STREAM_WINDOW,
     Chain,
     Group,
@@ -197,12 +195,10 @@ class McastSend(Program):
         self.receivers = [d for d in group.ids if d != st.node_id]
         self.senders: dict[int, Sender[int]] = {}
         for d in self.receivers:
-            rto_initial, rto_min = st.stream_rto(window_frames * frame_bytes, d)
-            self.senders[d] = Sender(
-                COLL_FLOW, policy=policy, window_frames=window_frames,
-                max_retries=STREAM_MAX_RETRIES, rto_max=STREAM_RTO_MAX_S,
-                rto_initial=rto_initial, rto_min=rto_min, peer=st.topo.by_id(d).name,
-                operation="multicast stream", cc=st.stream_cc(d, frame_bytes))
+            self.senders[d] = st.stream_sender(
+                COLL_FLOW, d, policy=policy, window_frames=window_frames,
+                frame_bytes=frame_bytes, operation="multicast stream",
+                key=(self.sid << 32) | msg)
         self.released: dict[int, int] = {}  # psn -> receivers whose window let it out
         self.retransmits = 0
         self.t0 = 0.0

@@ -37,7 +37,7 @@ from fabric.core import frame as fr
 from fabric.core.congestion import CcPath, CongestionControl, make_cc
 from fabric.core.congestion.gate import CcGate
 from fabric.core.frame import Flag, NackCode, Op
-from fabric.core.reliability import PSN_MASK, SACK_BITS, get_policy
+from fabric.core.reliability import PSN_MASK, SACK_BITS, Sender, get_policy
 from fabric.core.semantic import SemanticCounts
 from fabric.core.timers import ChunkTimers, Deadlines, RttEstimator
 from fabric.core.topology import Topology
@@ -293,7 +293,7 @@ class NodeState:
         self.fabric_shaped = any(
             (lk := topo.link_between(w.name, topo.switch_of(w.name))) is not None
             and (lk.params.shaped or lk.params.latency_us > 0) for w in workers)
-        self.rtt = RttEstimator(rto_min=AGG_RTO_MIN_S)
+        self.rtt = self._new_estimator("ina", AGG_RTO_MIN_S)
         self._ctrl_rtt: dict[int, RttEstimator] = {}
         self.world_group = Group(0, tuple(range(self.world)), self.worker_ids, self.rank)
         self.jobs = self.world_group.jobs
@@ -332,8 +332,25 @@ class NodeState:
         ones measured."""
         est = self.estimators.get(role)
         if est is None:
-            est = self.estimators[role] = RttEstimator(rto_min=rto_min)
+            est = self.estimators[role] = self._new_estimator(role, rto_min)
         return est
+
+    def _new_estimator(self, role: str, rto_min: float) -> RttEstimator:
+        """An estimator with the fabric's defaults; where switch buffers are bounded,
+        its backoff stops at ``[congestion] rto_max_us`` or STREAM_BOUNDED_RTO_FLOORS
+        floors (never under BOUNDED_RTO_SRTTS smoothed RTTs), jittered by a generator
+        seeded by this node and ``role`` (as :meth:`stream_sender`)."""
+        from fabric.core.reliability import DEFAULT_RTO_INITIAL, RTO_JITTER
+
+        cong = self.topo.congestion
+        if cong.buffer_bytes is None:
+            return RttEstimator(rto_min=rto_min)
+        ceiling = cong.rto_max_us * 1e-6 if cong.rto_max_us is not None \
+            else STREAM_BOUNDED_RTO_FLOORS * rto_min
+        rto_min = min(rto_min, ceiling)
+        return RttEstimator(min(DEFAULT_RTO_INITIAL, ceiling), rto_min, ceiling,
+                            jitter=RTO_JITTER, rng=random.Random(f"{self.name}/{role}"),
+                            ceiling_srtts=BOUNDED_RTO_SRTTS)
 
     def ctrl_rtt(self, dst: int) -> RttEstimator:
         """The round trip of control requests to node ``dst``: their resend timer."""
@@ -421,24 +438,61 @@ class NodeState:
         floor = MEM_MIN_CHUNK_BYTES_SHAPED if self.fabric_shaped else MEM_MIN_CHUNK_BYTES
         return min(slot_elems, max(floor // itemsize, -(-count // MEM_MIN_CHUNKS)))
 
-    def stream_rto(self, window_bytes: int, dst: int | None = None) -> tuple[float, float]:
-        """(first RTO, RTO floor) of a stream to node ``dst``, from the slowest link on
-        its path.
+    def stream_rto(self, window_bytes: int, dst: int | None = None
+                   ) -> tuple[float, float, float]:
+        """(first RTO, RTO floor, RTO ceiling) of a stream to node ``dst``, from the
+        slowest link on its path.
 
         On a slow (or oversubscribed) path a burst of windows from a few concurrent
         streams queues longer than the fabric's defaults (0.1 s first, 5 ms
         floor): every frame would be resent spuriously, and Karn's rule would
         leave the estimator without samples. The first RTO covers
         STREAMS_IN_FLIGHT windows at the bottleneck rate, the floor one window.
+
+        The ceiling bounds the backoff: STREAM_RTO_MAX_S, or where switch buffers
+        are bounded (``[congestion] buffer_bytes``) ``[congestion] rto_max_us``,
+        by default STREAM_BOUNDED_RTO_FLOORS floors: behind a full queue a frame
+        can be lost again and again, and each loss waits for the backed-off RTO.
         """
         from fabric.core.reliability import DEFAULT_RTO_INITIAL, DEFAULT_RTO_MIN
 
         gbps = self._bottleneck_gbps(dst)
-        if gbps is None:
-            return DEFAULT_RTO_INITIAL, DEFAULT_RTO_MIN
-        wire = window_bytes * 8 / (gbps * 1e9)
-        return (min(max(DEFAULT_RTO_INITIAL, STREAMS_IN_FLIGHT * wire), STREAM_RTO_MAX_S),
-                min(max(DEFAULT_RTO_MIN, wire), STREAM_RTO_MAX_S))
+        wire = 0.0 if gbps is None else window_bytes * 8 / (gbps * 1e9)
+        floor = max(DEFAULT_RTO_MIN, wire)
+        cong = self.topo.congestion
+        ceiling = STREAM_RTO_MAX_S
+        if cong.rto_max_us is not None:
+            ceiling = cong.rto_max_us * 1e-6
+        elif cong.buffer_bytes is not None:
+            ceiling = min(STREAM_BOUNDED_RTO_FLOORS * floor, STREAM_RTO_MAX_S)
+        floor = min(floor, ceiling)
+        first = min(max(DEFAULT_RTO_INITIAL, STREAMS_IN_FLIGHT * wire), ceiling)
+        return first, floor, ceiling
+
+    def stream_sender(self, flow: int, dst: int, *, policy: str, window_frames: int,
+                      frame_bytes: int, operation: str, key: int,
+                      span_frames: int | None = None) -> Sender[int]:
+        """A stream's :class:`~fabric.core.reliability.Sender` to node ``dst``: its
+        timers (:meth:`stream_rto`), retry limit and congestion policy.
+
+        Where switch buffers are bounded, its backoff is jittered (RTO_JITTER, from
+        a generator seeded by the two ends, the flow and ``key``, so a simulation
+        repeats) and it gives up only after STREAM_GIVE_UP_S as well as
+        STREAM_MAX_RETRIES losses."""
+        from fabric.core.reliability import RTO_JITTER, Sender
+
+        first, floor, ceiling = self.stream_rto(window_frames * frame_bytes, dst)
+        bounded = self.topo.congestion.buffer_bytes is not None
+        peer = self.topo.by_id(dst).name
+        return Sender(
+            flow, policy=policy, window_frames=window_frames, span_frames=span_frames,
+            max_retries=STREAM_MAX_RETRIES, rto_initial=first, rto_min=floor,
+            rto_max=ceiling, peer=peer, operation=operation,
+            cc=self.stream_cc(dst, frame_bytes),
+            give_up_s=STREAM_GIVE_UP_S if ceiling < STREAM_RTO_MAX_S else 0.0,
+            rto_jitter=RTO_JITTER if bounded else 0.0,
+            rng=random.Random(f"{self.name}/{peer}/{flow}/{key}") if bounded else None,
+            ceiling_srtts=BOUNDED_RTO_SRTTS if bounded else 0.0)
 
     @property
     def stream_frame_bytes(self) -> int:
@@ -1568,6 +1622,18 @@ P2P_FLOW, COLL_FLOW = fr.STREAM_FLOWS
 #: many rounds for a tail frame.
 STREAM_MAX_RETRIES = 64
 STREAM_RTO_MAX_S = 1.0
+#: Where switch buffers are bounded, the RTO ceiling in RTO floors (a floor is
+#: one window at the path's bottleneck rate): a frame lost behind a full queue
+#: may be lost again, and a 1 s ceiling made each such loss cost up to a second
+#: (docs/CONGESTION.md "Timeouts behind a full queue").
+STREAM_BOUNDED_RTO_FLOORS = 2
+#: ... but never below this many smoothed round trips (a ceiling under the path's
+#: true round trip would resend every frame; fabric.core.reliability.RttEstimator).
+BOUNDED_RTO_SRTTS = 2.0
+#: With a ceiling below STREAM_RTO_MAX_S, a stream also needs this long since a
+#: frame's first transmission before it gives up on it, so a stalled host (an
+#: emulator's scheduling) does not exhaust the retries in a second.
+STREAM_GIVE_UP_S = 10.0
 #: Windows a node may have queued on its link at once (a collective runs one
 #: stream per peer), for the first RTO on a slow link.
 STREAMS_IN_FLIGHT = 4
@@ -1614,8 +1680,6 @@ class StreamSend(Program):
                  *, policy: str = "selective", frame_bytes: int | None = None,
                  window_frames: int = STREAM_WINDOW, sid: int | None = None,
                  flow: int = P2P_FLOW, msg: int = 0) -> None:
-        from fabric.core.reliability import Sender
-
         if not 0 <= dst_rank < st.world or dst_rank == st.rank:
             raise UsageError(f"{st.name}: send to rank {dst_rank}: not another worker's rank "
                              f"(0..{st.world - 1}, not {st.rank})")
@@ -1629,12 +1693,10 @@ class StreamSend(Program):
         self.fb = frame_bytes = frame_bytes or st.stream_frame_bytes
         self.nframes = max(-(-self.nbytes // frame_bytes), 1)
         self.peer = st.topo.by_id(self.dst).name
-        rto_initial, rto_min = st.stream_rto(window_frames * frame_bytes, self.dst)
-        self.sender: Sender[int] = Sender(
-            P2P_FLOW, policy=policy, window_frames=window_frames,
-            span_frames=stream_span(policy, window_frames), max_retries=STREAM_MAX_RETRIES,
-            rto_max=STREAM_RTO_MAX_S, peer=self.peer, rto_initial=rto_initial, rto_min=rto_min,
-            operation="WRITE stream", cc=st.stream_cc(self.dst, frame_bytes))
+        self.sender: Sender[int] = st.stream_sender(
+            P2P_FLOW, self.dst, policy=policy, window_frames=window_frames,
+            span_frames=stream_span(policy, window_frames), frame_bytes=frame_bytes,
+            operation="WRITE stream", key=(flow << 32) | (self.sid << 16) | msg)
         self.t0 = 0.0
 
     def _put(self, transmits: list[Any]) -> list[Send]:

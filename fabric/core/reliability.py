@@ -36,6 +36,7 @@ nor, at the tail, a frame overtaken by less than that window.
 from __future__ import annotations
 
 import math
+import random
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Iterable, Sequence
@@ -137,6 +138,12 @@ PACKET_THRESHOLD: Final = 3
 DEFAULT_RTO_INITIAL: Final = 0.1
 DEFAULT_RTO_MIN: Final = 0.005
 DEFAULT_RTO_MAX: Final = 2.0
+#: Randomised backoff: each backed-off RTO is stretched by up to this share of
+#: itself, at random, so that flows that lost frames in the same overflow do not
+#: time out and resend in step again (Vasudevan et al., "Safe and Effective
+#: Fine-grained TCP Retransmissions for Datacenter Communication", SIGCOMM 2009,
+#: randomised timeouts against synchronised incast retransmissions). 0: off.
+RTO_JITTER: Final = 0.5
 #: RFC 6298 §2 clock granularity G. Callers pass float seconds, so G is tiny.
 DEFAULT_GRANULARITY: Final = 1e-6
 #: Losses (so retransmissions) of one frame before the operation fails. With
@@ -518,16 +525,35 @@ class RttEstimator:
 
     The project's one RTO estimator: streams (:class:`Sender`) and the
     aggregation windows (:class:`fabric.core.timers.ChunkTimers`) both use it.
+    ``jitter`` > 0 stretches each backed-off RTO by a share in [0, jitter) drawn
+    from ``rng`` (:data:`RTO_JITTER`), so a backed-off RTO may exceed ``rto_max``
+    by that share. ``ceiling_srtts`` > 0 keeps the ceiling at least that many
+    smoothed RTTs: a short ``rto_max`` below the path's true round trip would
+    fire on every frame, and Karn's rule would deny the samples that could fix it.
     """
 
     def __init__(self, rto_initial: float = DEFAULT_RTO_INITIAL,
                  rto_min: float = DEFAULT_RTO_MIN, rto_max: float = DEFAULT_RTO_MAX,
-                 granularity: float = DEFAULT_GRANULARITY) -> None:
+                 granularity: float = DEFAULT_GRANULARITY, *, jitter: float = 0.0,
+                 rng: random.Random | None = None, ceiling_srtts: float = 0.0) -> None:
+        if not 0.0 <= jitter <= 1.0:
+            raise ValueError(f"jitter must be in [0, 1], got {jitter}")
+        if jitter and rng is None:
+            raise ValueError("a jittered RTO needs an rng (a seeded random.Random)")
         self.srtt: float | None = None
         self.rttvar: float | None = None
         self.min_rtt: float | None = None
         self.rto_min, self.rto_max, self.granularity = rto_min, rto_max, granularity
         self.rto = rto_initial
+        self.jitter = jitter
+        self._rng = rng
+        self.ceiling_srtts = ceiling_srtts
+
+    def ceiling(self) -> float:
+        """The backoff's bound: ``rto_max``, or ``ceiling_srtts`` smoothed RTTs if more."""
+        if self.ceiling_srtts and self.srtt is not None:
+            return max(self.rto_max, self.ceiling_srtts * self.srtt)
+        return self.rto_max
 
     def sample(self, rtt: float) -> None:
         """Feed one RTT measurement (never from a retransmitted frame: Karn)."""
@@ -540,7 +566,15 @@ class RttEstimator:
         self.min_rtt = r if self.min_rtt is None else min(self.min_rtt, r)
         rto = self.srtt + max(self.granularity, RTO_K * self.rttvar)
         # §2.4/2.5 clamps; a new sample also ends any backoff
-        self.rto = min(max(rto, self.rto_min), self.rto_max)
+        self.rto = min(max(rto, self.rto_min), self.ceiling())
+
+    def backed_off(self, tries: int) -> float:
+        """The timeout of something sent ``tries`` + 1 times: the RTO doubled per
+        resend up to the ceiling, jittered as :meth:`backoff` (per-chunk timers)."""
+        rto = min(self.rto * (2 ** tries), self.ceiling())
+        if tries and self._rng is not None and self.jitter:
+            rto *= 1.0 + self.jitter * self._rng.random()
+        return rto
 
     def backoff(self, expired: float | None = None) -> None:
         """§5.5: the timer expired: RTO = RTO * 2, bounded by ``rto_max``.
@@ -550,7 +584,10 @@ class RttEstimator:
         than it is (so one loss spread over many chunks' timers backs off once).
         The longer RTO stays until a new sample (Karn's algorithm, §3)."""
         base = self.rto if expired is None else expired
-        self.rto = min(max(self.rto, 2 * base), self.rto_max)
+        rto = min(max(self.rto, 2 * base), self.ceiling())
+        if self._rng is not None and self.jitter:
+            rto *= 1.0 + self.jitter * self._rng.random()
+        self.rto = rto
 
 
 @mypyc_attr(native_class=False)  # a generic dataclass
@@ -605,9 +642,14 @@ class Sender(Generic[H]):
     it into the queue that dropped it, and the resends are lost again).
     Receiver-driven (credit) policies are not for this sender.
 
+    Timers: the RTO backs off from ``rto_min`` to ``rto_max`` (or
+    ``ceiling_srtts`` smoothed RTTs if more), each backoff stretched at random by
+    up to ``rto_jitter`` of itself (drawn from ``rng``; :data:`RTO_JITTER`).
+
     Errors: :class:`RetryLimitExceeded` from ``handle_timer`` / ``handle_ack``
     / ``handle_nack`` when a frame is declared lost again after
-    ``max_retries`` losses (each loss = one retransmission of it);
+    ``max_retries`` losses (each loss = one retransmission of it) and at least
+    ``give_up_s`` after its first transmission;
     :class:`PeerRefused` from ``handle_nack`` for a NACK code a retransmission
     cannot fix. After either, the sender is failed
     and every further call raises the same error.
@@ -631,6 +673,10 @@ class Sender(Generic[H]):
         peer: str = "peer",
         operation: str = "stream",
         cc: CongestionControl | None = None,
+        give_up_s: float = 0.0,
+        rto_jitter: float = 0.0,
+        rng: random.Random | None = None,
+        ceiling_srtts: float = 0.0,
     ) -> None:
         # (refuses a receiver-driven policy: a stream's receiver grants no credit)
         gate = CcGate(cc, flow) if cc is not None else None
@@ -646,6 +692,8 @@ class Sender(Generic[H]):
             )
         if max_retries < 0:
             raise ValueError(f"max_retries must be >= 0, got {max_retries}")
+        if not 0.0 <= give_up_s < math.inf:
+            raise ValueError(f"give_up_s must be a finite time >= 0, got {give_up_s}")
         if not 0 < rto_min <= rto_max or not math.isfinite(rto_max):
             raise ValueError(f"need 0 < rto_min <= rto_max < inf, got {rto_min}, {rto_max}")
         if not rto_min <= rto_initial <= rto_max:
@@ -664,6 +712,7 @@ class Sender(Generic[H]):
         self.window_bytes = window_bytes
         self.span_frames = span
         self.max_retries = max_retries
+        self.give_up_s = give_up_s
         self.rto_min = rto_min
         self.rto_max = rto_max
         self.granularity = granularity
@@ -682,7 +731,8 @@ class Sender(Generic[H]):
         self._acked_out: list[H] = []
         self.error: ReliabilityError | None = None
 
-        self._rtt = RttEstimator(rto_initial, rto_min, rto_max, granularity)
+        self._rtt = RttEstimator(rto_initial, rto_min, rto_max, granularity,
+                                 jitter=rto_jitter, rng=rng, ceiling_srtts=ceiling_srtts)
 
         self.cc = cc
         self._gate = gate  # the policy's window, pacer and echoes (fabric.core.congestion)
@@ -1056,9 +1106,11 @@ class Sender(Generic[H]):
         self._lost_declared += len(lost)
         for psn in lost:
             f = self._flight[psn]
-            if f.losses >= self.max_retries:
+            if f.losses >= self.max_retries and now - f.first_sent >= self.give_up_s:
                 # The retry limit counts the times *this* frame was lost, so a
-                # frame resent only as go-back-N collateral does not exhaust it.
+                # frame resent only as go-back-N collateral does not exhaust it;
+                # with a short RTO ceiling, give_up_s keeps a stall of the peer's
+                # host from exhausting it in a second.
                 raise self._fail(
                     RetryLimitExceeded(
                         peer=self.peer,

@@ -96,7 +96,7 @@ class ChunkTimers:
         t.order = self._order
         t.overtaken = 0
         if timeout is None:
-            timeout = min(self.rtt.rto * (2 ** t.tries), self.rtt.rto_max)
+            timeout = self.rtt.backed_off(t.tries)
         t.rto = timeout
         t.deadline = now + t.allowance + timeout
 

@@ -1464,7 +1464,8 @@ def _gen_congestion(args: argparse.Namespace) -> CongestionSettings:
     fields: dict[str, Any] = {"buffer_bytes": args.buffer_bytes, "buffer_alpha": args.buffer_alpha,
                               "trim": args.trim, "pfc": args.pfc, "credit": args.credit,
                               "ecn_kmin_bytes": args.ecn_kmin_bytes,
-                              "ecn_kmax_bytes": args.ecn_kmax_bytes, "ecn_pmax": args.ecn_pmax}
+                              "ecn_kmax_bytes": args.ecn_kmax_bytes, "ecn_pmax": args.ecn_pmax,
+                              "rto_max_us": args.rto_max_us}
     if args.cc is not None:
         fields["cc"] = args.cc
     try:
@@ -1564,6 +1565,9 @@ def gen_main(argv: Sequence[str]) -> int:
                       help="ECN: marking probability at Kmax")
     cong.add_argument("--cc", default=None, metavar="POLICY",
                       help="sender congestion control (nscc, dcqcn, eqds, none)")
+    cong.add_argument("--rto-max-us", type=float, default=None, metavar="US",
+                      help="streams' retransmission-timeout ceiling (default with "
+                      "--buffer-bytes: two windows at the path's bottleneck rate)")
     args = _run_parser(parser, argv)
     if isinstance(args, int):
         return args

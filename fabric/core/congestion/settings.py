@@ -17,6 +17,8 @@ for queues and marking, HPCC's for PFC: :mod:`fabric.core.congestion.config`)::
                                # (absent: the reliability window alone)
     base_rtt_us = 2000.0       # the unloaded round trip policies assume (absent: the
                                # topology's links; an emulator adds its software's)
+    rto_max_us = 40000.0       # streams' RTO ceiling where buffers are bounded (absent:
+                               # two windows at the path's bottleneck rate)
 
 Pure: parsing and checks, one-line :class:`CongestionConfigError` on anything
 impossible.
@@ -37,7 +39,7 @@ __all__ = ["CONGESTION_KEYS", "CongestionSettings"]
 
 #: Keys of ``[congestion]``.
 CONGESTION_KEYS = ("buffer_bytes", "buffer_alpha", "trim", "ecn_kmin_bytes", "ecn_kmax_bytes",
-                   "ecn_pmax", "pfc", "credit", "cc", "base_rtt_us")
+                   "ecn_pmax", "pfc", "credit", "cc", "base_rtt_us", "rto_max_us")
 
 
 @dataclass(frozen=True)
@@ -60,6 +62,9 @@ class CongestionSettings:
     #: the unloaded round trip (microseconds) the policies start from; None: from
     #: the topology's links (each latency both ways, both serialisations)
     base_rtt_us: float | None = None
+    #: the streams' retransmission-timeout ceiling (microseconds); None: a 1 s
+    #: ceiling, lowered where ``buffer_bytes`` is set (NodeState.stream_rto)
+    rto_max_us: float | None = None
 
     def __post_init__(self) -> None:
         if self.buffer_bytes is not None:
@@ -84,11 +89,12 @@ class CongestionSettings:
         if self.pfc and self.trim:
             raise CongestionConfigError("pfc and trim: a lossless class is never trimmed; "
                                         "choose one")
-        b = self.base_rtt_us
-        if b is not None and not (isinstance(b, (int, float)) and not isinstance(b, bool)
-                                  and 0.0 < b < 1e7):
-            raise CongestionConfigError(f"base_rtt_us must be a positive number of "
-                                        f"microseconds (under 10 s), got {b!r}")
+        for key in ("base_rtt_us", "rto_max_us"):
+            b = getattr(self, key)
+            if b is not None and not (isinstance(b, (int, float)) and not isinstance(b, bool)
+                                      and 0.0 < b < 1e7):
+                raise CongestionConfigError(f"{key} must be a positive number of "
+                                            f"microseconds (under 10 s), got {b!r}")
         if self.cc is not None and self.cc not in CC_POLICIES:
             raise CongestionConfigError(f"cc {self.cc!r} is not a known policy; choose "
                                         f"{', '.join(sorted(CC_POLICIES))}")
@@ -114,8 +120,8 @@ class CongestionSettings:
                                                 f"got {value!r}")
             elif isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise CongestionConfigError(f"{key} must be a number, got {value!r}")
-            out[key] = float(value) if key in ("buffer_alpha", "ecn_pmax", "base_rtt_us") \
-                else value
+            floats = ("buffer_alpha", "ecn_pmax", "base_rtt_us", "rto_max_us")
+            out[key] = float(value) if key in floats else value
         return cls(**out)
 
     def to_table(self) -> dict[str, Any]:
