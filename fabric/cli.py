@@ -150,6 +150,10 @@ def build_parser() -> argparse.ArgumentParser:
                      "detokenizer and an OpenAI-compatible streaming endpoint",
                      "fabric.serving.cli")
 
+    _add_lazy_parser(sub, "model", "a sharded model's decode step (presets tiny, mixtral-8x7b, "
+                     "deepseek-v3; --tp/--ep/--pp/--dp): compute per part and bytes per "
+                     "collective", "fabric.serving.model_cli")
+
     _add_lazy_parser(sub, "launch", "start a fabric (switches, host, workers); run a function "
                      "on every worker or keep it up until Ctrl-C", "fabric.emulation.launch_cli")
     _add_lazy_parser(sub, "sim", "simulate the fabric in virtual time: allreduce tables, "
