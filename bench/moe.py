@@ -49,8 +49,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--routing", default="uniform",
                    help="expert load: uniform, zipf:S or lognormal:SIGMA")
     p.add_argument("--variants", default=DEFAULT_VARIANTS,
-                   help="flat, hierarchical and/or in-network (at most 32 ranks: left out of "
-                   "the default above that)")
+                   help="flat, hierarchical and/or in-network")
     p.add_argument("-w", "--warmup", type=int, default=1, help="untimed iterations")
     p.add_argument("-n", "--iters", type=int, default=3, help="timed iterations")
     p.add_argument("--sim", action="store_true",
@@ -75,7 +74,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _settings(args: argparse.Namespace) -> dict[str, Any]:
-    from fabric.core.moe import MASK_MEMBERS, MOE_VARIANTS, parse_routing
+    from fabric.core.moe import MOE_VARIANTS, parse_routing
 
     for flag, value in (("--latency-us", args.latency_us), ("--bandwidth-gbps",
                                                             args.bandwidth_gbps)):
@@ -104,14 +103,7 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     if not variants or any(v not in MOE_VARIANTS for v in variants):
         raise UsageError(f"--variants: choose from {', '.join(MOE_VARIANTS)}")
-    dropped = []
-    if "in-network" in variants and ranks > MASK_MEMBERS:
-        # the switch's member mask: refused before any row, not by rank 0 mid-run
-        if args.variants != DEFAULT_VARIANTS:
-            raise UsageError(f"--variants in-network: at most {MASK_MEMBERS} ranks (the "
-                             f"frame's member mask), not {ranks}; drop it from --variants")
-        variants = [v for v in variants if v != "in-network"]
-        dropped.append(f"in-network (at most {MASK_MEMBERS} ranks)")
+    dropped: list[str] = []
     experts = args.experts or 4 * ranks
     if experts % ranks:
         raise UsageError(f"--experts {experts} must be a multiple of the {ranks} ranks")

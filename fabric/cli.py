@@ -145,6 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
                      "on a star or leaf/spine at several oversubscription ratios (emulated or "
                      "--sim)",
                      "bench.moe")
+    _add_lazy_parser(bsub, "decode", "a sharded model's decode loop (--model, --tp, --ep, "
+                     "--pp): inter-token latency and its parts (compute, TP, EP dispatch and "
+                     "combine, PP), emulated or --sim", "bench.decode")
     bench.set_defaults(func=_default_bench)
     _add_lazy_parser(sub, "serve", "bring the token chain up: generator workers, the fabric, "
                      "detokenizer and an OpenAI-compatible streaming endpoint",

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fabric.core.decode_workload import sharded_decode
+from fabric.core.decode_workload import PARTS, sharded_decode
 from fabric.core.decoder import TinyWeights, generate_reference, rescale
 from fabric.core.model import get_model
 from fabric.core.topology import leaf_spine, star
@@ -18,26 +18,27 @@ from fabric.sim.engine import SimulationError
 PROMPTS = [[1, 2, 3], [7, 8], [100, 200, 300, 400], [5], [9, 9], [11, 12, 13], [42], [77, 78]]
 
 
-def _tokens(results: list[dict[int, list[int]]]) -> list[list[int]]:
+def _tokens(results: list[dict]) -> list[list[int]]:
     got: dict[int, list[int]] = {}
-    for d in results:
-        for seq, toks in d.items():  # a replica's TP ranks agree on its sequences
+    for res in results:
+        for seq, toks in res["tokens"].items():  # a replica's TP ranks agree on its sequences
             assert got.setdefault(seq, toks) == toks, seq
     return [got[i] for i in range(len(got))]
 
 
-@pytest.mark.parametrize("tp,ep,variant", [(2, 4, "flat"), (2, 4, "in-network"),
-                                           (1, 4, "hierarchical"), (4, 2, "flat"),
-                                           (4, 1, "flat")])
+@pytest.mark.parametrize("tp,ep,pp,variant", [(2, 4, 1, "flat"), (2, 4, 1, "in-network"),
+                                              (1, 4, 1, "hierarchical"), (4, 2, 1, "flat"),
+                                              (4, 1, 1, "flat"), (2, 2, 2, "flat")])
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
-def test_sharded_tokens_are_the_unsharded_ones_in_simulation(tp: int, ep: int, variant: str,
+def test_sharded_tokens_are_the_unsharded_ones_in_simulation(tp: int, ep: int, pp: int,
+                                                             variant: str,
                                                              temperature: float) -> None:
     w = TinyWeights(get_model("tiny"), seed=5)
     want = generate_reference(w, PROMPTS, 5, temperature, seed=11)
-    n = tp * ep
+    n = tp * ep * pp
     topo = star(n, bandwidth_gbps=10) if variant == "flat" else leaf_spine(
         2, n // 2, leaf_bandwidth_gbps=10)
-    r = Simulation(topo, timeout_s=60).run(sharded_decode, "tiny", tp, ep, PROMPTS, 5,
+    r = Simulation(topo, timeout_s=60).run(sharded_decode, "tiny", tp, ep, PROMPTS, 5, pp=pp,
                                            temperature=temperature, seed=11, weights_seed=5,
                                            variant=variant)
     assert _tokens(r.results) == want
@@ -63,8 +64,24 @@ def test_the_reference_is_not_trivially_stable() -> None:
 
 def test_layouts_that_do_not_fit_are_refused() -> None:
     for n, tp, ep, prompts, words in [
-            (4, 2, 4, PROMPTS, "tp 2 x ep 4 needs 8 workers, the fabric has 4"),
+            (4, 2, 4, PROMPTS, "pp 1 x ep 4 x tp 2 needs 8 workers, the fabric has 4"),
             (3, 1, 3, PROMPTS, "--ep 3 does not divide tiny's 4 experts"),
             (4, 1, 4, PROMPTS[:2], "need at least one non-empty prompt per replica")]:
         with pytest.raises(SimulationError, match=f"UsageError: {words}"):
             Simulation(star(n)).run(sharded_decode, "tiny", tp, ep, prompts, 2)
+
+
+def test_timing_only_steps_split_into_parts_that_add_up() -> None:
+    """mixtral-8x7b timing-only on 8 simulated GPUs (TP 2 x EP 4) of 25 Gb/s: every
+    step's parts (compute charged from the cost model, the TP allreduces, dispatch,
+    combine) add up to the step on every rank, and each part is there."""
+    topo = star(8, bandwidth_gbps=25, latency_us=2)
+    r = Simulation(topo, timeout_s=120).run(sharded_decode, "mixtral-8x7b", 2, 4, [[1]] * 16,
+                                            3, data=False, gpu="h100", context=1024)
+    for res in r.results:
+        assert len(res["steps"]) == 3
+        for step in res["steps"]:
+            parts = sum(step.get(p, 0.0) for p in PARTS)
+            assert parts == pytest.approx(step["step"], rel=0.05)
+            assert all(step.get(p, 0.0) > 0 for p in ("compute", "tp", "dispatch", "combine"))
+    assert r.results[0]["tokens"] == {q: [0, 0, 0] for q in range(0, 16, 4)}

@@ -39,7 +39,7 @@ def test_combine_of_dispatch_is_the_weighted_sum_in_simulation(topo, dtype, skew
 def test_moe_exact_at_64_ranks() -> None:
     topo = leaf_spine(8, 8)
     T, H, K, E = 16, 8, 8, 128
-    variants = ("flat", "hierarchical")  # in-network: at most 32 ranks (frame mask)
+    variants = ("flat", "hierarchical", "in-network")  # in-network: two mask blocks
     res = Simulation(topo).run(tasks.moe_workload, variants, T, H, K, E)
     want = _want(64, T, H, K, E, "float32")
     for r in range(64):
@@ -47,14 +47,17 @@ def test_moe_exact_at_64_ranks() -> None:
             np.testing.assert_array_equal(res.results[r][v], want[r])
 
 
-def test_in_network_moe_exact_at_32_ranks_and_refused_beyond() -> None:
-    T, H, K, E = 16, 8, 8, 64
-    res = Simulation(leaf_spine(4, 8)).run(tasks.moe_workload, ("in-network",), T, H, K, E)
-    want = _want(32, T, H, K, E, "float32")
-    for r in range(32):
+@pytest.mark.parametrize("leaves,per", [(4, 8), (4, 9), (10, 10)])
+def test_in_network_moe_exact_within_and_beyond_one_mask_block(leaves: int, per: int) -> None:
+    """32 ranks fit one frame's mask; 36 and 100 take a frame per block of 32 that a
+    token's targets fall in (the mask's ``offset``)."""
+    W = leaves * per
+    T, H, K, E = 16, 8, 8, 2 * W
+    res = Simulation(leaf_spine(leaves, per)).run(tasks.moe_workload, ("in-network",), T, H,
+                                                  K, E)
+    want = _want(W, T, H, K, E, "float32")
+    for r in range(W):
         np.testing.assert_array_equal(res.results[r]["in-network"], want[r])
-    with pytest.raises(SimulationError, match="at most 32 ranks"):
-        Simulation(leaf_spine(4, 9)).run(tasks.moe_workload, ("in-network",), 4, 4, 2, 36)
 
 
 def test_moe_exact_under_loss() -> None:

@@ -194,6 +194,25 @@ def test_a_multicast_frame_reaches_each_member_once_and_not_its_sender(topo) -> 
     assert copies == (2 if len(topo.switches) == 1 else 4)  # leaf->spine->leaf->2 members
 
 
+def test_a_masked_frame_reaches_the_members_its_block_and_bits_name() -> None:
+    """40 members: bit i of the key names member 32 x offset + i (by id); a bit past
+    the last member names no one."""
+    topo = leaf_spine(5, 8)
+    net = Net(topo)
+    names = [w.name for w in topo.workers]
+    gid = _group(net, names)
+    by_id = sorted(names, key=lambda n: topo.node(n).id)
+    src = topo.node(by_id[0])
+    for key, offset, want in [(0b101, 0, {2}), (1 << 31, 0, {31}), (0b11, 1, {32, 33}),
+                              (1 << 7 | 1 << 9, 1, {39})]:
+        row = np.frombuffer(b"row", np.uint8)
+        net.send(by_id[0], fr.encode_header(Op.WRITE, src=src.id, dst=gid,
+                                            flags=fr.Flag.MCAST, flow=22, key=key,
+                                            offset=offset, payload=row), row)
+        got = {i for i, n in enumerate(by_id) if net.take(n)}
+        assert got == want, (key, offset)
+
+
 def test_multicast_to_an_unknown_group_or_from_a_non_member_is_refused() -> None:
     topo = star(3)
     net = Net(topo)

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from typing_extensions import Buffer
 
 __all__ = [
+    "MASK_BITS",
     "VERSION",
     "HEADER_SIZE",
     "CRC_SIZE",
@@ -549,6 +550,10 @@ def decode(buf: bytes | bytearray | memoryview, payload: object = None) -> Frame
 #: their ACKs and NACKs travel on flow + 1. Their receivers answer a trimmed frame
 #: with a TRIMMED NACK, so these are the frames a switch trims (others it drops).
 STREAM_FLOWS = (16, 20)
+#: A masked multicast frame (Flag.MCAST, ``key`` != 0) names its members by bits:
+#: bit i of ``key`` is member ``MASK_BITS * offset + i`` of the group, by id, so
+#: ``offset`` picks a block of 32 and one frame reaches members of one block.
+MASK_BITS = 32
 
 
 def trimmable(header: bytes | bytearray | memoryview) -> bool:

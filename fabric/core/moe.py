@@ -23,11 +23,13 @@ Variants, side by side:
     summing its leaf's partials so one vector per token and leaf crosses back.
 ``in-network``
     the switches do it (the dynamic in-switch idea of DySHARP): each token is
-    one frame with a member mask (``Flag.MCAST``, ``key`` = mask), replicated
-    by each switch to the ports of its targets only, so it crosses every link
-    once; in combine each rank sends its partial towards the token's home and
-    the first switch (its leaf) sums the partials of that token from every
-    rank below it, sending one vector on (``switchd.core`` ``_on_combine``).
+    one frame with a member mask (``Flag.MCAST``, ``key`` = mask of a block of
+    32 members, ``offset`` = the block; a token with targets in several blocks
+    goes once per block), replicated by each switch to the ports of its
+    targets only, so it crosses every link once per block; in combine each rank
+    sends its partial towards the token's home and the first switch (its leaf)
+    sums the partials of that token from every rank below it, sending one
+    vector on (``switchd.core`` ``_on_combine``).
 
 Each phase is an alltoallv of (metadata, rows) of :mod:`fabric.core.collective_programs`;
 the receive counts of dispatch are exchanged first (an alltoall of counts),
@@ -57,8 +59,9 @@ MOE_VARIANTS = ("flat", "hierarchical", "in-network")
 MASKED_FLOW = 22
 #: Rows in flight per sender (in-network dispatch), contributions per rank (combine).
 ROWS_WINDOW = 64
-#: Most members of a group the in-network variant serves (the frame's 32-bit mask).
-MASK_MEMBERS = 32
+#: Members one in-network dispatch frame can name: a block of the frame's 32-bit
+#: mask (fabric.core.frame.MASK_BITS); larger groups take a frame per block.
+MASK_MEMBERS = fr.MASK_BITS
 #: Dispatch rows with the same targets travel together, up to this many bytes a frame.
 ROWS_FRAME_BYTES = 64 * 1024
 
@@ -528,9 +531,9 @@ class _AckedFrames(Program):
 
 class RowsSend(_AckedFrames):
     """Dispatch rows as masked multicast frames (``key`` = the mask of the target
-    members; rows with the same targets share a frame); each target ACKs each
-    frame; a frame some targets lack by its RTO goes again to those alone (a
-    smaller mask)."""
+    members in one block of 32, ``offset`` = the block; rows with the same targets
+    in a block share a frame); each target ACKs each frame; a frame some targets
+    lack by its RTO goes again to those alone (a smaller mask)."""
 
     role = "dispatch"
 
@@ -544,13 +547,15 @@ class RowsSend(_AckedFrames):
         return {self.g.ids[k] for k in self.rows[j][1]}
 
     def _frame(self, j: int, left: set[int]) -> Send:
-        mask = 0
-        for m in left:
-            mask |= 1 << self.order.index(m)
+        mask = block = 0
+        for m in left:  # the targets of one frame share a block
+            block, bit = divmod(self.order.index(m), MASK_MEMBERS)
+            mask |= 1 << bit
         body = self.rows[j][2]
         return (fr.encode_header(Op.WRITE, src=self.st.node_id, dst=self.g.gid,
                                  flags=Flag.MCAST, flow=MASKED_FLOW, job=self.sid, psn=j,
-                                 key=mask, msg=self.msg, payload=body, crc=self.st.crc), body)
+                                 key=mask, offset=block, msg=self.msg, payload=body,
+                                 crc=self.st.crc), body)
 
     def wants(self, f: fr.Frame) -> bool:
         return (f.op is Op.ACK and f.flow == MASKED_FLOW + 1 and f.job == self.sid
@@ -627,9 +632,9 @@ def _innet_dispatch(st: NodeState, g: Group, x: np.ndarray | None, idx: np.ndarr
     from fabric.core.programs import Parallel
 
     W, r = g.size, g.rank
-    if W > MASK_MEMBERS:
-        raise UsageError(f"moe in-network: at most {MASK_MEMBERS} ranks in the group (the "
-                         f"frame's member mask), not {W}; use a group or another variant")
+    # a frame's mask names members by their place among the group's ids, in blocks
+    pos = {nid: i for i, nid in enumerate(sorted(g.ids))}
+    block_of = [pos[nid] // MASK_MEMBERS for nid in g.ids]
     item = np_dtype(dtype).itemsize
     nm = (1 + 2 * K) * 4
     row_bytes = nm + H * item
@@ -645,9 +650,11 @@ def _innet_dispatch(st: NodeState, g: Group, x: np.ndarray | None, idx: np.ndarr
         for q in targets:
             sc[q] += 1
         if targets:
-            head = np.array([t, *idx[t], *wbits[t]], np.int32).tobytes()
-            by_targets.setdefault(targets, []).append(
-                head + (x[t].tobytes() if x is not None else zeros_row))
+            row = np.array([t, *idx[t], *wbits[t]], np.int32).tobytes() + (
+                x[t].tobytes() if x is not None else zeros_row)
+            for b in sorted({block_of[q] for q in targets}):  # a frame per block
+                by_targets.setdefault(tuple(q for q in targets if block_of[q] == b),
+                                      []).append(row)
     frames: list[tuple[int, list[int], Any]] = []
     for targets, rows in sorted(by_targets.items()):
         for a in range(0, len(rows), per_frame):

@@ -17,7 +17,7 @@ several tenants), so no tenant can take every id.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -99,11 +99,19 @@ class Multicast(Service):
             return
         c.mcast_frames += 1
         ports: list[bytes] = []
-        mask = f.key  # a member mask (bit i: the i-th member by id); 0: every member
-        for i, m in enumerate(members):
+        # a member mask: bit i is member (32 x offset + i) by id, offset naming a block
+        # of 32 (groups of any size); 0: every member
+        mask = f.key
+        chosen: Sequence[int] = members
+        if mask:
+            picked: list[int] = []
+            base = f.offset * fr.MASK_BITS
+            for i in range(fr.MASK_BITS):
+                if mask >> i & 1 and base + i < len(members):
+                    picked.append(members[base + i])
+            chosen = picked
+        for m in chosen:
             out = ctx.next_hop.get(m)
-            if mask and not mask >> i & 1:
-                continue
             if m != f.src and out is not None and out != port and out not in ports:
                 ports.append(out)
         head = bytes(header)

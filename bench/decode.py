@@ -1,0 +1,411 @@
+"""`semfab bench decode`: a sharded model's decode loop on the fabric, timed per part.
+
+Runs :func:`fabric.core.decode_workload.sharded_decode` on launched processes
+(or ``--sim``: in virtual time) for each (EP degree, oversubscription, MoE
+variant) and prints a row per point as it finishes: the inter-token latency
+(ITL: the time of a decode step, p50 and p99 over steps and ranks) and its
+parts (compute charged from the cost model, the TP allreduces, the EP dispatch
+and combine, the pipeline hand-offs, and what is left: this rank's own work).
+
+``--model tiny`` computes for real and checks every token against the
+unsharded model (a wrong token fails the run); larger presets run
+timing-only: real sizes, no payload, uniform routing. ``--layers N`` runs N of
+the model's layers and extrapolates the per-layer parts to all of them (said
+in the row's note), so EP 8-256 fit in a simulation on this machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from typing import Any
+
+import numpy as np
+
+from bench import report
+from fabric.errors import UsageError, check_seconds
+
+PARTS = ("compute", "tp", "dispatch", "combine", "pp")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Flags of `semfab bench decode`."""
+    p.add_argument("--model", default="tiny",
+                   help="preset (tiny, mixtral-8x7b, deepseek-v3): tiny computes and checks "
+                   "its tokens; the others run timing-only")
+    p.add_argument("--tp", type=int, default=2, help="tensor-parallel degree")
+    p.add_argument("--ep", default="2", help="expert-parallel degrees, comma-separated")
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages")
+    p.add_argument("--variants", default="flat,in-network",
+                   help="MoE dispatch/combine: flat, hierarchical, in-network")
+    p.add_argument("--path", default="ina", help="the TP allreduces' path")
+    p.add_argument("--batch", type=int, default=4, help="sequences per attention replica")
+    p.add_argument("--prompt-len", type=int, default=3, help="prompt tokens (tiny)")
+    p.add_argument("--tokens", type=int, default=8, help="new tokens per sequence (steps)")
+    p.add_argument("--context", type=int, default=1024,
+                   help="tokens already cached, for the compute the cost model charges")
+    p.add_argument("--gpu", default="h100",
+                   help="GPU figures the compute is charged from (h100, h200; none: no "
+                   "compute charged)")
+    p.add_argument("--layers", type=int, default=None,
+                   help="timing-only: run this many layers and extrapolate to the model's")
+    p.add_argument("--per-leaf", type=int, default=8,
+                   help="ranks below each leaf switch (one leaf: a star)")
+    p.add_argument("--oversubscription", default="1",
+                   help="leaf down:up bandwidth ratios, comma-separated")
+    p.add_argument("--bandwidth-gbps", type=float, default=None,
+                   help="rank-leaf link rate (default: 400 simulated, 2 emulated)")
+    p.add_argument("--latency-us", type=float, default=None,
+                   help="latency of every link (default: 1 simulated, 50 emulated)")
+    p.add_argument("--sim", action="store_true", help="simulate in virtual time")
+    p.add_argument("--both", action="store_true",
+                   help="emulate, then simulate each point with the emulator's measured "
+                   "software latency on the simulated links; 'vs sim' compares the ITLs")
+    p.add_argument("--seed", type=int, default=0, help="prompts, sampling and routing seed")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature")
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds any wait may take")
+    p.add_argument("--json", metavar="PATH", help="write rows and settings as JSON")
+    p.add_argument("--markdown", metavar="PATH", help="write the table as Markdown")
+    p.add_argument("--plot", metavar="PNG", help="ITL and its parts against EP, per variant")
+    p.add_argument("--run-dir", help="where process logs go (emulation)")
+    p.add_argument("--keep-runs", action="store_true",
+                   help="keep the process logs of a clean run (removed by default)")
+    from fabric.sim.cli import add_executor_arguments
+
+    add_executor_arguments(p)
+
+
+def _ints(flag: str, text: str) -> list[int]:
+    try:
+        vals = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise UsageError(f"{flag} takes whole numbers like 2,4,8; got {text!r}") from None
+    if not vals or any(v < 1 for v in vals):
+        raise UsageError(f"{flag}: each value must be at least 1")
+    return vals
+
+
+def _settings(args: argparse.Namespace) -> dict[str, Any]:
+    from fabric.core.model import GPUS, Layout, get_model
+    from fabric.core.moe import MOE_VARIANTS
+
+    m = get_model(args.model)
+    data = m.name == "tiny"
+    eps = _ints("--ep", args.ep)
+    for ep in eps:
+        Layout(tp=args.tp, ep=ep, pp=args.pp).check(m)
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    if not variants or any(v not in MOE_VARIANTS for v in variants):
+        raise UsageError(f"--variants: choose from {', '.join(MOE_VARIANTS)}")
+    try:
+        ratios = [float(v) for v in args.oversubscription.split(",") if v.strip()]
+    except ValueError:
+        raise UsageError(f"--oversubscription takes numbers like 1,2,4; got "
+                         f"{args.oversubscription!r}") from None
+    if not ratios or any(not 1 <= r <= 64 for r in ratios):
+        raise UsageError("--oversubscription: each ratio must be between 1 and 64")
+    if args.gpu != "none" and args.gpu not in GPUS:
+        raise UsageError(f"--gpu {args.gpu!r}: choose {', '.join(GPUS)} or none")
+    if args.layers is not None and (data or not 1 <= args.layers <= m.layers):
+        raise UsageError(f"--layers: timing-only presets, 1..{m.layers}" if not data else
+                         "--layers: tiny computes every layer; leave it out")
+    for flag, v in (("--batch", args.batch), ("--tokens", args.tokens),
+                    ("--prompt-len", args.prompt_len), ("--per-leaf", args.per_leaf)):
+        if v < 1:
+            raise UsageError(f"{flag} must be at least 1")
+    if args.context < 0 or not math.isfinite(args.temperature) or args.temperature < 0:
+        raise UsageError("--context must be >= 0 and --temperature a number >= 0")
+    check_seconds("--timeout", args.timeout)
+    bw = args.bandwidth_gbps if args.bandwidth_gbps is not None else (400.0 if args.sim
+                                                                     else 2.0)
+    lat = args.latency_us if args.latency_us is not None else (1.0 if args.sim else 50.0)
+    if not (math.isfinite(bw) and bw > 0 and math.isfinite(lat) and lat >= 0):
+        raise UsageError("--bandwidth-gbps must be > 0 and --latency-us >= 0")
+    dropped: list[str] = []
+    worlds = {ep: args.tp * ep * args.pp for ep in eps}
+    for world in worlds.values():  # refused before any row runs
+        if world % min(args.per_leaf, world):
+            raise UsageError(f"{world} ranks do not fill leaves of --per-leaf "
+                             f"{args.per_leaf}; choose a divisor of {world}")
+    if not args.sim and max(worlds.values()) > 8:
+        raise UsageError(f"{max(worlds.values())} workers are too many processes to emulate "
+                         "here (at most 8); add --sim")
+    from fabric.sim.cli import check_executor
+
+    check_executor(args, sim=bool(args.sim))
+    if args.both and args.sim:
+        raise UsageError("--both emulates and simulates each point; leave out --sim")
+    from fabric.emulation.launch_cli import check_output_file
+
+    for flag in ("json", "markdown", "plot"):
+        if getattr(args, flag, None):
+            check_output_file(f"--{flag}", getattr(args, flag))
+    return {"model": m.name, "data": data, "tp": args.tp, "eps": eps, "pp": args.pp,
+            "variants": variants, "path": args.path, "batch": args.batch,
+            "prompt_len": args.prompt_len, "tokens": args.tokens, "context": args.context,
+            "gpu": None if args.gpu == "none" else args.gpu, "layers": args.layers,
+            "model_layers": m.layers, "per_leaf": args.per_leaf, "ratios": ratios,
+            "bandwidth_gbps": bw, "latency_us": lat, "seed": args.seed,
+            "temperature": args.temperature, "world": "simulation" if args.sim
+            else "emulation", "both": bool(args.both), "dropped": dropped}
+
+
+def _prompts(s: dict[str, Any], ep: int) -> list[list[int]]:
+    n = s["batch"] * ep
+    if not s["data"]:
+        return [[1]] * n
+    rng = np.random.default_rng([s["seed"], ep])
+    return [rng.integers(0, 512, size=int(rng.integers(1, s["prompt_len"] + 1))).tolist()
+            for _ in range(n)]
+
+
+def _topology(s: dict[str, Any], world: int, ratio: float, extra_us: float = 0.0) -> Any:
+    """The fabric of a point; ``extra_us`` more latency on every link (the emulator's
+    software, for ``--both``)."""
+    from fabric.core.topology import leaf_spine, star
+
+    per = min(s["per_leaf"], world)
+    if world % per:
+        raise UsageError(f"{world} ranks do not fill leaves of --per-leaf {per}")
+    lat = s["latency_us"] + extra_us
+    if world == per:
+        return star(world, bandwidth_gbps=s["bandwidth_gbps"], latency_us=lat, hosts=0)
+    return leaf_spine(world // per, per, oversubscription=ratio,
+                      leaf_bandwidth_gbps=s["bandwidth_gbps"], leaf_latency_us=lat,
+                      spine_latency_us=lat, hosts=0)
+
+
+#: Round trips of one stream frame the ``--both`` probe takes (the fastest counts).
+PROBES = 7
+
+
+def software_latency_us(s: dict[str, Any], fab: Any) -> float:
+    """The emulator's share of one link's latency (microseconds): rank 0 streams one
+    frame to rank 1 ``PROBES`` times; the fastest round trip, less what its four
+    link crossings (two links, both ways; the frame and its ACK) take, over four."""
+    from bench.incast import probe_work
+    from fabric.core import frame as fr
+    from fabric.emulation.workloads import run_in_emulation
+
+    nbytes = 4096
+    per = fab.run(run_in_emulation, probe_work, 1, nbytes, PROBES)
+    wire = nbytes + 2 * fr.HEADER_SIZE
+    links = 2 * (2 * s["latency_us"] * 1e-6 + wire * 8 / (s["bandwidth_gbps"] * 1e9))
+    return max(min(per[0]) - links, 0.0) / 4 * 1e6
+
+
+def _kwargs(s: dict[str, Any], variant: str) -> dict[str, Any]:
+    return {"pp": s["pp"], "temperature": s["temperature"], "seed": s["seed"],
+            "variant": variant, "path": s["path"], "data": s["data"], "gpu": s["gpu"],
+            "context": s["context"], "layers": s["layers"],
+            "payloads": s["world"] == "emulation"}
+
+
+def sim_point(s: dict[str, Any], ep: int, ratio: float, variant: str,
+              timeout_s: float, extra_us: float = 0.0) -> dict[str, Any]:
+    """One simulated point (plain settings in, a plain row out)."""
+    from fabric.core.decode_workload import sharded_decode
+    from fabric.sim import Simulation
+
+    world = s["tp"] * ep * s["pp"]
+    t0 = time.monotonic()
+    kw = {**_kwargs(s, variant), "payloads": False}
+    res = Simulation(_topology(s, world, ratio, extra_us), seed=s["seed"],
+                     timeout_s=timeout_s).run(sharded_decode, s["model"], s["tp"], ep,
+                                              _prompts(s, ep), s["tokens"], **kw)
+    row = _row(s, ep, ratio, variant, res.results, time.monotonic() - t0)
+    row["world"] = "simulation"
+    if extra_us:
+        row["note"] = (row["note"] + "; " if row["note"] else "") + \
+            f"links +{extra_us:.0f} us (the emulator's software)"
+        row["software_us"] = extra_us
+    return row
+
+
+def _row(s: dict[str, Any], ep: int, ratio: float, variant: str, per: list[dict[str, Any]],
+         wall: float) -> dict[str, Any]:
+    """ITL and its parts from every rank's steps; tokens checked (tiny)."""
+    scale = s["model_layers"] / s["layers"] if s["layers"] else 1.0
+    steps = [st for p in per for st in p["steps"]]
+
+    def full(st: dict[str, float], key: str) -> float:
+        """A part (or the step) with the per-layer share extrapolated to every layer."""
+        v = st.get(key, 0.0)
+        fixed = st.get("head", 0.0) * (key in ("compute", "step")) \
+            + st.get("pp", 0.0) * (key in ("pp", "step"))
+        return (v - fixed) * scale + fixed
+
+    itl = np.array([full(st, "step") for st in steps]) * 1e3
+    parts = {k: float(np.mean([full(st, k) for st in steps])) * 1e3 for k in PARTS}
+    other = float(np.mean(itl)) - sum(parts.values())
+    wrong = None
+    if s["data"]:
+        from fabric.core.decoder import TinyWeights, generate_reference
+        from fabric.core.model import get_model
+
+        got: dict[int, list[int]] = {}
+        wrong = 0
+        for p in per:
+            for q, toks in p["tokens"].items():
+                if got.setdefault(int(q), toks) != toks:
+                    wrong += 1  # two TP ranks of a replica disagree
+        want = generate_reference(TinyWeights(get_model("tiny")), _prompts(s, ep), s["tokens"],
+                                  s["temperature"], s["seed"])
+        wrong += sum(got.get(i) != w for i, w in enumerate(want))
+    note = f"{s['layers']} of {s['model_layers']} layers run, x{scale:g}" if s["layers"] \
+        else ""
+    return {"world": s["world"], "ep": ep, "tp": s["tp"], "pp": s["pp"],
+            "gpus": s["tp"] * ep * s["pp"],
+            "ratio": ratio, "variant": variant, "itl_ms": {
+                "mean": float(np.mean(itl)), "p50": float(np.percentile(itl, 50)),
+                "p99": float(np.percentile(itl, 99))},
+            "parts_ms": {**parts, "other": other}, "steps": len(steps), "wall_s": wall,
+            "wrong_sequences": wrong, "note": note}
+
+
+def run(args: argparse.Namespace) -> int:
+    """Entry point of `semfab bench decode`."""
+    s = _settings(args)
+    print(_header(s), flush=True)
+    print(_table_head(), flush=True)
+    points = [(ep, ratio, v) for ep in s["eps"] for ratio in s["ratios"]
+              for v in s["variants"]]
+    results: list[dict[str, Any]] = []
+    t_start = time.monotonic()
+    if args.sim:
+        from fabric.sim.cli import run_points
+
+        works = [(sim_point, (s, ep, ratio, v, args.timeout)) for ep, ratio, v in points]
+        for row in run_points(works, args.jobs, args.executor):
+            results.append(row)
+            _print_row(row)
+    else:
+        from fabric.core.decode_workload import sharded_decode
+        from fabric.emulation.launcher import launch
+        from fabric.emulation.workloads import run_in_emulation
+
+        for ep in s["eps"]:
+            for ratio in s["ratios"]:
+                world = s["tp"] * ep * s["pp"]
+                kw: dict[str, Any] = {"timeout_s": args.timeout, "seed": s["seed"],
+                                      "remove_run_dir": not (args.run_dir or args.keep_runs)}
+                if args.run_dir:
+                    kw["run_dir"] = f"{args.run_dir}/ep{ep}-r{ratio:g}"
+                with launch(topology=_topology(s, world, ratio), **kw) as fab:
+                    extra = software_latency_us(s, fab) if s["both"] else 0.0
+                    for ep_, ratio_, v in points:
+                        if (ep_, ratio_) != (ep, ratio):
+                            continue
+                        t0 = time.monotonic()
+                        per = fab.run(run_in_emulation, sharded_decode, s["model"], s["tp"], ep,
+                                      _prompts(s, ep), s["tokens"], **_kwargs(s, v))
+                        row = _row(s, ep, ratio, v, per, time.monotonic() - t0)
+                        results.append(row)
+                        _print_row(row)
+                        if s["both"]:
+                            sim = sim_point(s, ep, ratio, v, args.timeout, extra)
+                            row["vs_sim"] = row["itl_ms"]["p50"] / sim["itl_ms"]["p50"]
+                            results.append(sim)
+                            _print_row(sim)
+    table = format_table(results)
+    print("\n" + table)
+    wrong = sum(r["wrong_sequences"] or 0 for r in results)
+    checked = "every token exact" if s["data"] and not wrong else (
+        f"{wrong} sequences WRONG" if wrong else "timing-only: no token check")
+    print(f"# {len(results)} rows in {time.monotonic() - t_start:.1f} s; {checked}")
+    if s["both"]:
+        ratios = [r["vs_sim"] for r in results if "vs_sim" in r]
+        off = [v for v in ratios if not 1 / 1.15 <= v <= 1.15]
+        print("# emulated ITL p50 over simulated: " + ", ".join(f"{v:.3f}" for v in ratios)
+              + ("; all within 15%" if not off else f"; {len(off)} beyond 15%"))
+    if args.json:
+        path = report.write_json(args.json, "decode", results, extra={"settings": s})
+        print(f"# wrote {path}")
+    if args.markdown:
+        path = report.write_markdown(args.markdown, _header(s) + "\n\n" + table + "\n")
+        print(f"# wrote {path}")
+    if args.plot:
+        print(f"# wrote {plot(results, args.plot, _header(s)[2:])}")
+    return 1 if wrong else 0
+
+
+def _header(s: dict[str, Any]) -> str:
+    return (f"# semfab bench decode ({s['world']}): {s['model']}"
+            f"{'' if s['data'] else ' (timing-only)'}, tp {s['tp']} x ep "
+            f"{','.join(map(str, s['eps']))} x pp {s['pp']}; {s['batch']} sequences per "
+            f"replica, {s['tokens']} new tokens, context {s['context']}; compute "
+            f"{'charged as ' + s['gpu'] if s['gpu'] else 'not charged'}; TP path {s['path']}; "
+            f"links {s['bandwidth_gbps']:g} Gb/s, {s['latency_us']:g} us, {s['per_leaf']} "
+            f"ranks per leaf, oversubscription {','.join(f'{r:g}' for r in s['ratios'])}; "
+            f"seed {s['seed']}"
+            + (f"; left out: {', '.join(s['dropped'])}" if s["dropped"] else ""))
+
+
+_COLS = (("world", 11), ("ep", 4), ("gpus", 5), ("ratio", 6), ("variant", 13), ("itl p50", 9),
+         ("p99", 9), ("compute", 9), ("tp", 8), ("dispatch", 9), ("combine", 9),
+         ("pp", 7), ("other", 8))
+
+
+def _table_head() -> str:
+    return "#" + "".join(f"{name:>{w}}" for name, w in _COLS) + "  (ms)"
+
+
+def _cells(r: dict[str, Any]) -> list[str]:
+    p = r["parts_ms"]
+    return [r["world"], str(r["ep"]), str(r["gpus"]), f"{r['ratio']:g}", r["variant"],
+            f"{r['itl_ms']['p50']:.3f}", f"{r['itl_ms']['p99']:.3f}",
+            *(f"{p[k]:.3f}" for k in (*PARTS, "other"))]
+
+
+def _print_row(r: dict[str, Any]) -> None:
+    print(" " + "".join(f"{c:>{w}}" for c, (_n, w) in zip(_cells(r), _COLS, strict=True))
+          + (f"  {r['note']}" if r["note"] else ""), flush=True)
+
+
+def format_table(results: list[dict[str, Any]]) -> str:
+    """Markdown: a row per point, ITL beside flat's at the same EP and ratio."""
+    flat = {(r["world"], r["ep"], r["ratio"]): r for r in results if r["variant"] == "flat"}
+    head = ["world", "EP", "GPUs", "ratio", "variant", "ITL p50 (ms)", "p99", "compute", "TP",
+            "dispatch", "combine", "PP", "other", "vs flat", "vs sim", "wrong"]
+    rows = []
+    for r in results:
+        f = flat.get((r["world"], r["ep"], r["ratio"]))
+        vs = f"{r['itl_ms']['p50'] / f['itl_ms']['p50']:.2f}x" if f else "-"
+        rows.append([*_cells(r), vs, f"{r['vs_sim']:.3f}" if "vs_sim" in r else "-",
+                     "-" if r["wrong_sequences"] is None else str(r["wrong_sequences"])])
+    return "\n".join(report.markdown_table(head, rows, left=("world", "variant")))
+
+
+def plot(results: list[dict[str, Any]], path: str, title: str) -> str:
+    """PNG: ITL p50 against EP per (variant, ratio) on the left; the parts of each
+    point stacked on the right."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(12, 4.8))
+    FigureCanvasAgg(fig)
+    ax, bx = fig.subplots(1, 2)
+    keys = sorted({(r["variant"], r["ratio"]) for r in results})
+    for v, ratio in keys:
+        rows = sorted((r for r in results if (r["variant"], r["ratio"]) == (v, ratio)),
+                      key=lambda r: r["ep"])
+        ax.plot([r["ep"] for r in rows], [r["itl_ms"]["p50"] for r in rows], marker="o",
+                label=f"{v}, {ratio:g}:1")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("EP degree")
+    ax.set_ylabel("ITL p50 (ms)")
+    ax.legend(fontsize=8)
+    labels = [f"{r['variant'][:4]} ep{r['ep']} {r['ratio']:g}" for r in results]
+    bottom = np.zeros(len(results))
+    for k in (*PARTS, "other"):
+        vals = np.array([max(r["parts_ms"][k], 0.0) for r in results])
+        bx.bar(range(len(results)), vals, bottom=bottom, label=k)
+        bottom += vals
+    bx.set_xticks(range(len(results)), labels, rotation=60, fontsize=7, ha="right")
+    bx.set_ylabel("ms per step")
+    bx.legend(fontsize=8)
+    fig.suptitle(title, fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, format="png")
+    return path

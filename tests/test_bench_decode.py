@@ -1,0 +1,69 @@
+"""`semfab bench decode`: rows, parts, token checks, JSON, --both and refusals."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from fabric.cli import main
+
+
+def test_sim_rows_check_every_token_and_write_json(tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    out, md, png = tmp_path / "d.json", tmp_path / "d.md", tmp_path / "d.png"
+    assert main(["bench", "decode", "--sim", "--tp", "2", "--ep", "2,4", "--per-leaf", "4",
+                 "--variants", "flat,in-network", "--tokens", "4", "--latency-us", "5",
+                 "--json", str(out), "--markdown", str(md), "--plot", str(png)]) == 0
+    text = capsys.readouterr().out
+    assert "every token exact" in text
+    doc = json.loads(out.read_text())
+    assert doc["settings"]["model"] == "tiny" and doc["settings"]["eps"] == [2, 4]
+    rows = doc["results"]
+    assert [(r["ep"], r["variant"]) for r in rows] == [(2, "flat"), (2, "in-network"),
+                                                      (4, "flat"), (4, "in-network")]
+    for r in rows:
+        assert r["wrong_sequences"] == 0 and r["world"] == "simulation"
+        parts = sum(v for k, v in r["parts_ms"].items() if k != "other")
+        assert parts == pytest.approx(r["itl_ms"]["mean"], rel=0.05)  # the parts add up
+        assert r["parts_ms"]["dispatch"] > 0 and r["parts_ms"]["tp"] > 0
+        assert r["itl_ms"]["p50"] <= r["itl_ms"]["p99"]
+    assert md.read_text().count("\n| simulation") == 4
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_layers_extrapolate_a_timing_only_preset(capsys: pytest.CaptureFixture[str]) -> None:
+    """deepseek-v3 with one of its 61 layers run: the per-layer parts are scaled by
+    61, the LM head's compute is not."""
+    assert main(["bench", "decode", "--sim", "--model", "deepseek-v3", "--tp", "1", "--ep",
+                 "8", "--batch", "2", "--tokens", "2", "--layers", "1",
+                 "--variants", "flat"]) == 0
+    text = capsys.readouterr().out
+    assert "1 of 61 layers run, x61" in text and "timing-only: no token check" in text
+
+
+def test_both_worlds_side_by_side(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "decode", "--tp", "2", "--ep", "2", "--tokens", "3",
+                 "--variants", "flat", "--both", "--gpu", "none"]) == 0
+    text = capsys.readouterr().out
+    assert "# emulated ITL p50 over simulated: " in text
+    assert "| emulation" in text and "| simulation" in text and "every token exact" in text
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["--model", "gpt5"], "unknown model 'gpt5'"),
+    (["--ep", "3"], "--ep 3 does not divide tiny's 4 experts"),
+    (["--ep", "two"], "--ep takes whole numbers"),
+    (["--tp", "2", "--ep", "4", "--pp", "2"], "too many processes to emulate"),
+    (["--variants", "ring"], "--variants: choose from"),
+    (["--layers", "1"], "tiny computes every layer"),
+    (["--gpu", "v100"], "--gpu 'v100'"),
+    (["--sim", "--both"], "leave out --sim"),
+    (["--sim", "--ep", "4", "--per-leaf", "3"], "do not fill leaves of --per-leaf 3"),
+])
+def test_bad_flags_are_one_line(argv: list[str], words: str,
+                                capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "decode", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("semfab: error: ") and words in err and "\n" not in err
