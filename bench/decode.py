@@ -236,9 +236,15 @@ def _row(s: dict[str, Any], ep: int, ratio: float, variant: str, per: list[dict[
             + st.get("pp", 0.0) * (key in ("pp", "step"))
         return (v - fixed) * scale + fixed
 
+    def stats(v: np.ndarray) -> dict[str, float]:
+        return {"mean": float(np.mean(v)), "p50": float(np.percentile(v, 50)),
+                "p99": float(np.percentile(v, 99))}
+
     itl = np.array([full(st, "step") for st in steps]) * 1e3
-    parts = {k: float(np.mean([full(st, k) for st in steps])) * 1e3 for k in PARTS}
-    other = float(np.mean(itl)) - sum(parts.values())
+    per_part = {k: np.array([full(st, k) for st in steps]) * 1e3 for k in PARTS}
+    # what the parts leave of each step: this rank's own work
+    per_part["other"] = itl - sum(per_part.values())
+    parts = {k: stats(v) for k, v in per_part.items()}
     wrong = None
     if s["data"]:
         from fabric.core.decoder import TinyWeights, generate_reference
@@ -257,10 +263,8 @@ def _row(s: dict[str, Any], ep: int, ratio: float, variant: str, per: list[dict[
         else ""
     return {"world": s["world"], "ep": ep, "tp": s["tp"], "pp": s["pp"],
             "gpus": s["tp"] * ep * s["pp"],
-            "ratio": ratio, "variant": variant, "itl_ms": {
-                "mean": float(np.mean(itl)), "p50": float(np.percentile(itl, 50)),
-                "p99": float(np.percentile(itl, 99))},
-            "parts_ms": {**parts, "other": other}, "steps": len(steps), "wall_s": wall,
+            "ratio": ratio, "variant": variant, "itl_ms": stats(itl),
+            "parts_ms": parts, "steps": len(steps), "wall_s": wall,
             "wrong_sequences": wrong, "note": note}
 
 
@@ -352,7 +356,7 @@ def _table_head() -> str:
 
 
 def _cells(r: dict[str, Any]) -> list[str]:
-    p = r["parts_ms"]
+    p = {k: v["mean"] for k, v in r["parts_ms"].items()}
     return [r["world"], str(r["ep"]), str(r["gpus"]), f"{r['ratio']:g}", r["variant"],
             f"{r['itl_ms']['p50']:.3f}", f"{r['itl_ms']['p99']:.3f}",
             *(f"{p[k]:.3f}" for k in (*PARTS, "other"))]
@@ -399,7 +403,7 @@ def plot(results: list[dict[str, Any]], path: str, title: str) -> str:
     labels = [f"{r['variant'][:4]} ep{r['ep']} {r['ratio']:g}" for r in results]
     bottom = np.zeros(len(results))
     for k in (*PARTS, "other"):
-        vals = np.array([max(r["parts_ms"][k], 0.0) for r in results])
+        vals = np.array([max(r["parts_ms"][k]["mean"], 0.0) for r in results])
         bx.bar(range(len(results)), vals, bottom=bottom, label=k)
         bottom += vals
     bx.set_xticks(range(len(results)), labels, rotation=60, fontsize=7, ha="right")

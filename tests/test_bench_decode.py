@@ -25,9 +25,10 @@ def test_sim_rows_check_every_token_and_write_json(tmp_path: Path,
                                                       (4, "flat"), (4, "in-network")]
     for r in rows:
         assert r["wrong_sequences"] == 0 and r["world"] == "simulation"
-        parts = sum(v for k, v in r["parts_ms"].items() if k != "other")
+        parts = sum(v["mean"] for k, v in r["parts_ms"].items() if k != "other")
         assert parts == pytest.approx(r["itl_ms"]["mean"], rel=0.05)  # the parts add up
-        assert r["parts_ms"]["dispatch"] > 0 and r["parts_ms"]["tp"] > 0
+        assert r["parts_ms"]["dispatch"]["mean"] > 0 and r["parts_ms"]["tp"]["p50"] > 0
+        assert set(r["parts_ms"]["combine"]) == {"mean", "p50", "p99"}
         assert r["itl_ms"]["p50"] <= r["itl_ms"]["p99"]
     assert md.read_text().count("\n| simulation") == 4
     assert png.read_bytes()[:4] == b"\x89PNG"
