@@ -58,6 +58,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="rank-leaf link rate (default: 400 simulated, 2 emulated)")
     p.add_argument("--latency-us", type=float, default=None,
                    help="latency of every link (default: 1 simulated, 50 emulated)")
+    p.add_argument("--mtu", type=int, default=None,
+                   help="every link's MTU (default 256 KiB; streams cut frames to it, at "
+                   "most 64 KiB)")
+    p.add_argument("--cc", metavar="POLICY",
+                   help="streams' congestion-control policy (none, nscc, dcqcn; default: "
+                   "none at all)")
+    p.add_argument("--buffer", metavar="BYTES",
+                   help="each switch's shared buffer (default: unbounded queues)")
+    p.add_argument("--trim", action="store_true",
+                   help="with --buffer: cut a frame that does not fit to its header")
     p.add_argument("--sim", action="store_true", help="simulate in virtual time")
     p.add_argument("--both", action="store_true",
                    help="emulate, then simulate each point with the emulator's measured "
@@ -110,6 +120,8 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
     if args.layers is not None and (data or not 1 <= args.layers <= m.layers):
         raise UsageError(f"--layers: timing-only presets, 1..{m.layers}" if not data else
                          "--layers: tiny computes every layer; leave it out")
+    if args.mtu is not None and not 512 <= args.mtu <= 1 << 24:
+        raise UsageError(f"--mtu {args.mtu}: give 512 .. 16 MiB bytes")
     for flag, v in (("--batch", args.batch), ("--tokens", args.tokens),
                     ("--prompt-len", args.prompt_len), ("--per-leaf", args.per_leaf)):
         if v < 1:
@@ -122,6 +134,11 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
     lat = args.latency_us if args.latency_us is not None else (1.0 if args.sim else 50.0)
     if not (math.isfinite(bw) and bw > 0 and math.isfinite(lat) and lat >= 0):
         raise UsageError("--bandwidth-gbps must be > 0 and --latency-us >= 0")
+    from bench.moe import _buffer
+    from bench.sweep import check_cc
+
+    check_cc(args.cc)
+    buffer = _buffer(args)
     dropped: list[str] = []
     worlds = {ep: args.tp * ep * args.pp for ep in eps}
     for world in worlds.values():  # refused before any row runs
@@ -141,14 +158,26 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
     for flag in ("json", "markdown", "plot"):
         if getattr(args, flag, None):
             check_output_file(f"--{flag}", getattr(args, flag))
-    return {"model": m.name, "data": data, "tp": args.tp, "eps": eps, "pp": args.pp,
+    s = {"model": m.name, "data": data, "tp": args.tp, "eps": eps, "pp": args.pp,
             "variants": variants, "path": args.path, "batch": args.batch,
             "prompt_len": args.prompt_len, "tokens": args.tokens, "context": args.context,
             "gpu": None if args.gpu == "none" else args.gpu, "layers": args.layers,
             "model_layers": m.layers, "per_leaf": args.per_leaf, "ratios": ratios,
             "bandwidth_gbps": bw, "latency_us": lat, "seed": args.seed,
             "temperature": args.temperature, "world": "simulation" if args.sim
-            else "emulation", "both": bool(args.both), "dropped": dropped}
+            else "emulation", "both": bool(args.both), "dropped": dropped, "cc": args.cc,
+            "buffer": buffer, "trim": args.trim, "mtu": args.mtu}
+    from fabric.core.congestion import CongestionConfigError
+    from fabric.core.congestion.switchq import switch_queues
+    from fabric.core.topology import TopologyError
+
+    for world in set(worlds.values()):  # a bad setting is one line now, not mid-run
+        for ratio in ratios:
+            try:
+                switch_queues(_topology(s, world, ratio))
+            except (TopologyError, CongestionConfigError) as exc:
+                raise UsageError(str(exc)) from None
+    return s
 
 
 def _prompts(s: dict[str, Any], ep: int) -> list[list[int]]:
@@ -163,17 +192,22 @@ def _prompts(s: dict[str, Any], ep: int) -> list[list[int]]:
 def _topology(s: dict[str, Any], world: int, ratio: float, extra_us: float = 0.0) -> Any:
     """The fabric of a point; ``extra_us`` more latency on every link (the emulator's
     software, for ``--both``)."""
+    from fabric.core.congestion.settings import CongestionSettings
     from fabric.core.topology import leaf_spine, star
 
     per = min(s["per_leaf"], world)
     if world % per:
         raise UsageError(f"{world} ranks do not fill leaves of --per-leaf {per}")
     lat = s["latency_us"] + extra_us
+    mtu: dict[str, Any] = {"mtu": s["mtu"]} if s.get("mtu") else {}
     if world == per:
-        return star(world, bandwidth_gbps=s["bandwidth_gbps"], latency_us=lat, hosts=0)
-    return leaf_spine(world // per, per, oversubscription=ratio,
-                      leaf_bandwidth_gbps=s["bandwidth_gbps"], leaf_latency_us=lat,
-                      spine_latency_us=lat, hosts=0)
+        topo = star(world, bandwidth_gbps=s["bandwidth_gbps"], latency_us=lat, hosts=0, **mtu)
+    else:
+        topo = leaf_spine(world // per, per, oversubscription=ratio,
+                          leaf_bandwidth_gbps=s["bandwidth_gbps"], leaf_latency_us=lat,
+                          spine_latency_us=lat, hosts=0, **mtu)
+    return topo.with_congestion(CongestionSettings(buffer_bytes=s.get("buffer"),
+                                                   trim=s.get("trim", False), cc=s.get("cc")))
 
 
 #: Round trips of one stream frame the ``--both`` probe takes (the fastest counts).
@@ -343,6 +377,8 @@ def _header(s: dict[str, Any]) -> str:
             f"links {s['bandwidth_gbps']:g} Gb/s, {s['latency_us']:g} us, {s['per_leaf']} "
             f"ranks per leaf, oversubscription {','.join(f'{r:g}' for r in s['ratios'])}; "
             f"seed {s['seed']}"
+            + (f"; congestion: cc {s['cc'] or '(none)'}, buffer {s['buffer'] or 'unbounded'}"
+               f"{', trimming' if s['trim'] else ''}" if s["cc"] or s["buffer"] else "")
             + (f"; left out: {', '.join(s['dropped'])}" if s["dropped"] else ""))
 
 

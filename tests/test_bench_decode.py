@@ -34,6 +34,17 @@ def test_sim_rows_check_every_token_and_write_json(tmp_path: Path,
     assert png.read_bytes()[:4] == b"\x89PNG"
 
 
+def test_congestion_settings_reach_the_switches(capsys: pytest.CaptureFixture[str]) -> None:
+    """mixtral's dispatch through a 4:1 leaf uplink behind a 100 kB buffer, trimming,
+    nscc: the header says so and every row completes."""
+    assert main(["bench", "decode", "--sim", "--model", "mixtral-8x7b", "--tp", "1", "--ep",
+                 "8", "--per-leaf", "4", "--oversubscription", "4", "--layers", "1",
+                 "--batch", "16", "--tokens", "2", "--bandwidth-gbps", "100", "--mtu", "16384",
+                 "--buffer", "100K", "--trim", "--cc", "nscc", "--variants", "flat"]) == 0
+    text = capsys.readouterr().out
+    assert "congestion: cc nscc, buffer 102400, trimming" in text and "1 rows in" in text
+
+
 def test_layers_extrapolate_a_timing_only_preset(capsys: pytest.CaptureFixture[str]) -> None:
     """deepseek-v3 with one of its 61 layers run: the per-layer parts are scaled by
     61, the LM head's compute is not."""
@@ -62,6 +73,10 @@ def test_both_worlds_side_by_side(capsys: pytest.CaptureFixture[str]) -> None:
     (["--gpu", "v100"], "--gpu 'v100'"),
     (["--sim", "--both"], "leave out --sim"),
     (["--sim", "--ep", "4", "--per-leaf", "3"], "do not fill leaves of --per-leaf 3"),
+    (["--sim", "--cc", "reno"], "--cc reno: unknown policy"),
+    (["--sim", "--trim"], "give --buffer"),
+    (["--sim", "--buffer", "1K"], "cannot hold one frame"),
+    (["--sim", "--mtu", "100"], "--mtu 100"),
 ])
 def test_bad_flags_are_one_line(argv: list[str], words: str,
                                 capsys: pytest.CaptureFixture[str]) -> None:
