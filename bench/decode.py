@@ -50,6 +50,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "compute charged)")
     p.add_argument("--layers", type=int, default=None,
                    help="timing-only: run this many layers and extrapolate to the model's")
+    p.add_argument("--topology", metavar="FILE",
+                   help="run on this fabric (e.g. `semfab topo gen --cluster`); its workers "
+                   "must be tp x ep x pp")
     p.add_argument("--per-leaf", type=int, default=8,
                    help="ranks below each leaf switch (one leaf: a star)")
     p.add_argument("--oversubscription", default="1",
@@ -141,8 +144,25 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
     buffer = _buffer(args)
     dropped: list[str] = []
     worlds = {ep: args.tp * ep * args.pp for ep in eps}
+    topo_text = None
+    if args.topology:
+        from fabric.core.topology import TopologyError, loads
+
+        try:
+            with open(args.topology, encoding="utf-8") as fh:
+                topo_text = fh.read()
+            n = len(loads(topo_text, args.topology).workers)
+        except OSError as exc:
+            raise UsageError(f"--topology {args.topology}: {exc.strerror}") from None
+        except TopologyError as exc:
+            raise UsageError(str(exc)) from None
+        bad = [w for w in worlds.values() if w != n]
+        if bad:
+            raise UsageError(f"--topology {args.topology} has {n} workers; the layout needs "
+                             f"{bad[0]} (tp x ep x pp)")
+        ratios = [1.0]
     for world in worlds.values():  # refused before any row runs
-        if world % min(args.per_leaf, world):
+        if topo_text is None and world % min(args.per_leaf, world):
             raise UsageError(f"{world} ranks do not fill leaves of --per-leaf "
                              f"{args.per_leaf}; choose a divisor of {world}")
     if not args.sim and max(worlds.values()) > 8:
@@ -166,7 +186,8 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
             "bandwidth_gbps": bw, "latency_us": lat, "seed": args.seed,
             "temperature": args.temperature, "world": "simulation" if args.sim
             else "emulation", "both": bool(args.both), "dropped": dropped, "cc": args.cc,
-            "buffer": buffer, "trim": args.trim, "mtu": args.mtu}
+            "buffer": buffer, "trim": args.trim, "mtu": args.mtu, "topology": args.topology,
+            "topology_text": topo_text}
     from fabric.core.congestion import CongestionConfigError
     from fabric.core.congestion.switchq import switch_queues
     from fabric.core.topology import TopologyError
@@ -193,8 +214,13 @@ def _topology(s: dict[str, Any], world: int, ratio: float, extra_us: float = 0.0
     """The fabric of a point; ``extra_us`` more latency on every link (the emulator's
     software, for ``--both``)."""
     from fabric.core.congestion.settings import CongestionSettings
-    from fabric.core.topology import leaf_spine, star
+    from fabric.core.topology import leaf_spine, loads, star
 
+    cong = CongestionSettings(buffer_bytes=s.get("buffer"), trim=s.get("trim", False),
+                              cc=s.get("cc"))
+    if s.get("topology_text"):  # the file's own links; flags add congestion settings
+        topo = loads(s["topology_text"], s["topology"])
+        return topo if cong.is_default else topo.with_congestion(cong)
     per = min(s["per_leaf"], world)
     if world % per:
         raise UsageError(f"{world} ranks do not fill leaves of --per-leaf {per}")
@@ -206,8 +232,7 @@ def _topology(s: dict[str, Any], world: int, ratio: float, extra_us: float = 0.0
         topo = leaf_spine(world // per, per, oversubscription=ratio,
                           leaf_bandwidth_gbps=s["bandwidth_gbps"], leaf_latency_us=lat,
                           spine_latency_us=lat, hosts=0, **mtu)
-    return topo.with_congestion(CongestionSettings(buffer_bytes=s.get("buffer"),
-                                                   trim=s.get("trim", False), cc=s.get("cc")))
+    return topo.with_congestion(cong)
 
 
 #: Round trips of one stream frame the ``--both`` probe takes (the fastest counts).
@@ -374,9 +399,10 @@ def _header(s: dict[str, Any]) -> str:
             f"{','.join(map(str, s['eps']))} x pp {s['pp']}; {s['batch']} sequences per "
             f"replica, {s['tokens']} new tokens, context {s['context']}; compute "
             f"{'charged as ' + s['gpu'] if s['gpu'] else 'not charged'}; TP path {s['path']}; "
-            f"links {s['bandwidth_gbps']:g} Gb/s, {s['latency_us']:g} us, {s['per_leaf']} "
-            f"ranks per leaf, oversubscription {','.join(f'{r:g}' for r in s['ratios'])}; "
-            f"seed {s['seed']}"
+            + (f"fabric {s['topology']}; " if s.get("topology") else
+               f"links {s['bandwidth_gbps']:g} Gb/s, {s['latency_us']:g} us, {s['per_leaf']} "
+               f"ranks per leaf, oversubscription {','.join(f'{r:g}' for r in s['ratios'])}; ")
+            + f"seed {s['seed']}"
             + (f"; congestion: cc {s['cc'] or '(none)'}, buffer {s['buffer'] or 'unbounded'}"
                f"{', trimming' if s['trim'] else ''}" if s["cc"] or s["buffer"] else "")
             + (f"; left out: {', '.join(s['dropped'])}" if s["dropped"] else ""))

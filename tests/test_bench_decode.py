@@ -83,3 +83,18 @@ def test_bad_flags_are_one_line(argv: list[str], words: str,
     assert main(["bench", "decode", *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("semfab: error: ") and words in err and "\n" not in err
+
+
+def test_on_a_cluster_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """TP inside the scale-up domains of `topo gen --cluster`, EP across them; the
+    file's worker count must be the layout's."""
+    topo = tmp_path / "c.toml"
+    assert main(["topo", "gen", "--cluster", "4", "--gpus-per-domain", "2",
+                 "--domains-per-leaf", "2", "--oversubscription", "2", "-o", str(topo)]) == 0
+    assert main(["bench", "decode", "--sim", "--topology", str(topo), "--tp", "2", "--ep", "4",
+                 "--variants", "flat,in-network", "--tokens", "3"]) == 0
+    text = capsys.readouterr().out
+    assert f"fabric {topo}" in text and "every token exact" in text
+    assert main(["bench", "decode", "--sim", "--topology", str(topo), "--tp", "2",
+                 "--ep", "2"]) == 2
+    assert "has 8 workers; the layout needs 4" in capsys.readouterr().err

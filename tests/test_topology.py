@@ -583,3 +583,29 @@ def test_gen_main_leaf_spine_file(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert "--per-leaf" in capsys.readouterr().err
     assert gen_main(["--workers", "2", "--leaves", "2"]) == 2  # mutually exclusive
     assert gen_main(["--workers", "2", "-o", str(tmp_path / "no" / "dir.toml")]) == 2
+
+
+def test_cluster_has_three_networks_with_their_figures() -> None:
+    """4 domains of 8 GPUs, 2 per leaf, 2:1: GPUs on scale-up switches, each domain's
+    uplink its GPUs' NICs together, the leaves' uplinks at half their down rate,
+    host0 on the front-end."""
+    from fabric.core.topology import CLUSTER_DEFAULTS, cluster
+
+    t = cluster(4, 8, domains_per_leaf=2, oversubscription=2)
+    assert len(t.workers) == 32 and {s.name for s in t.switches} == {
+        "spine0", "leaf0", "leaf1", "su0", "su1", "su2", "su3"}
+    assert t.switch_of("w9") == "su1"
+    up = t.link_between("w0", "su0").params
+    assert (up.bandwidth_gbps, up.mtu) == (CLUSTER_DEFAULTS["scaleup"]["bandwidth_gbps"], 4096)
+    assert t.link_between("su1", "leaf0").params.bandwidth_gbps == 8 * 400
+    assert t.link_between("leaf1", "spine0").params.bandwidth_gbps == 2 * 8 * 400 / 2
+    assert t.link_between("host0", "spine0").cls == "frontend"
+    assert t.route("w0", "w9") == ["su0", "leaf0", "su1"]
+    assert loads(t.to_toml()) == t
+    faster = cluster(2, 2, scaleout={"bandwidth_gbps": 800.0})
+    assert faster.link_between("su0", "leaf0").params.bandwidth_gbps == 1600
+    for kw, words in [({"domains_per_leaf": 3}, "do not fill leaves of 3"),
+                      ({"oversubscription": 0.5}, "oversubscription must be"),
+                      ({"scaleup": {"colour": 1.0}}, "colour")]:
+        with pytest.raises(TopologyError, match=words):
+            cluster(4, 2, **kw)

@@ -37,6 +37,7 @@ from fabric.core.congestion.settings import CONGESTION_KEYS, CongestionSettings
 
 __all__ = [
     "BUILTIN_DEFAULTS",
+    "CLUSTER_DEFAULTS",
     "DEFAULT_BASE_PORT",
     "DEFAULT_TENANT",
     "TenantQuota",
@@ -56,6 +57,7 @@ __all__ = [
     "TopologyError",
     "check_main",
     "gen_main",
+    "cluster",
     "leaf_spine",
     "load",
     "loads",
@@ -1392,6 +1394,96 @@ def leaf_spine(
     return _build(doc, source)
 
 
+#: A cluster's per-class link figures (``cluster()``), per GPU and per hop. Orders of
+#: magnitude of an H100-class system, each with its source (docs/TOPOLOGY.md):
+#: scale-up NVLink 4, 18 links x 25 GB/s each way = 450 GB/s per GPU (NVIDIA H100
+#: datasheet), sub-microsecond through an NVSwitch; scale-out one 400 Gb/s NIC per
+#: GPU (ConnectX-7, as in a DGX H100), about 1 us per cut-through hop with the NIC,
+#: RoCE's 4096-byte path MTU; front-end 100 Gb/s datacenter Ethernet, 9000-byte
+#: jumbo frames, a few microseconds per hop through host stacks.
+CLUSTER_DEFAULTS: dict[str, dict[str, float]] = {
+    "scaleup": {"bandwidth_gbps": 3600.0, "latency_us": 0.5, "mtu": 4096},
+    "scaleout": {"bandwidth_gbps": 400.0, "latency_us": 1.0, "mtu": 4096},
+    "frontend": {"bandwidth_gbps": 100.0, "latency_us": 5.0, "mtu": 9000},
+}
+
+
+def cluster(
+    domains: int,
+    gpus_per_domain: int,
+    *,
+    domains_per_leaf: int = 1,
+    spines: int = 1,
+    oversubscription: float = 1.0,
+    hosts: int = 1,
+    scaleup: Mapping[str, float] | None = None,
+    scaleout: Mapping[str, float] | None = None,
+    frontend: Mapping[str, float] | None = None,
+    name: str | None = None,
+    transport: str = "ipc",
+    base_port: int = DEFAULT_BASE_PORT,
+) -> Topology:
+    """A GPU cluster of three networks: ``domains`` scale-up domains of
+    ``gpus_per_domain`` workers, each behind its scale-up switch ``su<d>``
+    (``scaleup`` links); the scale-up switches on scale-out leaves
+    (``domains_per_leaf`` each) and the leaves on ``spines`` (``scaleout``); hosts
+    on ``spine0`` over the front-end (``frontend``).
+
+    A domain's uplink carries its GPUs' scale-out NICs (``gpus_per_domain`` x the
+    scale-out rate); a leaf's uplinks make its down:up ratio ``oversubscription``.
+    ``scaleup``/``scaleout``/``frontend`` override :data:`CLUSTER_DEFAULTS` keys.
+    One tree: scale-out traffic crosses the domain's switch (a real GPU has its
+    own NIC; the uplink's bandwidth is theirs together).
+    """
+    source = "<cluster>"
+    domains = _count(domains, "domains", source)
+    gpus_per_domain = _count(gpus_per_domain, "gpus_per_domain", source)
+    domains_per_leaf = _count(domains_per_leaf, "domains_per_leaf", source)
+    spines = _count(spines, "spines", source)
+    hosts = _count(hosts, "hosts", source, minimum=0)
+    if domains % domains_per_leaf:
+        raise _fail(source, "", f"{domains} domains do not fill leaves of {domains_per_leaf}; "
+                    "choose a divisor")
+    if isinstance(oversubscription, bool) or not isinstance(oversubscription, int | float) \
+            or not math.isfinite(oversubscription) or oversubscription < 1:
+        raise _fail(source, "", f"oversubscription must be a number >= 1 (2 means 2:1), got "
+                    f"{oversubscription!r}")
+    leaves = domains // domains_per_leaf
+    workers = domains * gpus_per_domain
+    total = workers + hosts + domains + leaves + spines
+    if total > MAX_NODES:
+        raise _fail(source, "", f"{total} nodes; node ids are u16, at most {MAX_NODES}")
+    params = {}
+    for cls, given in (("scaleup", scaleup), ("scaleout", scaleout), ("frontend", frontend)):
+        p = dict(CLUSTER_DEFAULTS[cls])
+        p.update(given or {})
+        _check_keys(p, LINK_PARAM_KEYS, source, f"{cls} link parameters")
+        params[cls] = p
+    nic = params["scaleout"]["bandwidth_gbps"]
+    domain_up = nic * gpus_per_domain
+    leaf_up = domain_up * domains_per_leaf / (oversubscription * spines)
+    nodes = [{"name": f"w{i}", "kind": "worker"} for i in range(workers)]
+    nodes += [{"name": f"host{i}", "kind": "host"} for i in range(hosts)]
+    # spines first: spine0 gets the lowest switch id (it wins root ties)
+    nodes += [{"name": f"spine{i}", "kind": "switch"} for i in range(spines)]
+    nodes += [{"name": f"leaf{i}", "kind": "switch"} for i in range(leaves)]
+    nodes += [{"name": f"su{i}", "kind": "switch"} for i in range(domains)]
+    links: list[dict[str, Any]] = [
+        {"a": f"w{w}", "b": f"su{w // gpus_per_domain}", "class": "scaleup"}
+        for w in range(workers)]
+    links += [{"a": f"su{d}", "b": f"leaf{d // domains_per_leaf}", "class": "scaleout",
+               "bandwidth_gbps": domain_up} for d in range(domains)]
+    links += [{"a": f"leaf{lf}", "b": f"spine{sp}", "class": "scaleout",
+               "bandwidth_gbps": leaf_up} for lf in range(leaves) for sp in range(spines)]
+    links += [{"a": f"host{h}", "b": "spine0", "class": "frontend"} for h in range(hosts)]
+    default_name = f"cluster_{domains}x{gpus_per_domain}"
+    if oversubscription != 1:
+        default_name += f"_os{oversubscription:g}".replace(".", "p")
+    doc = {"fabric": _fabric_table(name or default_name, transport, base_port),
+           "defaults": params, "node": nodes, "link": links}
+    return _build(doc, source)
+
+
 # ---------------------------------------------------------------------------
 # text helpers
 # ---------------------------------------------------------------------------
@@ -1508,6 +1600,19 @@ def gen_main(argv: Sequence[str]) -> int:
     shape = parser.add_mutually_exclusive_group(required=True)
     shape.add_argument("--workers", type=int, metavar="N", help="star with N workers")
     shape.add_argument("--leaves", type=int, metavar="L", help="leaf-spine with L leaf switches")
+    shape.add_argument("--cluster", type=int, metavar="D",
+                       help="a GPU cluster of D scale-up domains (--gpus-per-domain each) on a "
+                       "scale-out leaf/spine, hosts on the front-end; class figures from "
+                       "docs/TOPOLOGY.md unless given")
+    clus = parser.add_argument_group("cluster (--cluster)")
+    clus.add_argument("--gpus-per-domain", type=int, default=8, metavar="G",
+                      help="workers in each scale-up domain")
+    clus.add_argument("--domains-per-leaf", type=int, default=1, metavar="K",
+                      help="scale-up domains under each scale-out leaf")
+    for cls in LINK_CLASSES:
+        clus.add_argument(f"--{cls}-gbps", type=float, default=None, metavar="G",
+                          help=f"{cls} link rate per GPU (default "
+                          f"{CLUSTER_DEFAULTS[cls]['bandwidth_gbps']:g})")
     parser.add_argument(
         "--per-leaf", type=int, default=None, metavar="K", help="workers per leaf (leaf-spine)"
     )
@@ -1589,6 +1694,20 @@ def gen_main(argv: Sequence[str]) -> int:
                 base_port=args.base_port,
                 **params,
             )
+        elif args.cluster is not None:
+            over: dict[str, dict[str, float]] = {c: {} for c in LINK_CLASSES}
+            for cls in LINK_CLASSES:
+                v = getattr(args, f"{cls}_gbps")
+                if v is not None:
+                    over[cls]["bandwidth_gbps"] = v
+            if args.mtu is not None:
+                over["scaleup"]["mtu"] = over["scaleout"]["mtu"] = args.mtu
+            topo = cluster(args.cluster, args.gpus_per_domain,
+                           domains_per_leaf=args.domains_per_leaf, spines=args.spines,
+                           oversubscription=args.oversubscription, hosts=args.hosts,
+                           scaleup=over["scaleup"], scaleout=over["scaleout"],
+                           frontend=over["frontend"], name=args.name,
+                           transport=args.transport, base_port=args.base_port)
         else:
             if args.per_leaf is None:
                 raise TopologyError("semfab topo gen: --leaves needs --per-leaf K")
