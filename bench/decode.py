@@ -71,6 +71,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="each switch's shared buffer (default: unbounded queues)")
     p.add_argument("--trim", action="store_true",
                    help="with --buffer: cut a frame that does not fit to its header")
+    p.add_argument("--slo-ms", type=float, default=None,
+                   help="ITL objective: report the share of decode steps (after the longest "
+                   "prompt) within it")
     p.add_argument("--sim", action="store_true", help="simulate in virtual time")
     p.add_argument("--both", action="store_true",
                    help="emulate, then simulate each point with the emulator's measured "
@@ -132,6 +135,8 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
     if args.context < 0 or not math.isfinite(args.temperature) or args.temperature < 0:
         raise UsageError("--context must be >= 0 and --temperature a number >= 0")
     check_seconds("--timeout", args.timeout)
+    if args.slo_ms is not None and not (math.isfinite(args.slo_ms) and args.slo_ms > 0):
+        raise UsageError(f"--slo-ms {args.slo_ms:g}: give a positive number of milliseconds")
     bw = args.bandwidth_gbps if args.bandwidth_gbps is not None else (400.0 if args.sim
                                                                      else 2.0)
     lat = args.latency_us if args.latency_us is not None else (1.0 if args.sim else 50.0)
@@ -187,6 +192,7 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
             "temperature": args.temperature, "world": "simulation" if args.sim
             else "emulation", "both": bool(args.both), "dropped": dropped, "cc": args.cc,
             "buffer": buffer, "trim": args.trim, "mtu": args.mtu, "topology": args.topology,
+            "slo_ms": args.slo_ms,
             "topology_text": topo_text}
     from fabric.core.congestion import CongestionConfigError
     from fabric.core.congestion.switchq import switch_queues
@@ -304,6 +310,19 @@ def _row(s: dict[str, Any], ep: int, ratio: float, variant: str, per: list[dict[
     # what the parts leave of each step: this rank's own work
     per_part["other"] = itl - sum(per_part.values())
     parts = {k: stats(v) for k, v in per_part.items()}
+    # time to first token: a sequence's prompt is fed a token a step, so its first
+    # new token ends step len(prompt) - 1 of its replica (first stage, TP rank 0)
+    prompts = _prompts(s, ep)
+    ttft = []
+    for p in per:
+        if p["stage"] == 0 and p["tp_rank"] == 0:
+            ends = np.cumsum([full(st, "step") for st in p["steps"]]) * 1e3
+            ttft += [float(ends[len(prompts[q]) - 1])
+                     for q in range(p["replica"], len(prompts), ep)]
+    gpus = s["tp"] * ep * s["pp"]
+    decode = np.array([full(st, "step") for p in per
+                       for i, st in enumerate(p["steps"]) if i >= s["prompt_len"] - 1
+                       or not s["data"]]) * 1e3
     wrong = None
     if s["data"]:
         from fabric.core.decoder import TinyWeights, generate_reference
@@ -323,7 +342,13 @@ def _row(s: dict[str, Any], ep: int, ratio: float, variant: str, per: list[dict[
     return {"world": s["world"], "ep": ep, "tp": s["tp"], "pp": s["pp"],
             "gpus": s["tp"] * ep * s["pp"],
             "ratio": ratio, "variant": variant, "itl_ms": stats(itl),
-            "parts_ms": parts, "steps": len(steps), "wall_s": wall,
+            "parts_ms": parts, "ttft_ms": stats(np.array(ttft)),
+            # the three factors: compute throughput (every sequence gains a token a
+            # step), and delivery timeliness (decode steps within the ITL objective)
+            "tokens_per_s_per_gpu": len(prompts) / (float(np.mean(itl)) / 1e3) / gpus,
+            "within_slo": (float(np.mean(decode <= s["slo_ms"])) if s["slo_ms"] and decode.size
+                           else None),
+            "steps": len(steps), "wall_s": wall,
             "wrong_sequences": wrong, "note": note}
 
 
@@ -433,12 +458,15 @@ def format_table(results: list[dict[str, Any]]) -> str:
     """Markdown: a row per point, ITL beside flat's at the same EP and ratio."""
     flat = {(r["world"], r["ep"], r["ratio"]): r for r in results if r["variant"] == "flat"}
     head = ["world", "EP", "GPUs", "ratio", "variant", "ITL p50 (ms)", "p99", "compute", "TP",
-            "dispatch", "combine", "PP", "other", "vs flat", "vs sim", "wrong"]
+            "dispatch", "combine", "PP", "other", "vs flat", "vs sim", "TTFT p50",
+            "tok/s/GPU", "in SLO", "wrong"]
     rows = []
     for r in results:
         f = flat.get((r["world"], r["ep"], r["ratio"]))
         vs = f"{r['itl_ms']['p50'] / f['itl_ms']['p50']:.2f}x" if f else "-"
+        slo = f"{r['within_slo']:.1%}" if r.get("within_slo") is not None else "-"
         rows.append([*_cells(r), vs, f"{r['vs_sim']:.3f}" if "vs_sim" in r else "-",
+                     f"{r['ttft_ms']['p50']:.3f}", f"{r['tokens_per_s_per_gpu']:.0f}", slo,
                      "-" if r["wrong_sequences"] is None else str(r["wrong_sequences"])])
     return "\n".join(report.markdown_table(head, rows, left=("world", "variant")))
 

@@ -15,6 +15,7 @@ def test_sim_rows_check_every_token_and_write_json(tmp_path: Path,
     out, md, png = tmp_path / "d.json", tmp_path / "d.md", tmp_path / "d.png"
     assert main(["bench", "decode", "--sim", "--tp", "2", "--ep", "2,4", "--per-leaf", "4",
                  "--variants", "flat,in-network", "--tokens", "4", "--latency-us", "5",
+                 "--prompt-len", "4", "--slo-ms", "1",
                  "--json", str(out), "--markdown", str(md), "--plot", str(png)]) == 0
     text = capsys.readouterr().out
     assert "every token exact" in text
@@ -29,6 +30,11 @@ def test_sim_rows_check_every_token_and_write_json(tmp_path: Path,
         assert parts == pytest.approx(r["itl_ms"]["mean"], rel=0.05)  # the parts add up
         assert r["parts_ms"]["dispatch"]["mean"] > 0 and r["parts_ms"]["tp"]["p50"] > 0
         assert set(r["parts_ms"]["combine"]) == {"mean", "p50", "p99"}
+        # prompts of 1..4 tokens, a token a step: the first token after 1..4 steps
+        assert r["itl_ms"]["p50"] * 0.9 <= r["ttft_ms"]["p50"] <= 4.1 * r["itl_ms"]["p99"]
+        assert r["tokens_per_s_per_gpu"] == pytest.approx(
+            4 * r["ep"] / (r["itl_ms"]["mean"] / 1e3) / r["gpus"])
+        assert r["within_slo"] == 1.0  # 1 ms: far above these steps
         assert r["itl_ms"]["p50"] <= r["itl_ms"]["p99"]
     assert md.read_text().count("\n| simulation") == 4
     assert png.read_bytes()[:4] == b"\x89PNG"
