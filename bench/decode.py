@@ -346,6 +346,10 @@ def _row(s: dict[str, Any], ep: int, ratio: float, variant: str, per: list[dict[
             # the three factors: compute throughput (every sequence gains a token a
             # step), and delivery timeliness (decode steps within the ITL objective)
             "tokens_per_s_per_gpu": len(prompts) / (float(np.mean(itl)) / 1e3) / gpus,
+            # communication completion: the share of network operations (per rank)
+            # that finished without a resend or a timeout
+            "completion_rate": 1.0 - sum(st.get("resent", 0.0) for st in steps)
+            / max(sum(st.get("ops", 0.0) for st in steps), 1.0),
             "within_slo": (float(np.mean(decode <= s["slo_ms"])) if s["slo_ms"] and decode.size
                            else None),
             "steps": len(steps), "wall_s": wall,

@@ -51,6 +51,21 @@ def test_congestion_settings_reach_the_switches(capsys: pytest.CaptureFixture[st
     assert "congestion: cc nscc, buffer 102400, trimming" in text and "1 rows in" in text
 
 
+def test_completion_rate_counts_the_operations_that_resent(tmp_path: Path) -> None:
+    """Behind a 30 kB buffer at 4:1, about half of the network operations of a rank
+    resend something; on unbounded queues none does."""
+    out = tmp_path / "d.json"
+    base = ["bench", "decode", "--sim", "--model", "mixtral-8x7b", "--tp", "2", "--ep", "4",
+            "--per-leaf", "4", "--oversubscription", "4", "--bandwidth-gbps", "10", "--mtu",
+            "4096", "--layers", "1", "--batch", "16", "--tokens", "2", "--variants", "flat",
+            "--json", str(out)]
+    assert main([*base, "--buffer", "30K"]) == 0
+    lossy = json.loads(out.read_text())["results"][0]["completion_rate"]
+    assert main(base) == 0
+    assert json.loads(out.read_text())["results"][0]["completion_rate"] == 1.0
+    assert 0.1 < lossy < 0.9
+
+
 def test_layers_extrapolate_a_timing_only_preset(capsys: pytest.CaptureFixture[str]) -> None:
     """deepseek-v3 with one of its 61 layers run: the per-layer parts are scaled by
     61, the LM head's compute is not."""

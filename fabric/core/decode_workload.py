@@ -62,19 +62,28 @@ PARTS = ("compute", "tp", "dispatch", "combine", "pp")
 
 
 class _Timer:
-    """Per step, the time spent waiting for each part (``ctx.clock`` around it)."""
+    """Per step, the time spent waiting for each part (``ctx.clock`` around it), and
+    of the network operations (``"ops"``) those this rank resent in (``"resent"``:
+    its retransmit counters moved)."""
 
     def __init__(self, ctx: Any) -> None:
         self.ctx = ctx
         self.steps: list[dict[str, float]] = []
 
     def run(self, part: str, op: Any, also: str = "") -> Generator[Any, Any, Any]:
+        net = part != "compute"
+        c0 = (yield self.ctx.counters()) if net else None
         t0 = yield self.ctx.clock()
         out = yield op
         t1 = yield self.ctx.clock()
         step = self.steps[-1]
         for key in (part, also) if also else (part,):
             step[key] = step.get(key, 0.0) + (t1 - t0)
+        if c0 is not None:
+            c1 = yield self.ctx.counters()
+            step["ops"] = step.get("ops", 0.0) + 1
+            if c1 != c0:
+                step["resent"] = step.get("resent", 0.0) + 1
         return out
 
 

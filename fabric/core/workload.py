@@ -28,7 +28,7 @@ import numpy as np
 from fabric.errors import UsageError
 
 __all__ = ["Allreduce", "Barrier", "Clock", "CloseGroup", "Collective", "Compute", "Context",
-           "Control",
+           "Control", "Counters",
            "MakeGroup", "MoeCombine", "MoeDispatch", "Operation", "Recv", "Send", "Together",
            "check_workload",
            "program_of", "stream_program"]
@@ -153,6 +153,12 @@ class Clock:
 
 
 @dataclass(frozen=True)
+class Counters:
+    """Yields this worker's resend counters so far: ``{"retransmits": n, "timeouts":
+    n}`` (frames, chunks or rows sent again, and retransmit timers that ran out)."""
+
+
+@dataclass(frozen=True)
 class Control:
     """A control request to this worker's switch, answered by one of its services
     (an added one included, see docs/ARCHITECTURE.md); yields the reply's fields.
@@ -164,7 +170,7 @@ class Control:
 
 
 Operation = (Allreduce | Collective | MoeDispatch | MoeCombine | MakeGroup | CloseGroup | Send
-             | Recv | Together | Barrier | Compute | Clock | Control)
+             | Recv | Together | Barrier | Compute | Clock | Counters | Control)
 
 
 class Context:
@@ -271,6 +277,10 @@ class Context:
     def clock(self) -> Clock:
         """The current time."""
         return Clock()
+
+    def counters(self) -> Counters:
+        """This worker's resend counters so far (see :class:`Counters`)."""
+        return Counters()
 
     def control(self, t: str, reply: str, **fields: Any) -> Control:
         """Control message ``t`` to this worker's switch; yields its ``reply``."""

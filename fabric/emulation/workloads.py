@@ -20,6 +20,7 @@ from fabric.core.workload import (
     Compute,
     Context,
     Control,
+    Counters,
     MakeGroup,
     MoeCombine,
     MoeDispatch,
@@ -87,4 +88,6 @@ def _perform(ep: Any, op: Any) -> Any:
         return None
     if isinstance(op, Clock):
         return time.monotonic()
+    if isinstance(op, Counters):
+        return {"retransmits": ep.state.retransmits, "timeouts": ep.state.timeouts}
     raise UsageError(f"a workload yielded {op!r}, not an operation of its context")

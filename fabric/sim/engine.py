@@ -56,6 +56,7 @@ from fabric.core.workload import (
     Compute,
     Context,
     Control,
+    Counters,
     MakeGroup,
     MoeCombine,
     MoeDispatch,
@@ -516,6 +517,10 @@ class Simulation:
                 return
             if isinstance(op, Clock):
                 value = t
+                continue
+            if isinstance(op, Counters):
+                value = {"retransmits": node.state.retransmits,
+                         "timeouts": node.state.timeouts}
                 continue
             if isinstance(op, Compute):
                 node.busy = t + op.seconds
