@@ -114,3 +114,14 @@ def test_only_a_streams_data_is_trimmed() -> None:
     st = pipe.statistics()
     assert (st.trims, st.overflow_drops) == (1, 2)
     assert fr.trimmable(stream) and not fr.trimmable(other) and not fr.trimmable(group)
+
+
+def test_masked_multicast_rows_are_trimmed_and_other_multicast_is_not() -> None:
+    """MoE dispatch rows (flow MASKED_FLOW, a member mask in key): their members NACK
+    a trimmed copy; a multicast stream's frame (key 0: every member) is dropped."""
+    body = np.arange(100, dtype=np.uint8)
+    row = fr.encode_header(fr.Op.WRITE, src=1, dst=3, flow=fr.MASKED_FLOW, key=0b110,
+                           offset=1, payload=body, flags=fr.Flag.MCAST)
+    every = fr.encode_header(fr.Op.WRITE, src=1, dst=3, flow=fr.MASKED_FLOW, key=0,
+                             payload=body, flags=fr.Flag.MCAST)
+    assert fr.trimmable(row) and not fr.trimmable(every)

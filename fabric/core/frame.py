@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "MASK_BITS",
+    "MASKED_FLOW",
     "VERSION",
     "HEADER_SIZE",
     "CRC_SIZE",
@@ -550,6 +551,9 @@ def decode(buf: bytes | bytearray | memoryview, payload: object = None) -> Frame
 #: their ACKs and NACKs travel on flow + 1. Their receivers answer a trimmed frame
 #: with a TRIMMED NACK, so these are the frames a switch trims (others it drops).
 STREAM_FLOWS = (16, 20)
+#: The flow of masked multicast rows (in-network MoE dispatch; ACKs and NACKs on
+#: flow + 1): their receivers too answer a trimmed copy with a TRIMMED NACK.
+MASKED_FLOW = 22
 #: A masked multicast frame (Flag.MCAST, ``key`` != 0) names its members by bits:
 #: bit i of ``key`` is member ``MASK_BITS * offset + i`` of the group, by id, so
 #: ``offset`` picks a block of 32 and one frame reaches members of one block.
@@ -558,11 +562,15 @@ MASK_BITS = 32
 
 def trimmable(header: bytes | bytearray | memoryview) -> bool:
     """Whether a switch may trim this frame rather than drop it: a unicast WRITE of a
-    stream (:data:`STREAM_FLOWS`), whose receiver asks for it again at once."""
+    stream (:data:`STREAM_FLOWS`) or a masked multicast row (:data:`MASKED_FLOW`),
+    whose receivers ask for it again at once."""
     view = memoryview(header)
-    if view.nbytes < HEADER_SIZE or view[1] != _WRITE or view[2] & _F_MCAST:
+    if view.nbytes < HEADER_SIZE or view[1] != _WRITE:
         return False
-    return _HEADER.unpack_from(view)[7] in STREAM_FLOWS
+    fields = _HEADER.unpack_from(view)
+    if view[2] & _F_MCAST:
+        return fields[7] == MASKED_FLOW and fields[9] != 0  # flow; key: a member mask
+    return fields[7] in STREAM_FLOWS
 
 
 def is_trimmed(header: bytes | bytearray | memoryview, payload: object = None) -> bool:

@@ -56,7 +56,7 @@ __all__ = ["MOE_VARIANTS", "Dispatched", "expert_partials", "make_inputs", "moe_
 
 MOE_VARIANTS = ("flat", "hierarchical", "in-network")
 #: Flow of in-network dispatch rows (masked multicast), ACKs on MASKED_FLOW + 1.
-MASKED_FLOW = 22
+MASKED_FLOW = fr.MASKED_FLOW
 #: Rows in flight per sender (in-network dispatch), contributions per rank (combine).
 ROWS_WINDOW = 64
 #: Members one in-network dispatch frame can name: a block of the frame's 32-bit
@@ -558,10 +558,17 @@ class RowsSend(_AckedFrames):
                                  crc=self.st.crc), body)
 
     def wants(self, f: fr.Frame) -> bool:
-        return (f.op is Op.ACK and f.flow == MASKED_FLOW + 1 and f.job == self.sid
+        return (f.op in (Op.ACK, Op.NACK) and f.flow == MASKED_FLOW + 1 and f.job == self.sid
                 and f.msg == self.msg)
 
     def handle_frame(self, f: fr.Frame, now: float) -> list[Send]:
+        if f.op is Op.NACK:  # a switch trimmed our frame on its way to this member
+            left = self.pending.get(f.psn)
+            if f.offset != NackCode.TRIMMED or left is None or f.src not in left:
+                return []
+            self.tries[f.psn] = self.tries.get(f.psn, 0) + 1  # Karn: no RTT sample
+            self.st.retransmits += 1
+            return [self._frame(f.psn, {f.src})]
         return self._acked(f.psn, f.src, now)
 
 

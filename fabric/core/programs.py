@@ -539,11 +539,13 @@ class NodeState:
 
     def answer_trimmed(self, f: fr.Frame) -> list[Send]:
         """A trimmed frame came (:func:`fabric.core.frame.is_trimmed`): for a stream's
-        data (P2P_FLOW and collective streams, ACKed on their flow + 1) a TRIMMED NACK,
-        so its sender resends at once; other flows' are dropped like a lost frame
-        (their senders' timers resend them)."""
+        data (P2P_FLOW and collective streams) or a masked multicast row (MoE
+        dispatch), all answered on their flow + 1, a TRIMMED NACK, so its sender
+        resends at once; other flows' are dropped like a lost frame (their senders'
+        timers resend them)."""
         self.trims_received += 1
-        if f.op is not Op.WRITE or f.flow not in fr.STREAM_FLOWS:
+        if f.op is not Op.WRITE or (f.flow not in fr.STREAM_FLOWS
+                                    and f.flow != fr.MASKED_FLOW):
             return []
         return [(fr.encode_nack(src=self.node_id, dst=f.src, flow=f.flow + 1, psn=f.psn,
                                 code=NackCode.TRIMMED, job=f.job, msg=f.msg, crc=self.crc),

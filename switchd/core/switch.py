@@ -233,7 +233,7 @@ class SwitchCore:
         try:
             f = fr.decode(header, payload)
         except FrameError as bad:
-            if fr.is_trimmed(header, payload) and self._forward_trimmed(port, header):
+            if fr.is_trimmed(header, payload) and self._forward_trimmed(port, header, now):
                 return
             c.malformed += 1
             try:
@@ -286,16 +286,27 @@ class SwitchCore:
             ctx.nack(port, f.src, f.job, f.psn, f.msg, NackCode.UNSUPPORTED,
                      f"switch does not serve {f.op.name}")
 
-    def _forward_trimmed(self, port: bytes, header: Any) -> bool:
+    def _forward_trimmed(self, port: bytes, header: Any, now: float) -> bool:
         """Pass on a trimmed frame (an upstream switch cut its payload) towards its
-        node, whose answer asks its sender for the frame again; False when it is not
-        one to pass on (for this switch itself, or from a port that may not send it)."""
+        node, whose answer asks its sender for the frame again (a masked multicast
+        row: towards the members its mask names, by the multicast service); False
+        when it is not one to pass on (for this switch itself, or from a port that
+        may not send it)."""
         try:
             f = fr.decode_trimmed(header)
         except FrameError:
             return False
-        if f.dst == self.id or f.flags & Flag.MCAST or port not in self.ctx.switch_ports:
+        if f.dst == self.id or port not in self.ctx.switch_ports:
             return False  # only switches trim, so only a switch link brings one
+        if f.flags & Flag.MCAST:
+            if not fr.trimmable(header):
+                return False
+            for svc in self._flagged:
+                if svc.flag & Flag.MCAST:
+                    self.ctx.counters.trimmed_forwarded += 1
+                    svc.handle(f, port, header, None, now)
+                    return True
+            return False
         dst_port = self.ctx.next_hop.get(f.dst)
         if dst_port is None:
             return False
