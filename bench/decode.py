@@ -64,13 +64,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mtu", type=int, default=None,
                    help="every link's MTU (default 256 KiB; streams cut frames to it, at "
                    "most 64 KiB)")
-    p.add_argument("--cc", metavar="POLICY",
-                   help="streams' congestion-control policy (none, nscc, dcqcn; default: "
-                   "none at all)")
-    p.add_argument("--buffer", metavar="BYTES",
-                   help="each switch's shared buffer (default: unbounded queues)")
-    p.add_argument("--trim", action="store_true",
-                   help="with --buffer: cut a frame that does not fit to its header")
+    from bench.sweep import add_queue_arguments
+
+    add_queue_arguments(p)
     p.add_argument("--slo-ms", type=float, default=None,
                    help="ITL objective: report the share of decode steps (after the longest "
                    "prompt) within it")
@@ -142,11 +138,9 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
     lat = args.latency_us if args.latency_us is not None else (1.0 if args.sim else 50.0)
     if not (math.isfinite(bw) and bw > 0 and math.isfinite(lat) and lat >= 0):
         raise UsageError("--bandwidth-gbps must be > 0 and --latency-us >= 0")
-    from bench.moe import _buffer
-    from bench.sweep import check_cc
+    from bench.sweep import queue_settings
 
-    check_cc(args.cc)
-    buffer = _buffer(args)
+    cc, buffer, trim = queue_settings(args)
     dropped: list[str] = []
     worlds = {ep: args.tp * ep * args.pp for ep in eps}
     topo_text = None
@@ -190,8 +184,8 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
             "model_layers": m.layers, "per_leaf": args.per_leaf, "ratios": ratios,
             "bandwidth_gbps": bw, "latency_us": lat, "seed": args.seed,
             "temperature": args.temperature, "world": "simulation" if args.sim
-            else "emulation", "both": bool(args.both), "dropped": dropped, "cc": args.cc,
-            "buffer": buffer, "trim": args.trim, "mtu": args.mtu, "topology": args.topology,
+            else "emulation", "both": bool(args.both), "dropped": dropped, "cc": cc,
+            "buffer": buffer, "trim": trim, "mtu": args.mtu, "topology": args.topology,
             "slo_ms": args.slo_ms,
             "topology_text": topo_text}
     from fabric.core.congestion import CongestionConfigError

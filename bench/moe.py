@@ -54,13 +54,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-n", "--iters", type=int, default=3, help="timed iterations")
     p.add_argument("--sim", action="store_true",
                    help="simulate in virtual time instead of launching processes")
-    p.add_argument("--cc", metavar="POLICY",
-                   help="streams' congestion-control policy (none, nscc, dcqcn; default: "
-                   "none at all)")
-    p.add_argument("--buffer", metavar="BYTES",
-                   help="each switch's shared buffer (default: unbounded queues)")
-    p.add_argument("--trim", action="store_true",
-                   help="with --buffer: cut a frame that does not fit to its header")
+    from bench.sweep import add_queue_arguments
+
+    add_queue_arguments(p)
     p.add_argument("--seed", type=int, default=7, help="routing and input seed")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds any wait may take")
     p.add_argument("--json", metavar="PATH", help="write rows and settings as JSON")
@@ -123,39 +119,26 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
     for flag in ("json", "markdown"):  # a long run must not fail at its end
         if getattr(args, flag, None):
             check_output_file(f"--{flag}", getattr(args, flag))
+    from bench.sweep import queue_settings
+
+    cc, buffer, trim = queue_settings(args)
     settings = {"leaves": args.leaves, "per_leaf": args.per_leaf, "ranks": ranks,
             "ratios": ratios, "variants": variants, "experts": experts, "topk": args.topk,
             "tokens": args.tokens, "hidden": args.hidden, "dtype": args.dtype,
             "routing": args.routing, "bandwidth_gbps": args.bandwidth_gbps,
             "latency_us": args.latency_us, "warmup": args.warmup, "iters": args.iters,
             "seed": args.seed, "world": "simulation" if args.sim else "emulation",
-            "dropped": dropped, "cc": args.cc, "buffer": _buffer(args), "trim": args.trim}
-    from bench.sweep import check_cc
+            "dropped": dropped, "cc": cc, "buffer": buffer, "trim": trim}
     from fabric.core.congestion import CongestionConfigError
     from fabric.core.congestion.switchq import switch_queues
     from fabric.core.topology import TopologyError
 
-    check_cc(args.cc)
     for ratio in ratios:  # a bad link figure is one line now, not a traceback mid-run
         try:
             switch_queues(_topology(settings, ratio))
         except (TopologyError, CongestionConfigError) as exc:
             raise UsageError(str(exc)) from None
     return settings
-
-
-def _buffer(args: argparse.Namespace) -> int | None:
-    if args.buffer is None:
-        if args.trim:
-            raise UsageError("--trim cuts frames a full buffer has no room for: give --buffer")
-        return None
-    try:
-        n = report.parse_size(args.buffer)
-    except ValueError as exc:
-        raise UsageError(f"--buffer {args.buffer}: {exc}") from None
-    if n < 1:
-        raise UsageError(f"--buffer {args.buffer}: must be a positive number of bytes")
-    return n
 
 
 def _topology(s: dict[str, Any], ratio: float) -> Any:

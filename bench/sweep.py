@@ -387,6 +387,35 @@ def congestion_text(topo: Any) -> str:
     return ", ".join(f"{k} {v}" for k, v in table.items())
 
 
+def add_queue_arguments(p: argparse.ArgumentParser) -> None:
+    """``--cc``, ``--buffer`` and ``--trim``: the switches' queues and the streams'
+    policy of a bench that builds its own fabric (read by :func:`queue_settings`)."""
+    p.add_argument("--cc", metavar="POLICY",
+                   help="streams' congestion-control policy (none, nscc, dcqcn; default: "
+                   "none at all)")
+    p.add_argument("--buffer", metavar="BYTES",
+                   help="each switch's shared buffer (default: unbounded queues)")
+    p.add_argument("--trim", action="store_true",
+                   help="with --buffer: cut a frame that does not fit to its header")
+
+
+def queue_settings(args: argparse.Namespace) -> tuple[str | None, int | None, bool]:
+    """(cc, buffer bytes, trim) of :func:`add_queue_arguments`' flags, checked (one
+    UsageError line for a bad one)."""
+    check_cc(args.cc)
+    if args.buffer is None:
+        if args.trim:
+            raise UsageError("--trim cuts frames a full buffer has no room for: give --buffer")
+        return args.cc, None, False
+    try:
+        n = report.parse_size(args.buffer)
+    except ValueError as exc:
+        raise UsageError(f"--buffer {args.buffer}: {exc}") from None
+    if n < 1:
+        raise UsageError(f"--buffer {args.buffer}: must be a positive number of bytes")
+    return args.cc, n, bool(args.trim)
+
+
 def check_cc(name: str | None) -> None:
     """``--cc``: a registered policy a stream's sender can run (a UsageError if not)."""
     from fabric.core.congestion import CC_POLICIES

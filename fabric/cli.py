@@ -40,13 +40,15 @@ quick start:
   semfab bench loss --loss 0,0.01,0.05 --policy selective,gbn
   semfab serve                      OpenAI-compatible token stream over the fabric
   semfab bench tokens --concurrency 1,8 --transport direct,host-staged
+  semfab model --model deepseek-v3 --ep 32   a sharded decode step's compute and bytes
+  semfab bench decode --tp 2 --ep 2         that decode loop on the fabric, timed per part
   semfab info                       kernel backends, GPU, library versions
   semfab bench frames --json f.json frame codec cost beside msgpack
   semfab topo check FILE.toml       validate a topology file
 
 docs: README.md, docs/DESIGN.md, docs/ARCHITECTURE.md, docs/PROTOCOL.md,
       docs/TOPOLOGY.md, docs/AGGREGATION.md, docs/RELIABILITY.md, docs/SERVING.md,
-      docs/PEERS.md, docs/BENCHMARKS.md
+      docs/PEERS.md, docs/BENCHMARKS.md, docs/MODELS.md
 """
 
 log = logging.getLogger("semfab.cli")

@@ -82,6 +82,7 @@ class ModelConfig:
 
     @property
     def moe(self) -> bool:
+        """True when the model routes tokens to experts."""
         return self.experts > 0
 
     @property
@@ -170,6 +171,7 @@ GPUS: dict[str, GpuSpec] = {
 
 
 def get_gpu(name: str) -> GpuSpec:
+    """GPU figures by name (one-line UsageError naming the known ones otherwise)."""
     try:
         return GPUS[name]
     except KeyError:
@@ -184,10 +186,6 @@ class Layout:
     ep: int = 1
     pp: int = 1
     dp: int = 1
-
-    @property
-    def stage_gpus(self) -> int:
-        return self.tp * self.ep
 
     @property
     def world(self) -> int:
