@@ -275,6 +275,12 @@ def sim_point(s: dict[str, Any], ep: int, ratio: float, variant: str,
                                               _prompts(s, ep), s["tokens"], **kw)
     row = _row(s, ep, ratio, variant, res.results, time.monotonic() - t0)
     row["world"] = "simulation"
+    # bytes per step on each network class (the run's, over its steps; with --layers,
+    # extrapolated as the per-layer parts are)
+    scale = s["model_layers"] / s["layers"] if s["layers"] else 1.0
+    steps = max(len(res.results[0]["steps"]), 1)
+    row["mb_per_step_by_class"] = {cls: n / steps * scale / 1e6
+                                   for cls, n in sorted(res.bytes_by_class.items())}
     if extra_us:
         row["note"] = (row["note"] + "; " if row["note"] else "") + \
             f"links +{extra_us:.0f} us (the emulator's software)"

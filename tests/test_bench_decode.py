@@ -107,15 +107,19 @@ def test_bad_flags_are_one_line(argv: list[str], words: str,
 
 
 def test_on_a_cluster_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """TP inside the scale-up domains of `topo gen --cluster`, EP across them; the
-    file's worker count must be the layout's."""
-    topo = tmp_path / "c.toml"
+    """TP inside the scale-up domains of `topo gen --cluster`, EP across them: bytes
+    on both networks, none on the front-end; the file's worker count must be the
+    layout's."""
+    topo, out = tmp_path / "c.toml", tmp_path / "d.json"
     assert main(["topo", "gen", "--cluster", "4", "--gpus-per-domain", "2",
                  "--domains-per-leaf", "2", "--oversubscription", "2", "-o", str(topo)]) == 0
     assert main(["bench", "decode", "--sim", "--topology", str(topo), "--tp", "2", "--ep", "4",
-                 "--variants", "flat,in-network", "--tokens", "3"]) == 0
+                 "--variants", "flat,in-network", "--tokens", "3", "--json", str(out)]) == 0
     text = capsys.readouterr().out
     assert f"fabric {topo}" in text and "every token exact" in text
+    for r in json.loads(out.read_text())["results"]:
+        mb = r["mb_per_step_by_class"]
+        assert mb["scaleup"] > 0 and mb["scaleout"] > 0 and mb["frontend"] == 0
     assert main(["bench", "decode", "--sim", "--topology", str(topo), "--tp", "2",
                  "--ep", "2"]) == 2
     assert "has 8 workers; the layout needs 4" in capsys.readouterr().err

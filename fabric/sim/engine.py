@@ -124,6 +124,9 @@ class SimResult:
     #: frames the switches cut to their header ([congestion] trim), and marked CE
     trims: int = 0
     ecn_marks: int = 0
+    #: bytes the links of each class carried, both directions (shaped links only:
+    #: an unshaped link does not count what it passes)
+    bytes_by_class: dict[str, int] = field(default_factory=dict)
 
 
 class _Node:
@@ -302,7 +305,16 @@ class Simulation:
             overflow_drops=sum(p.overflow_drops for p in self.pipes.values()),
             queue_peaks=self._queue_peaks(),
             trims=sum(p.trims for p in self.pipes.values()),
-            ecn_marks=sum(p.ecn_marks for p in self.pipes.values()))
+            ecn_marks=sum(p.ecn_marks for p in self.pipes.values()),
+            bytes_by_class=self._bytes_by_class())
+
+    def _bytes_by_class(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for link in self.topo.links:
+            a, b = link.endpoints
+            n = sum(self.pipes[d].statistics().bytes for d in ((a, b), (b, a)))
+            out[link.cls] = out.get(link.cls, 0) + n
+        return out
 
     def _queue_peaks(self) -> dict[str, int]:
         out: dict[str, int] = {}
