@@ -67,6 +67,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from bench.sweep import add_queue_arguments
 
     add_queue_arguments(p)
+    p.add_argument("--checkpoint", default="0", metavar="BYTES",
+                   help="checkpoint bursts beside the decode, comma-separated (e.g. 0,64M): "
+                   "as many ranks again, interleaved with the decoding ones on every leaf, "
+                   "each exchanging BYTES with a rank across the fabric as decoding starts")
     p.add_argument("--slo-ms", type=float, default=None,
                    help="ITL objective: report the share of decode steps (after the longest "
                    "prompt) within it")
@@ -142,7 +146,18 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
 
     cc, buffer, trim = queue_settings(args)
     dropped: list[str] = []
-    worlds = {ep: args.tp * ep * args.pp for ep in eps}
+    try:
+        checkpoints = sorted({report.parse_size(v) for v in args.checkpoint.split(",")
+                              if v.strip()})
+    except ValueError as exc:
+        raise UsageError(f"--checkpoint {args.checkpoint}: {exc}") from None
+    if not checkpoints or checkpoints[0] < 0:
+        raise UsageError("--checkpoint takes byte counts like 0,64M")
+    spread = 2 if checkpoints[-1] > 0 else 1
+    worlds = {ep: args.tp * ep * args.pp * spread for ep in eps}
+    if spread > 1 and any(w // 2 % 2 for w in worlds.values()):
+        raise UsageError("--checkpoint pairs its ranks across the fabric: the layout needs "
+                         "an even number of GPUs")
     topo_text = None
     if args.topology:
         from fabric.core.topology import TopologyError, loads
@@ -155,10 +170,14 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
             raise UsageError(f"--topology {args.topology}: {exc.strerror}") from None
         except TopologyError as exc:
             raise UsageError(str(exc)) from None
+        if spread > 1 and 0 in checkpoints:
+            raise UsageError("--topology with --checkpoint: a file has one worker count, so "
+                             "give burst sizes only (no 0); run without a burst on its own")
         bad = [w for w in worlds.values() if w != n]
         if bad:
+            twice = ", twice with --checkpoint" if spread > 1 else ""
             raise UsageError(f"--topology {args.topology} has {n} workers; the layout needs "
-                             f"{bad[0]} (tp x ep x pp)")
+                             f"{bad[0]} (tp x ep x pp{twice})")
         ratios = [1.0]
     for world in worlds.values():  # refused before any row runs
         if topo_text is None and world % min(args.per_leaf, world):
@@ -186,7 +205,7 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
             "temperature": args.temperature, "world": "simulation" if args.sim
             else "emulation", "both": bool(args.both), "dropped": dropped, "cc": cc,
             "buffer": buffer, "trim": trim, "mtu": args.mtu, "topology": args.topology,
-            "slo_ms": args.slo_ms,
+            "slo_ms": args.slo_ms, "checkpoints": checkpoints,
             "topology_text": topo_text}
     from fabric.core.congestion import CongestionConfigError
     from fabric.core.congestion.switchq import switch_queues
@@ -254,26 +273,26 @@ def software_latency_us(s: dict[str, Any], fab: Any) -> float:
     return max(min(per[0]) - links, 0.0) / 4 * 1e6
 
 
-def _kwargs(s: dict[str, Any], variant: str) -> dict[str, Any]:
+def _kwargs(s: dict[str, Any], variant: str, ckpt: int = 0) -> dict[str, Any]:
     return {"pp": s["pp"], "temperature": s["temperature"], "seed": s["seed"],
             "variant": variant, "path": s["path"], "data": s["data"], "gpu": s["gpu"],
             "context": s["context"], "layers": s["layers"],
-            "payloads": s["world"] == "emulation"}
+            "payloads": s["world"] == "emulation", "background_bytes": ckpt}
 
 
 def sim_point(s: dict[str, Any], ep: int, ratio: float, variant: str,
-              timeout_s: float, extra_us: float = 0.0) -> dict[str, Any]:
+              timeout_s: float, extra_us: float = 0.0, ckpt: int = 0) -> dict[str, Any]:
     """One simulated point (plain settings in, a plain row out)."""
     from fabric.core.decode_workload import sharded_decode
     from fabric.sim import Simulation
 
-    world = s["tp"] * ep * s["pp"]
+    world = s["tp"] * ep * s["pp"] * (2 if ckpt else 1)
     t0 = time.monotonic()
-    kw = {**_kwargs(s, variant), "payloads": False}
+    kw = {**_kwargs(s, variant, ckpt), "payloads": False}
     res = Simulation(_topology(s, world, ratio, extra_us), seed=s["seed"],
                      timeout_s=timeout_s).run(sharded_decode, s["model"], s["tp"], ep,
                                               _prompts(s, ep), s["tokens"], **kw)
-    row = _row(s, ep, ratio, variant, res.results, time.monotonic() - t0)
+    row = _row(s, ep, ratio, variant, res.results, time.monotonic() - t0, ckpt)
     row["world"] = "simulation"
     # bytes per step on each network class (the run's, over its steps; with --layers,
     # extrapolated as the per-layer parts are)
@@ -289,8 +308,10 @@ def sim_point(s: dict[str, Any], ep: int, ratio: float, variant: str,
 
 
 def _row(s: dict[str, Any], ep: int, ratio: float, variant: str, per: list[dict[str, Any]],
-         wall: float) -> dict[str, Any]:
-    """ITL and its parts from every rank's steps; tokens checked (tiny)."""
+         wall: float, ckpt: int = 0) -> dict[str, Any]:
+    """ITL and its parts from every decoding rank's steps; tokens checked (tiny)."""
+    burst = [p["background_s"] for p in per if "background_s" in p]
+    per = [p for p in per if "steps" in p]  # the decoding ranks
     scale = s["model_layers"] / s["layers"] if s["layers"] else 1.0
     steps = [st for p in per for st in p["steps"]]
 
@@ -341,7 +362,8 @@ def _row(s: dict[str, Any], ep: int, ratio: float, variant: str, per: list[dict[
         else ""
     return {"world": s["world"], "ep": ep, "tp": s["tp"], "pp": s["pp"],
             "gpus": s["tp"] * ep * s["pp"],
-            "ratio": ratio, "variant": variant, "itl_ms": stats(itl),
+            "ratio": ratio, "variant": variant, "checkpoint_bytes": ckpt,
+            "checkpoint_ms": max(burst) * 1e3 if burst else None, "itl_ms": stats(itl),
             "parts_ms": parts, "ttft_ms": stats(np.array(ttft)),
             # the three factors: compute throughput (every sequence gains a token a
             # step), and delivery timeliness (decode steps within the ITL objective)
@@ -361,14 +383,15 @@ def run(args: argparse.Namespace) -> int:
     s = _settings(args)
     print(_header(s), flush=True)
     print(_table_head(), flush=True)
-    points = [(ep, ratio, v) for ep in s["eps"] for ratio in s["ratios"]
-              for v in s["variants"]]
+    points = [(ep, ratio, v, ck) for ep in s["eps"] for ratio in s["ratios"]
+              for ck in s["checkpoints"] for v in s["variants"]]
     results: list[dict[str, Any]] = []
     t_start = time.monotonic()
     if args.sim:
         from fabric.sim.cli import run_points
 
-        works = [(sim_point, (s, ep, ratio, v, args.timeout)) for ep, ratio, v in points]
+        works = [(sim_point, (s, ep, ratio, v, args.timeout, 0.0, ck))
+                 for ep, ratio, v, ck in points]
         for row in run_points(works, args.jobs, args.executor):
             results.append(row)
             _print_row(row)
@@ -377,29 +400,28 @@ def run(args: argparse.Namespace) -> int:
         from fabric.emulation.launcher import launch
         from fabric.emulation.workloads import run_in_emulation
 
-        for ep in s["eps"]:
-            for ratio in s["ratios"]:
-                world = s["tp"] * ep * s["pp"]
-                kw: dict[str, Any] = {"timeout_s": args.timeout, "seed": s["seed"],
-                                      "remove_run_dir": not (args.run_dir or args.keep_runs)}
-                if args.run_dir:
-                    kw["run_dir"] = f"{args.run_dir}/ep{ep}-r{ratio:g}"
-                with launch(topology=_topology(s, world, ratio), **kw) as fab:
-                    extra = software_latency_us(s, fab) if s["both"] else 0.0
-                    for ep_, ratio_, v in points:
-                        if (ep_, ratio_) != (ep, ratio):
-                            continue
-                        t0 = time.monotonic()
-                        per = fab.run(run_in_emulation, sharded_decode, s["model"], s["tp"], ep,
-                                      _prompts(s, ep), s["tokens"], **_kwargs(s, v))
-                        row = _row(s, ep, ratio, v, per, time.monotonic() - t0)
-                        results.append(row)
-                        _print_row(row)
-                        if s["both"]:
-                            sim = sim_point(s, ep, ratio, v, args.timeout, extra)
-                            row["vs_sim"] = row["itl_ms"]["p50"] / sim["itl_ms"]["p50"]
-                            results.append(sim)
-                            _print_row(sim)
+        for ep, ratio, ck in dict.fromkeys((p[0], p[1], p[3]) for p in points):
+            world = s["tp"] * ep * s["pp"] * (2 if ck else 1)
+            kw: dict[str, Any] = {"timeout_s": args.timeout, "seed": s["seed"],
+                                  "remove_run_dir": not (args.run_dir or args.keep_runs)}
+            if args.run_dir:
+                kw["run_dir"] = f"{args.run_dir}/ep{ep}-r{ratio:g}-c{ck}"
+            with launch(topology=_topology(s, world, ratio), **kw) as fab:
+                extra = software_latency_us(s, fab) if s["both"] else 0.0
+                for ep_, ratio_, v, ck_ in points:
+                    if (ep_, ratio_, ck_) != (ep, ratio, ck):
+                        continue
+                    t0 = time.monotonic()
+                    per = fab.run(run_in_emulation, sharded_decode, s["model"], s["tp"], ep,
+                                  _prompts(s, ep), s["tokens"], **_kwargs(s, v, ck))
+                    row = _row(s, ep, ratio, v, per, time.monotonic() - t0, ck)
+                    results.append(row)
+                    _print_row(row)
+                    if s["both"]:
+                        sim = sim_point(s, ep, ratio, v, args.timeout, extra, ck)
+                        row["vs_sim"] = row["itl_ms"]["p50"] / sim["itl_ms"]["p50"]
+                        results.append(sim)
+                        _print_row(sim)
     table = format_table(results)
     print("\n" + table)
     wrong = sum(r["wrong_sequences"] or 0 for r in results)
@@ -437,7 +459,8 @@ def _header(s: dict[str, Any]) -> str:
             + (f"; left out: {', '.join(s['dropped'])}" if s["dropped"] else ""))
 
 
-_COLS = (("world", 11), ("ep", 4), ("gpus", 5), ("ratio", 6), ("variant", 13), ("itl p50", 9),
+_COLS = (("world", 11), ("ep", 4), ("gpus", 5), ("ratio", 6), ("ckpt", 6),
+         ("variant", 13), ("itl p50", 9),
          ("p99", 9), ("compute", 9), ("tp", 8), ("dispatch", 9), ("combine", 9),
          ("pp", 7), ("other", 8))
 
@@ -448,7 +471,8 @@ def _table_head() -> str:
 
 def _cells(r: dict[str, Any]) -> list[str]:
     p = {k: v["mean"] for k, v in r["parts_ms"].items()}
-    return [r["world"], str(r["ep"]), str(r["gpus"]), f"{r['ratio']:g}", r["variant"],
+    return [r["world"], str(r["ep"]), str(r["gpus"]), f"{r['ratio']:g}",
+            report.format_size(r["checkpoint_bytes"]), r["variant"],
             f"{r['itl_ms']['p50']:.3f}", f"{r['itl_ms']['p99']:.3f}",
             *(f"{p[k]:.3f}" for k in (*PARTS, "other"))]
 
@@ -460,13 +484,14 @@ def _print_row(r: dict[str, Any]) -> None:
 
 def format_table(results: list[dict[str, Any]]) -> str:
     """Markdown: a row per point, ITL beside flat's at the same EP and ratio."""
-    flat = {(r["world"], r["ep"], r["ratio"]): r for r in results if r["variant"] == "flat"}
-    head = ["world", "EP", "GPUs", "ratio", "variant", "ITL p50 (ms)", "p99", "compute", "TP",
-            "dispatch", "combine", "PP", "other", "vs flat", "vs sim", "TTFT p50",
+    flat = {(r["world"], r["ep"], r["ratio"], r["checkpoint_bytes"]): r for r in results
+            if r["variant"] == "flat"}
+    head = ["world", "EP", "GPUs", "ratio", "checkpoint", "variant", "ITL p50 (ms)", "p99",
+            "compute", "TP", "dispatch", "combine", "PP", "other", "vs flat", "vs sim", "TTFT p50",
             "tok/s/GPU", "in SLO", "wrong"]
     rows = []
     for r in results:
-        f = flat.get((r["world"], r["ep"], r["ratio"]))
+        f = flat.get((r["world"], r["ep"], r["ratio"], r["checkpoint_bytes"]))
         vs = f"{r['itl_ms']['p50'] / f['itl_ms']['p50']:.2f}x" if f else "-"
         slo = f"{r['within_slo']:.1%}" if r.get("within_slo") is not None else "-"
         rows.append([*_cells(r), vs, f"{r['vs_sim']:.3f}" if "vs_sim" in r else "-",

@@ -66,6 +66,22 @@ def test_completion_rate_counts_the_operations_that_resent(tmp_path: Path) -> No
     assert 0.1 < lossy < 0.9
 
 
+def test_a_checkpoint_burst_slows_the_steps_it_shares_the_uplinks_with(tmp_path: Path) -> None:
+    """A 64 MiB exchange per interleaved rank across a 4:1 spine while mixtral
+    decodes: the same exact layout, slower steps (the dispatch waits behind it)."""
+    out = tmp_path / "d.json"
+    assert main(["bench", "decode", "--sim", "--model", "mixtral-8x7b", "--tp", "2", "--ep",
+                 "4", "--per-leaf", "8", "--oversubscription", "4", "--bandwidth-gbps", "100",
+                 "--layers", "1", "--batch", "16", "--tokens", "4", "--checkpoint", "0,64M",
+                 "--variants", "flat", "--json", str(out)]) == 0
+    quiet, busy = json.loads(out.read_text())["results"]
+    assert (quiet["checkpoint_bytes"], busy["checkpoint_bytes"]) == (0, 64 << 20)
+    assert quiet["checkpoint_ms"] is None and busy["checkpoint_ms"] > 0
+    assert busy["gpus"] == quiet["gpus"] == 8  # the decoding ranks alone
+    assert busy["itl_ms"]["mean"] > 1.5 * quiet["itl_ms"]["mean"]
+    assert busy["parts_ms"]["dispatch"]["mean"] > 3 * quiet["parts_ms"]["dispatch"]["mean"]
+
+
 def test_layers_extrapolate_a_timing_only_preset(capsys: pytest.CaptureFixture[str]) -> None:
     """deepseek-v3 with one of its 61 layers run: the per-layer parts are scaled by
     61, the LM head's compute is not."""
@@ -98,6 +114,8 @@ def test_both_worlds_side_by_side(capsys: pytest.CaptureFixture[str]) -> None:
     (["--sim", "--trim"], "give --buffer"),
     (["--sim", "--buffer", "1K"], "cannot hold one frame"),
     (["--sim", "--mtu", "100"], "--mtu 100"),
+    (["--sim", "--checkpoint", "lots"], "--checkpoint lots"),
+    (["--tp", "2", "--ep", "4", "--checkpoint", "1M"], "too many processes to emulate"),
 ])
 def test_bad_flags_are_one_line(argv: list[str], words: str,
                                 capsys: pytest.CaptureFixture[str]) -> None:

@@ -85,3 +85,19 @@ def test_timing_only_steps_split_into_parts_that_add_up() -> None:
             assert parts == pytest.approx(step["step"], rel=0.05)
             assert all(step.get(p, 0.0) > 0 for p in ("compute", "tp", "dispatch", "combine"))
     assert r.results[0]["tokens"] == {q: [0, 0, 0] for q in range(0, 16, 4)}
+
+
+def test_a_checkpoint_burst_beside_the_decode_leaves_its_tokens_exact() -> None:
+    """Twice the world: even ranks decode (the layout), odd ranks exchange 2 MB
+    across the spine; the tokens are the unsharded ones and each odd rank reports
+    its burst's time."""
+    want = generate_reference(TinyWeights(get_model("tiny")), PROMPTS, 3)
+    t = leaf_spine(2, 8, oversubscription=4, leaf_bandwidth_gbps=10, leaf_latency_us=1,
+                   spine_latency_us=1)
+    r = Simulation(t, timeout_s=60).run(sharded_decode, "tiny", 2, 4, PROMPTS, 3,
+                                        background_bytes=2_000_000)
+    assert _tokens([x for x in r.results if "steps" in x]) == want
+    bursts = [x["background_s"] for x in r.results[1::2]]
+    assert len(bursts) == 8 and min(bursts) > 2_000_000 * 8 / 10e9
+    with pytest.raises(SimulationError, match="an even number of GPUs, not 1"):
+        Simulation(star(2)).run(sharded_decode, "tiny", 1, 1, [[1]], 1, background_bytes=10)

@@ -91,8 +91,8 @@ def sharded_decode(ctx: Any, preset: str, tp: int, ep: int, prompts: Sequence[Se
                    max_tokens: int, *, pp: int = 1, temperature: float = 0.0, seed: int = 0,
                    weights_seed: int = 0, variant: str = "flat", path: str = "ina",
                    data: bool = True, gpu: str | None = None, context: int = 0,
-                   layers: int | None = None,
-                   payloads: bool = False) -> Generator[Any, Any, dict[str, Any]]:
+                   layers: int | None = None, payloads: bool = False,
+                   background_bytes: int = 0) -> Generator[Any, Any, dict[str, Any]]:
     """Decode ``max_tokens`` new tokens of every prompt, sharded ``pp`` x ``ep`` x
     ``tp`` over the world's ranks.
 
@@ -106,6 +106,12 @@ def sharded_decode(ctx: Any, preset: str, tp: int, ep: int, prompts: Sequence[Se
     that extrapolates the per-layer parts to the whole model. ``payloads``
     (timing-only): the operations carry zero-filled payloads of their sizes, as
     an emulated run needs (a simulation moves sizes alone).
+
+    ``background_bytes`` > 0: a checkpoint burst beside the decode. The world is
+    twice the layout: even ranks decode (layout rank = world rank / 2), odd ranks
+    each exchange ``background_bytes`` with the odd rank half the world away, so
+    both kinds share every leaf and its uplinks; an odd rank returns
+    ``{"background_s": seconds}``.
     """
     m = get_model(preset)
     if layers is not None:
@@ -114,20 +120,32 @@ def sharded_decode(ctx: Any, preset: str, tp: int, ep: int, prompts: Sequence[Se
         m = dataclasses.replace(m, layers=layers,
                                 dense_layers=round(m.dense_layers * layers / m.layers))
     Layout(tp=tp, ep=ep, pp=pp).check(m)
-    if ctx.world != tp * ep * pp:
-        raise UsageError(f"pp {pp} x ep {ep} x tp {tp} needs {tp * ep * pp} workers, the "
-                         f"fabric has {ctx.world}")
+    spread = 2 if background_bytes > 0 else 1
+    if ctx.world != tp * ep * pp * spread:
+        raise UsageError(f"pp {pp} x ep {ep} x tp {tp}"
+                         f"{' beside as many checkpointing ranks' if spread > 1 else ''} needs "
+                         f"{tp * ep * pp * spread} workers, the fabric has {ctx.world}")
+    if spread > 1 and (tp * ep * pp) % 2:
+        raise UsageError(f"a checkpoint burst pairs its ranks across the fabric: the layout "
+                         f"needs an even number of GPUs, not {tp * ep * pp}")
+    if ctx.rank % spread:
+        return (yield from _background(ctx, background_bytes, payloads))
+
+    def at(rank: int) -> int:
+        """The world rank of layout rank ``rank`` (decode ranks are every spread-th)."""
+        return rank * spread
+
     if len(prompts) < ep or not all(prompts):
         raise UsageError(f"need at least one non-empty prompt per replica ({ep}), "
                          f"got {len(prompts)}")
     if data and m.params() > 100_000_000:
         raise UsageError(f"{m.name} is too large to compute here; run it timing-only "
                          "(data=False)")
-    s, rest = divmod(ctx.rank, tp * ep)
+    s, rest = divmod(ctx.rank // spread, tp * ep)
     e, r = divmod(rest, tp)
     base = s * tp * ep
-    tpg = (yield ctx.group([base + e * tp + i for i in range(tp)])) if tp > 1 else None
-    epg = (yield ctx.group([base + q * tp + r for q in range(ep)])) if ep > 1 else None
+    tpg = (yield ctx.group([at(base + e * tp + i) for i in range(tp)])) if tp > 1 else None
+    epg = (yield ctx.group([at(base + q * tp + r) for q in range(ep)])) if ep > 1 else None
     mine = range(s * m.layers // pp, (s + 1) * m.layers // pp)
     seqs = np.arange(e, len(prompts), ep)
     feed = [list(prompts[q]) for q in seqs]
@@ -143,8 +161,8 @@ def sharded_decode(ctx: Any, preset: str, tp: int, ep: int, prompts: Sequence[Se
     cache = KvCache()
     clock = _Timer(ctx)
     steps = max(len(p) for p in prompts) + max_tokens - 1
-    prev = (s - 1) * tp * ep + e * tp + r if s else None
-    nxt_rank = (s + 1) * tp * ep + e * tp + r if s < pp - 1 else e * tp + r
+    prev = at((s - 1) * tp * ep + e * tp + r) if s else None
+    nxt_rank = at((s + 1) * tp * ep + e * tp + r if s < pp - 1 else e * tp + r)
     hand_off = max(len(seqs) * m.hidden // tp, 1)  # elements a TP rank hands the next stage
 
     def compute(costs: dict[str, StepPart], name: str, scale: float = 1.0,
@@ -191,7 +209,7 @@ def sharded_decode(ctx: Any, preset: str, tp: int, ep: int, prompts: Sequence[Se
             if s == 0:  # the last stage's tokens come back
                 new = yield from clock.run("pp", ctx.recv(
                     np.empty(len(seqs), np.int64) if data or payloads else None,
-                    (pp - 1) * tp * ep + e * tp + r, nbytes=8 * len(seqs)))
+                    at((pp - 1) * tp * ep + e * tp + r), nbytes=8 * len(seqs)))
         else:
             yield from compute(costs, "lm-head", pp, also="head")
             new = next_tokens(lm_logits(w, x), seqs, np.full(len(seqs), pos), temperature,
@@ -212,6 +230,18 @@ def sharded_decode(ctx: Any, preset: str, tp: int, ep: int, prompts: Sequence[Se
         yield ctx.close_group(epg)
     return {"tokens": out if s == 0 else {}, "steps": clock.steps,
             "stage": s, "replica": e, "tp_rank": r}
+
+
+def _background(ctx: Any, nbytes: int, payloads: bool) -> Generator[Any, Any, dict[str, Any]]:
+    """An odd rank's checkpoint burst: ``nbytes`` to and from the odd rank half the
+    world away, at once (payloads of zeros where the world needs arrays)."""
+    partner = (ctx.rank + ctx.world // 2) % ctx.world  # odd: the world is 4k
+    t0 = yield ctx.clock()
+    x = np.zeros(nbytes, np.uint8) if payloads else None
+    out = np.empty(nbytes, np.uint8) if payloads else None
+    yield ctx.sendrecv(x, partner, out, partner, nbytes=nbytes)
+    t1 = yield ctx.clock()
+    return {"background_s": t1 - t0}
 
 
 def _layer(ctx: Any, m: ModelConfig, w: TinyWeights | None, layer: int, x: Any,
