@@ -41,7 +41,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="MoE dispatch/combine: flat, hierarchical, in-network")
     p.add_argument("--path", default="ina", help="the TP allreduces' path")
     p.add_argument("--batch", type=int, default=4, help="sequences per attention replica")
-    p.add_argument("--prompt-len", type=int, default=3, help="prompt tokens (tiny)")
+    p.add_argument("--prompt-len", type=int, default=3,
+                   help="prompt tokens: tiny draws 1..N per sequence and feeds them a token a "
+                   "step; timing-only presets prefill N per sequence in the first step")
     p.add_argument("--tokens", type=int, default=8, help="new tokens per sequence (steps)")
     p.add_argument("--context", type=int, default=1024,
                    help="tokens already cached, for the compute the cost model charges")
@@ -223,7 +225,7 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
 def _prompts(s: dict[str, Any], ep: int) -> list[list[int]]:
     n = s["batch"] * ep
     if not s["data"]:
-        return [[1]] * n
+        return [[1] * s["prompt_len"]] * n
     rng = np.random.default_rng([s["seed"], ep])
     return [rng.integers(0, 512, size=int(rng.integers(1, s["prompt_len"] + 1))).tolist()
             for _ in range(n)]
@@ -313,7 +315,9 @@ def _row(s: dict[str, Any], ep: int, ratio: float, variant: str, per: list[dict[
     burst = [p["background_s"] for p in per if "background_s" in p]
     per = [p for p in per if "steps" in p]  # the decoding ranks
     scale = s["model_layers"] / s["layers"] if s["layers"] else 1.0
-    steps = [st for p in per for st in p["steps"]]
+    every = [st for p in per for st in p["steps"]]
+    # ITL and its parts over the decode steps (prefill steps give the TTFT)
+    steps = [st for st in every if not st.get("prefill")] or every
 
     def full(st: dict[str, float], key: str) -> float:
         """A part (or the step) with the per-layer share extrapolated to every layer."""
@@ -331,19 +335,18 @@ def _row(s: dict[str, Any], ep: int, ratio: float, variant: str, per: list[dict[
     # what the parts leave of each step: this rank's own work
     per_part["other"] = itl - sum(per_part.values())
     parts = {k: stats(v) for k, v in per_part.items()}
-    # time to first token: a sequence's prompt is fed a token a step, so its first
-    # new token ends step len(prompt) - 1 of its replica (first stage, TP rank 0)
+    # time to first token: tiny feeds a prompt a token a step, so a sequence's first
+    # new token ends step len(prompt) - 1 of its replica (first stage, TP rank 0); a
+    # timing-only preset's first step is the whole prompts' prefill
     prompts = _prompts(s, ep)
     ttft = []
     for p in per:
         if p["stage"] == 0 and p["tp_rank"] == 0:
             ends = np.cumsum([full(st, "step") for st in p["steps"]]) * 1e3
-            ttft += [float(ends[len(prompts[q]) - 1])
+            ttft += [float(ends[len(prompts[q]) - 1 if s["data"] else 0])
                      for q in range(p["replica"], len(prompts), ep)]
     gpus = s["tp"] * ep * s["pp"]
-    decode = np.array([full(st, "step") for p in per
-                       for i, st in enumerate(p["steps"]) if i >= s["prompt_len"] - 1
-                       or not s["data"]]) * 1e3
+    decode = itl
     wrong = None
     if s["data"]:
         from fabric.core.decoder import TinyWeights, generate_reference

@@ -82,6 +82,18 @@ def test_a_checkpoint_burst_slows_the_steps_it_shares_the_uplinks_with(tmp_path:
     assert busy["parts_ms"]["dispatch"]["mean"] > 3 * quiet["parts_ms"]["dispatch"]["mean"]
 
 
+def test_a_timing_only_prefill_gives_the_first_token(tmp_path: Path) -> None:
+    """mixtral with 64-token prompts: the first step prefills them all (the TTFT),
+    the ITL counts the three decode steps after it alone."""
+    out = tmp_path / "d.json"
+    assert main(["bench", "decode", "--sim", "--model", "mixtral-8x7b", "--tp", "2", "--ep",
+                 "2", "--layers", "1", "--batch", "8", "--tokens", "4", "--prompt-len", "64",
+                 "--variants", "flat", "--json", str(out)]) == 0
+    r = json.loads(out.read_text())["results"][0]
+    assert r["steps"] == 4 * 3  # four ranks, three decode steps each
+    assert r["ttft_ms"]["p50"] > 2 * r["itl_ms"]["p99"]  # 37 ms against 11
+
+
 def test_layers_extrapolate_a_timing_only_preset(capsys: pytest.CaptureFixture[str]) -> None:
     """deepseek-v3 with one of its 61 layers run: the per-layer parts are scaled by
     61, the LM head's compute is not."""

@@ -98,7 +98,9 @@ def sharded_decode(ctx: Any, preset: str, tp: int, ep: int, prompts: Sequence[Se
 
     Returns ``{"tokens": {sequence: tokens}}`` (``data``: this rank's replica's
     sequences) and ``"steps"``: per step, its time (``"step"``) and each part's
-    (:data:`PARTS`), in seconds of this rank's clock. ``gpu`` (a
+    (:data:`PARTS`), in seconds of this rank's clock, and ``"prefill"`` 1.0 for a
+    step that still feeds prompts (data: a token a step; timing-only: the first
+    step, every prompt's tokens at once). ``gpu`` (a
     :data:`fabric.core.model.GPUS` name) charges each part's compute from the
     cost model, at a context of ``context`` tokens plus the position; the LM
     head's share of it is also under ``"head"``. ``layers`` (timing-only) runs
@@ -160,10 +162,12 @@ def sharded_decode(ctx: Any, preset: str, tp: int, ep: int, prompts: Sequence[Se
     spec = get_gpu(gpu) if gpu is not None else None
     cache = KvCache()
     clock = _Timer(ctx)
-    steps = max(len(p) for p in prompts) + max_tokens - 1
+    # data: a prompt is fed a token a step; timing-only: the first step is a batched
+    # prefill of every prompt's tokens at once, which gives the first new token
+    plen = max(len(p) for p in prompts)
+    steps = plen + max_tokens - 1 if data else max_tokens
     prev = at((s - 1) * tp * ep + e * tp + r) if s else None
     nxt_rank = at((s + 1) * tp * ep + e * tp + r if s < pp - 1 else e * tp + r)
-    hand_off = max(len(seqs) * m.hidden // tp, 1)  # elements a TP rank hands the next stage
 
     def compute(costs: dict[str, StepPart], name: str, scale: float = 1.0,
                 also: str = "") -> Generator[Any, Any, None]:
@@ -186,11 +190,15 @@ def sharded_decode(ctx: Any, preset: str, tp: int, ep: int, prompts: Sequence[Se
         return np.asarray(got, np.int64).reshape(part.shape)
 
     for pos in range(steps):
-        clock.steps.append({})
+        prefill = pos < plen - 1 if data else pos == 0
+        clock.steps.append({"prefill": float(prefill)})
+        rows = len(seqs) * (plen if prefill and not data else 1)  # rows through the layers
+        hand_off = max(rows * m.hidden // tp, 1)  # elements a TP rank hands the next stage
         t_step = yield ctx.clock()
         costs = {p.name: p for p in decode_step(
-            m, Layout(tp=tp, ep=ep, pp=pp), spec, batch=len(prompts),
-            context=context + pos).parts} if spec is not None else {}
+            m, Layout(tp=tp, ep=ep, pp=pp), spec,
+            batch=len(prompts) * (rows // len(seqs)), context=context + pos).parts} \
+            if spec is not None else {}
         if s == 0:
             tok = np.array([f[pos] if pos < len(f) else out[int(q)][-1] if out[int(q)]
                             else f[-1] for q, f in zip(seqs, feed, strict=True)], np.int64)
@@ -201,7 +209,7 @@ def sharded_decode(ctx: Any, preset: str, tp: int, ep: int, prompts: Sequence[Se
                 nbytes=hand_off * m.elem_bytes))
         for layer in mine:
             x = yield from _layer(ctx, m, w, layer, x, cache, tp, ep, r, e, epg, variant,
-                                  clock, compute, tp_sum, pad, costs, len(seqs), seed, pos)
+                                  clock, compute, tp_sum, pad, costs, rows, seed, pos)
         if s < pp - 1:
             yield from clock.run("pp", ctx.send(x if data else pad(hand_off), nxt_rank,
                                                 nbytes=hand_off * m.elem_bytes))
@@ -220,7 +228,7 @@ def sharded_decode(ctx: Any, preset: str, tp: int, ep: int, prompts: Sequence[Se
                                                     nbytes=8 * len(seqs)))
         if s == 0 and new is not None:
             for i, (q, f) in enumerate(zip(seqs, feed, strict=True)):
-                if pos >= len(f) - 1 and len(out[int(q)]) < max_tokens:
+                if pos >= (len(f) - 1 if data else 0) and len(out[int(q)]) < max_tokens:
                     out[int(q)].append(int(new[i]))
         t_end = yield ctx.clock()
         clock.steps[-1]["step"] = t_end - t_step
