@@ -103,8 +103,9 @@ def test_topo_gen_writes_the_settings(tmp_path: Path, capsys: pytest.CaptureFixt
 
 def test_rto_ceiling_follows_bounded_buffers() -> None:
     """Streams back off to 1 s on unbounded queues; behind bounded buffers to two
-    windows at the bottleneck rate, or to ``rto_max_us``; jittered and with a time
-    floor on giving up only there."""
+    windows at the bottleneck rate; to ``rto_max_us`` when it is given. A short
+    ceiling gives up only after 10 s too; jitter only behind bounded buffers. The
+    aggregation and MoE timers follow (two of their floors)."""
     from fabric.core.programs import (
         STREAM_GIVE_UP_S,
         STREAM_RTO_MAX_S,
@@ -116,7 +117,8 @@ def test_rto_ceiling_follows_bounded_buffers() -> None:
     wire = window * 8 / 2e9  # one window at 2 Gb/s: 4.19 ms
     for cong, ceiling in [(CongestionSettings(), STREAM_RTO_MAX_S),
                           (CongestionSettings(buffer_bytes=400_000), 2 * 0.005),
-                          (CongestionSettings(buffer_bytes=400_000, rto_max_us=30_000.0), 0.03)]:
+                          (CongestionSettings(buffer_bytes=400_000, rto_max_us=30_000.0), 0.03),
+                          (CongestionSettings(rto_max_us=30_000.0), 0.03)]:
         st = NodeState(base.with_congestion(cong), "w0")
         first, floor, top = st.stream_rto(window, st.worker_ids[1])
         assert top == pytest.approx(ceiling)
@@ -126,8 +128,13 @@ def test_rto_ceiling_follows_bounded_buffers() -> None:
                               frame_bytes=65536, operation="WRITE stream", key=1)
         assert tx.rto_max == pytest.approx(ceiling)
         bounded = cong.buffer_bytes is not None
-        assert tx.give_up_s == (STREAM_GIVE_UP_S if bounded else 0.0)
-        assert tx._rtt.jitter == (0.5 if bounded else 0.0)
+        short = ceiling < STREAM_RTO_MAX_S
+        assert tx.give_up_s == (STREAM_GIVE_UP_S if short else 0.0)
+        assert tx._rtt.ceiling_srtts == (2.0 if short else 0.0)
+        assert tx._rtt.jitter == (0.5 if bounded else 0.0)  # jitter behind buffers only
+        est = st.estimator("moe_home", 0.05)
+        assert est.rto_max == pytest.approx(ceiling if cong.rto_max_us else
+                                            0.1 if bounded else 2.0)
 
 
 def test_rto_max_us_is_checked_and_written_by_topo_gen(tmp_path: Path) -> None:

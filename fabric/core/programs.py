@@ -336,20 +336,24 @@ class NodeState:
         return est
 
     def _new_estimator(self, role: str, rto_min: float) -> RttEstimator:
-        """An estimator with the fabric's defaults; where switch buffers are bounded,
-        its backoff stops at ``[congestion] rto_max_us`` or STREAM_BOUNDED_RTO_FLOORS
-        floors (never under BOUNDED_RTO_SRTTS smoothed RTTs), jittered by a generator
-        seeded by this node and ``role`` (as :meth:`stream_sender`)."""
+        """An estimator with the fabric's defaults; its backoff stops at ``[congestion]
+        rto_max_us`` when given, else, where switch buffers are bounded, at
+        STREAM_BOUNDED_RTO_FLOORS floors; a short ceiling is never under
+        BOUNDED_RTO_SRTTS smoothed RTTs. Behind bounded buffers each backoff is
+        jittered by a generator seeded by this node and ``role`` (as
+        :meth:`stream_sender`)."""
         from fabric.core.reliability import DEFAULT_RTO_INITIAL, RTO_JITTER
 
         cong = self.topo.congestion
-        if cong.buffer_bytes is None:
+        bounded = cong.buffer_bytes is not None
+        if not bounded and cong.rto_max_us is None:
             return RttEstimator(rto_min=rto_min)
         ceiling = cong.rto_max_us * 1e-6 if cong.rto_max_us is not None \
             else STREAM_BOUNDED_RTO_FLOORS * rto_min
         rto_min = min(rto_min, ceiling)
         return RttEstimator(min(DEFAULT_RTO_INITIAL, ceiling), rto_min, ceiling,
-                            jitter=RTO_JITTER, rng=random.Random(f"{self.name}/{role}"),
+                            jitter=RTO_JITTER if bounded else 0.0,
+                            rng=random.Random(f"{self.name}/{role}") if bounded else None,
                             ceiling_srtts=BOUNDED_RTO_SRTTS)
 
     def ctrl_rtt(self, dst: int) -> RttEstimator:
@@ -449,10 +453,11 @@ class NodeState:
         leave the estimator without samples. The first RTO covers
         STREAMS_IN_FLIGHT windows at the bottleneck rate, the floor one window.
 
-        The ceiling bounds the backoff: STREAM_RTO_MAX_S, or where switch buffers
-        are bounded (``[congestion] buffer_bytes``) ``[congestion] rto_max_us``,
-        by default STREAM_BOUNDED_RTO_FLOORS floors: behind a full queue a frame
-        can be lost again and again, and each loss waits for the backed-off RTO.
+        The ceiling bounds the backoff: ``[congestion] rto_max_us`` when given;
+        else STREAM_RTO_MAX_S, or where switch buffers are bounded (``[congestion]
+        buffer_bytes``) STREAM_BOUNDED_RTO_FLOORS floors: behind a full queue a
+        frame can be lost again and again, and each loss waits for the backed-off
+        RTO.
         """
         from fabric.core.reliability import DEFAULT_RTO_INITIAL, DEFAULT_RTO_MIN
 
@@ -477,22 +482,24 @@ class NodeState:
 
         Where switch buffers are bounded, its backoff is jittered (RTO_JITTER, from
         a generator seeded by the two ends, the flow and ``key``, so a simulation
-        repeats) and it gives up only after STREAM_GIVE_UP_S as well as
-        STREAM_MAX_RETRIES losses."""
+        repeats). Under a ceiling shorter than STREAM_RTO_MAX_S it gives up only
+        after STREAM_GIVE_UP_S as well as STREAM_MAX_RETRIES losses, and the
+        ceiling is never under BOUNDED_RTO_SRTTS smoothed RTTs."""
         from fabric.core.reliability import RTO_JITTER, Sender
 
         first, floor, ceiling = self.stream_rto(window_frames * frame_bytes, dst)
         bounded = self.topo.congestion.buffer_bytes is not None
+        short = ceiling < STREAM_RTO_MAX_S
         peer = self.topo.by_id(dst).name
         return Sender(
             flow, policy=policy, window_frames=window_frames, span_frames=span_frames,
             max_retries=STREAM_MAX_RETRIES, rto_initial=first, rto_min=floor,
             rto_max=ceiling, peer=peer, operation=operation,
             cc=self.stream_cc(dst, frame_bytes),
-            give_up_s=STREAM_GIVE_UP_S if ceiling < STREAM_RTO_MAX_S else 0.0,
+            give_up_s=STREAM_GIVE_UP_S if short else 0.0,
             rto_jitter=RTO_JITTER if bounded else 0.0,
             rng=random.Random(f"{self.name}/{peer}/{flow}/{key}") if bounded else None,
-            ceiling_srtts=BOUNDED_RTO_SRTTS if bounded else 0.0)
+            ceiling_srtts=BOUNDED_RTO_SRTTS if short else 0.0)
 
     @property
     def stream_frame_bytes(self) -> int:

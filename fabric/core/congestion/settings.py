@@ -17,8 +17,8 @@ for queues and marking, HPCC's for PFC: :mod:`fabric.core.congestion.config`)::
                                # (absent: the reliability window alone)
     base_rtt_us = 2000.0       # the unloaded round trip policies assume (absent: the
                                # topology's links; an emulator adds its software's)
-    rto_max_us = 40000.0       # streams' RTO ceiling where buffers are bounded (absent:
-                               # two windows at the path's bottleneck rate)
+    rto_max_us = 40000.0       # the retransmit timers' ceiling (absent: 1 s, or with a
+                               # buffer two RTO floors: two windows at the bottleneck)
 
 Pure: parsing and checks, one-line :class:`CongestionConfigError` on anything
 impossible.
@@ -62,8 +62,8 @@ class CongestionSettings:
     #: the unloaded round trip (microseconds) the policies start from; None: from
     #: the topology's links (each latency both ways, both serialisations)
     base_rtt_us: float | None = None
-    #: the streams' retransmission-timeout ceiling (microseconds); None: a 1 s
-    #: ceiling, lowered where ``buffer_bytes`` is set (NodeState.stream_rto)
+    #: the retransmit timers' ceiling (microseconds): streams, aggregation and MoE;
+    #: None: 1 s, lowered where ``buffer_bytes`` is set (NodeState.stream_rto)
     rto_max_us: float | None = None
 
     def __post_init__(self) -> None:
