@@ -105,24 +105,16 @@ def _ints(flag: str, text: str) -> list[int]:
 
 
 def _settings(args: argparse.Namespace) -> dict[str, Any]:
+    from bench.sweep import parse_moe_variants, parse_ratios
     from fabric.core.model import GPUS, Layout, get_model
-    from fabric.core.moe import MOE_VARIANTS
 
     m = get_model(args.model)
     data = m.name == "tiny"
     eps = _ints("--ep", args.ep)
     for ep in eps:
         Layout(tp=args.tp, ep=ep, pp=args.pp).check(m)
-    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-    if not variants or any(v not in MOE_VARIANTS for v in variants):
-        raise UsageError(f"--variants: choose from {', '.join(MOE_VARIANTS)}")
-    try:
-        ratios = [float(v) for v in args.oversubscription.split(",") if v.strip()]
-    except ValueError:
-        raise UsageError(f"--oversubscription takes numbers like 1,2,4; got "
-                         f"{args.oversubscription!r}") from None
-    if not ratios or any(not 1 <= r <= 64 for r in ratios):
-        raise UsageError("--oversubscription: each ratio must be between 1 and 64")
+    variants = parse_moe_variants(args.variants)
+    ratios = parse_ratios(args.oversubscription)
     if args.gpu != "none" and args.gpu not in GPUS:
         raise UsageError(f"--gpu {args.gpu!r}: choose {', '.join(GPUS)} or none")
     if args.layers is not None and (data or not 1 <= args.layers <= m.layers):

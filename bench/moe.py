@@ -70,7 +70,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _settings(args: argparse.Namespace) -> dict[str, Any]:
-    from fabric.core.moe import MOE_VARIANTS, parse_routing
+    from bench.sweep import parse_moe_variants, parse_ratios
+    from fabric.core.moe import parse_routing
 
     for flag, value in (("--latency-us", args.latency_us), ("--bandwidth-gbps",
                                                             args.bandwidth_gbps)):
@@ -85,20 +86,12 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
     if not args.sim and ranks + args.leaves + (args.leaves > 1) > 16:
         raise UsageError(f"{ranks} ranks and their switches are too many processes to "
                          "emulate here; add --sim")
-    try:
-        ratios = [float(v) for v in args.oversubscription.split(",") if v.strip()]
-    except ValueError:
-        raise UsageError(f"--oversubscription takes numbers like 1,2,4; got "
-                         f"{args.oversubscription!r}") from None
-    if not ratios or any(not 1 <= r <= 64 for r in ratios):
-        raise UsageError("--oversubscription: each ratio must be between 1 and 64")
+    ratios = parse_ratios(args.oversubscription)
     if args.leaves == 1:
         ratios = [1.0]
     if args.bandwidth_gbps <= 0 and ratios != [1.0]:
         raise UsageError("oversubscription needs shaped links: give --bandwidth-gbps > 0")
-    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-    if not variants or any(v not in MOE_VARIANTS for v in variants):
-        raise UsageError(f"--variants: choose from {', '.join(MOE_VARIANTS)}")
+    variants = parse_moe_variants(args.variants)
     dropped: list[str] = []
     experts = args.experts or 4 * ranks
     if experts % ranks:

@@ -387,6 +387,27 @@ def congestion_text(topo: Any) -> str:
     return ", ".join(f"{k} {v}" for k, v in table.items())
 
 
+def parse_ratios(text: str) -> list[float]:
+    """``--oversubscription``: leaf down:up ratios like ``1,2,4`` (each 1..64)."""
+    try:
+        ratios = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise UsageError(f"--oversubscription takes numbers like 1,2,4; got {text!r}") from None
+    if not ratios or any(not 1 <= r <= 64 for r in ratios):
+        raise UsageError("--oversubscription: each ratio must be between 1 and 64")
+    return ratios
+
+
+def parse_moe_variants(text: str) -> list[str]:
+    """``--variants``: MoE dispatch/combine variants, comma-separated."""
+    from fabric.core.moe import MOE_VARIANTS
+
+    variants = [v.strip() for v in text.split(",") if v.strip()]
+    if not variants or any(v not in MOE_VARIANTS for v in variants):
+        raise UsageError(f"--variants: choose from {', '.join(MOE_VARIANTS)}")
+    return variants
+
+
 def add_queue_arguments(p: argparse.ArgumentParser) -> None:
     """``--cc``, ``--buffer`` and ``--trim``: the switches' queues and the streams'
     policy of a bench that builds its own fabric (read by :func:`queue_settings`)."""
