@@ -101,3 +101,75 @@ def test_a_checkpoint_burst_beside_the_decode_leaves_its_tokens_exact() -> None:
     assert len(bursts) == 8 and min(bursts) > 2_000_000 * 8 / 10e9
     with pytest.raises(SimulationError, match="an even number of GPUs, not 1"):
         Simulation(star(2)).run(sharded_decode, "tiny", 1, 1, [[1]], 1, background_bytes=10)
+
+
+def test_a_prompt_fed_in_one_call_attends_as_token_by_token() -> None:
+    """Rows of several tokens per sequence (a batched prefill) give bit for bit the
+    rows a token per call gives, whatever the other sequences in the call."""
+    from fabric.core.decoder import KvCache, attention_partial
+
+    w = TinyWeights(get_model("tiny"), seed=3)
+    rng = np.random.default_rng(7)
+    xn = rng.integers(-(1 << 12), 1 << 12, (6, 64)).astype(np.int64)
+    one = KvCache()
+    want = [attention_partial(w, 0, xn[i:i + 1], one, 2, 1, [0], [1]) for i in range(4)]
+    want.append(attention_partial(w, 0, xn[4:5], one, 2, 1, [9], [1]))
+    want.append(attention_partial(w, 0, xn[5:6], one, 2, 1, [0], [1]))
+    many = KvCache()
+    first = attention_partial(w, 0, xn[:5], many, 2, 1, [0, 9], [4, 1])
+    second = attention_partial(w, 0, xn[5:6], many, 2, 1, [0], [1])
+    np.testing.assert_array_equal(np.concatenate([first, second]), np.concatenate(want))
+    assert many.length(0) == 5 and many.length(9) == 1
+    many.drop(0)
+    assert many.length(0) == 0 and many.length(9) == 1
+
+
+def _continuous(ctx, tp: int, ep: int, arrivals: list[tuple[int, int, list[int], int, float]],
+                steps: int):
+    """Sequences join (whole prompt in one step) and leave a running batch; a replica
+    may be empty while the others step."""
+    from fabric.core.decode_workload import DecodeShard
+
+    shard = DecodeShard(ctx, get_model("tiny"), tp, ep, 1, ctx.rank, weights_seed=4)
+    yield from shard.open()
+    live: dict[int, dict] = {}
+    done: dict[int, list[int]] = {}
+    for step in range(steps):
+        for i, (at, replica, prompt, n, temp) in enumerate(arrivals):
+            if at == step and replica == shard.e:
+                live[i] = {"feed": list(prompt), "pos": len(prompt) - 1, "left": n,
+                           "temp": temp, "out": []}
+        ids = sorted(live)
+        counts = np.array([len(live[i]["feed"]) for i in ids], np.int64)
+        feed = np.array([t for i in ids for t in live[i]["feed"]], np.int64)
+        new = yield from shard.step(
+            counts, feed, ids, np.zeros(len(ids), np.int64),
+            np.array([live[i]["pos"] for i in ids], np.int64),
+            np.array([live[i]["temp"] for i in ids]), np.full(len(ids), 13, np.uint64),
+            index=step, batch=int(counts.sum()), prefill=any(c > 1 for c in counts))
+        for j, i in enumerate(ids):
+            s = live[i]
+            s["out"].append(int(new[j]))
+            s["feed"], s["pos"], s["left"] = [int(new[j])], s["pos"] + 1, s["left"] - 1
+            if s["left"] == 0:
+                done[i] = live.pop(i)["out"]
+                shard.cache.drop(i)
+    yield from shard.close()
+    return done
+
+
+@pytest.mark.parametrize("tp,ep", [(1, 1), (2, 2), (1, 4)])
+def test_continuous_batching_gives_each_sequence_its_unsharded_tokens(tp: int,
+                                                                      ep: int) -> None:
+    w = TinyWeights(get_model("tiny"), seed=4)
+    arrivals = [(0, 0, [1, 2, 3], 4, 0.0), (1, 0, [7, 8], 3, 0.8), (2, ep - 1, [5], 5, 0.0),
+                (2, 0, [100, 200, 300, 400], 2, 0.0), (4, ep // 2, [9, 9], 3, 1.1)]
+    r = Simulation(star(tp * ep, bandwidth_gbps=10), timeout_s=60).run(
+        _continuous, tp, ep, arrivals, 8)
+    got: dict[int, list[int]] = {}
+    for res in r.results:
+        for i, toks in res.items():
+            assert got.setdefault(i, toks) == toks  # a replica's TP ranks agree
+    assert sorted(got) == list(range(len(arrivals)))
+    for i, (_at, _rep, prompt, n, temp) in enumerate(arrivals):
+        assert got[i] == generate_reference(w, [prompt], n, temp, seed=13)[0], i

@@ -19,6 +19,7 @@ fabric; :func:`generate_reference` runs it unsharded.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -28,7 +29,7 @@ from kernels.reference import derive_key, gumbel_noise, mix64, moe_topk, uniform
 
 __all__ = ["ACT_BITS", "W_BITS", "GATE_BITS", "KvCache", "TinyWeights", "attention_partial",
            "expert_partial", "generate_reference", "lm_logits", "next_tokens", "rms_norm",
-           "rescale", "route"]
+           "rescale", "route", "sample_tokens"]
 
 #: Fractional bits of activations (int64): 2**-12 resolution, values up to ~2**18.
 ACT_BITS = 12
@@ -108,10 +109,22 @@ class TinyWeights:
 
 @dataclass
 class KvCache:
-    """Keys and values of one attention shard: per layer, (sequences, kv heads, T, d)."""
+    """Keys and values of one attention shard: per layer, per sequence slot, arrays
+    of (kv heads, T, d)."""
 
-    keys: list[list[np.ndarray]] = field(default_factory=list)
-    values: list[list[np.ndarray]] = field(default_factory=list)
+    keys: list[dict[int, np.ndarray]] = field(default_factory=list)
+    values: list[dict[int, np.ndarray]] = field(default_factory=list)
+
+    def drop(self, slot: int) -> None:
+        """Forget sequence ``slot`` (it finished or was aborted)."""
+        for per_layer in (*self.keys, *self.values):
+            per_layer.pop(slot, None)
+
+    def length(self, slot: int) -> int:
+        """Tokens held for ``slot`` (in the first layer)."""
+        if not self.keys or slot not in self.keys[0]:
+            return 0
+        return int(self.keys[0][slot].shape[1])
 
 
 def _heads(m: ModelConfig, tp: int, r: int) -> tuple[range, range]:
@@ -124,38 +137,54 @@ def _heads(m: ModelConfig, tp: int, r: int) -> tuple[range, range]:
 
 
 def attention_partial(w: TinyWeights, layer: int, xn: np.ndarray, cache: KvCache,
-                      tp: int = 1, r: int = 0) -> np.ndarray:
+                      tp: int = 1, r: int = 0, slots: Sequence[int] | None = None,
+                      counts: Sequence[int] | None = None) -> np.ndarray:
     """TP rank ``r``'s share of the attention output of normed rows ``xn``
-    (sequences, hidden), each sequence attending over its cache and this token:
-    the output projection of this rank's heads, unrescaled (scale ACT + W bits),
-    to be summed over the TP ranks."""
+    (rows, hidden): the output projection of this rank's heads, unrescaled
+    (scale ACT + W bits), to be summed over the TP ranks.
+
+    The rows are ``counts[i]`` consecutive new tokens of sequence ``slots[i]``
+    (default: one row per sequence, slots 0, 1, ...); each row attends over its
+    sequence's cache and its own sequence's rows up to itself (causal), so a
+    prompt fed in one call gives bit for bit what it gives a token per call."""
     m = w.model
     L = w.layers[layer]
     d = m.head_dim
     qh, kvh = _heads(m, tp, r)
     qcols = slice(qh.start * d, qh.stop * d)
     kvcols = slice(kvh.start * d, kvh.stop * d)
-    q = rescale(xn @ L["wq"][:, qcols], W_BITS).reshape(len(xn), len(qh), d)
-    k = rescale(xn @ L["wk"][:, kvcols], W_BITS).reshape(len(xn), len(kvh), d)
-    v = rescale(xn @ L["wv"][:, kvcols], W_BITS).reshape(len(xn), len(kvh), d)
+    n = len(xn)
+    if counts is None:
+        counts = [1] * n
+    if slots is None:
+        slots = range(len(counts))
+    if sum(counts) != n or len(slots) != len(counts):
+        raise ValueError(f"{n} rows, but counts {list(counts)} for {len(slots)} slots")
+    q = rescale(xn @ L["wq"][:, qcols], W_BITS).reshape(n, len(qh), d)
+    k = rescale(xn @ L["wk"][:, kvcols], W_BITS).reshape(n, len(kvh), d)
+    v = rescale(xn @ L["wv"][:, kvcols], W_BITS).reshape(n, len(kvh), d)
     while len(cache.keys) <= layer:
-        cache.keys.append([])
-        cache.values.append([])
+        cache.keys.append({})
+        cache.values.append({})
     ks, vs = cache.keys[layer], cache.values[layer]
     group = m.heads // m.kv_heads
-    out = np.zeros((len(xn), len(qh) * d), np.int64)
-    for s in range(len(xn)):
-        if len(ks) <= s:
-            ks.append(np.zeros((len(kvh), 0, d), np.int64))
-            vs.append(np.zeros((len(kvh), 0, d), np.int64))
-        ks[s] = np.concatenate([ks[s], k[s][:, None, :]], axis=1)
-        vs[s] = np.concatenate([vs[s], v[s][:, None, :]], axis=1)
-        for j, head in enumerate(qh):
-            kv = head // group - kvh.start
-            scores = _flt(ks[s][kv] @ q[s, j], 2 * ACT_BITS) / np.sqrt(d)
-            p = np.exp(scores - scores.max())
-            pq = _fix(p / p.sum())
-            out[s, j * d:(j + 1) * d] = rescale(pq @ vs[s][kv], ACT_BITS)
+    out = np.zeros((n, len(qh) * d), np.int64)
+    row = 0
+    for slot, c in zip(slots, counts, strict=True):
+        empty = np.zeros((len(kvh), 0, d), np.int64)
+        kk = np.concatenate([ks.get(slot, empty), k[row:row + c].transpose(1, 0, 2)], axis=1)
+        vv = np.concatenate([vs.get(slot, empty), v[row:row + c].transpose(1, 0, 2)], axis=1)
+        ks[slot], vs[slot] = kk, vv
+        held = kk.shape[1] - c  # tokens before this call's
+        for i in range(c):
+            upto = held + i + 1
+            for j, head in enumerate(qh):
+                kv = head // group - kvh.start
+                scores = _flt(kk[kv, :upto] @ q[row + i, j], 2 * ACT_BITS) / np.sqrt(d)
+                p = np.exp(scores - scores.max())
+                pq = _fix(p / p.sum())
+                out[row + i, j * d:(j + 1) * d] = rescale(pq @ vv[kv, :upto], ACT_BITS)
+        row += c
     return out @ L["wo"][qcols, :]
 
 
@@ -202,6 +231,18 @@ def next_tokens(logits: np.ndarray, seqs: np.ndarray, positions: np.ndarray,
     keys = mix64(mix64(base ^ seqs.astype(np.uint64)) ^ positions.astype(np.uint64))
     return np.argmax(logits / temperature + gumbel_noise(keys, logits.shape[1]),
                      axis=1).astype(np.int64)
+
+
+def sample_tokens(logits: np.ndarray, keys: np.ndarray, positions: np.ndarray,
+                  temperatures: np.ndarray, seeds: np.ndarray) -> np.ndarray:
+    """:func:`next_tokens` row by row with each row's own temperature and seed (rows
+    that share both are sampled in one call)."""
+    out = np.zeros(len(logits), np.int64)
+    for t, sd in sorted({(float(a), int(b)) for a, b in
+                         zip(temperatures.tolist(), seeds.tolist(), strict=True)}):
+        rows = np.flatnonzero((temperatures == t) & (seeds == sd))
+        out[rows] = next_tokens(logits[rows], keys[rows], positions[rows], t, sd)
+    return out
 
 
 def generate_reference(w: TinyWeights, prompts: list[list[int]], max_tokens: int,
