@@ -117,7 +117,11 @@ def test_semfab_serve_prints_the_url_serves_and_stops_on_ctrl_c(tmp_path: Path) 
 def test_serve_flags_parse() -> None:
     args = _args(serve_cli.add_arguments, ["--transport", "host-staged", "--detok", "batched",
                                            "--port", "0"])
-    assert args.transport == "host-staged" and args.workers == 1
+    assert args.transport == "host-staged" and args.workers is None  # one group: 1 worker
+    args = _args(serve_cli.add_arguments, ["--model", "tiny", "--tp", "2", "--ep", "2",
+                                           "--moe", "in-network", "--tp-path", "host-ring"])
+    assert (args.model, args.tp, args.ep, args.pp, args.moe, args.tp_path) == \
+        ("tiny", 2, 2, 1, "in-network", "host-ring")
 
 
 def _listening() -> socket.socket:

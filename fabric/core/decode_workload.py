@@ -49,7 +49,15 @@ from fabric.core.decoder import (
     sample_tokens,
     weigh,
 )
-from fabric.core.model import Layout, ModelConfig, StepPart, decode_step, get_gpu, get_model
+from fabric.core.model import (
+    RUNNABLE_PARAMS,
+    Layout,
+    ModelConfig,
+    StepPart,
+    decode_step,
+    get_gpu,
+    get_model,
+)
 from fabric.errors import UsageError
 from kernels.dtypes import np_dtype
 
@@ -102,7 +110,7 @@ class DecodeShard:
                  variant: str = "flat", path: str = "ina", gpu: str | None = None,
                  payloads: bool = False, seed: int = 0) -> None:
         Layout(tp=tp, ep=ep, pp=pp).check(m)
-        if data and m.params() > 100_000_000:
+        if data and m.params() > RUNNABLE_PARAMS:
             raise UsageError(f"{m.name} is too large to compute here; run it timing-only "
                              "(data=False)")
         self.ctx, self.m = ctx, m

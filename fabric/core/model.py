@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 
 from fabric.errors import UsageError
 
-__all__ = ["GPUS", "MODELS", "DecodeStep", "GpuSpec", "Layout", "ModelConfig", "StepPart",
-           "decode_step", "get_gpu", "get_model"]
+__all__ = ["GPUS", "MODELS", "RUNNABLE_PARAMS", "DecodeStep", "GpuSpec", "Layout", "ModelConfig",
+           "StepPart", "decode_step", "get_gpu", "get_model"]
 
 #: Bytes per element of the dtypes a model may name.
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8": 1}
@@ -124,6 +124,10 @@ class ModelConfig:
         return (self.layers * self.attn_params + n_dense * dense_ffn
                 + self.moe_layers * per_moe + 2 * self.vocab * self.hidden)
 
+
+#: A model with more parameters than this is timed only: its arithmetic does not
+#: run here (fabric.core.decoder runs the smaller ones).
+RUNNABLE_PARAMS = 100_000_000
 
 #: Presets. ``tiny`` is small enough that its arithmetic really runs on a CPU;
 #: the others are shaped like public models (their config.json on the model hub:

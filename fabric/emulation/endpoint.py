@@ -138,6 +138,10 @@ class Endpoint:
         self.hdr = bytearray(HEADER_BUF)
         self.stash: deque[fr.Frame] = deque()  # frames that arrived for a later wait
         self._stash_bytes = 0
+        # an application's own frames (the serving chain's control messages), kept
+        # apart from the stash whenever they come, even during a collective
+        self.app_filter: Callable[[fr.Frame], bool] | None = None
+        self.inbox: deque[fr.Frame] = deque()
         self.regions: list[tuple[int, int, int, SharedRegion]] = []  # (base, size, key, region)
         # id(array) -> (weak reference to it, its (key, offset)): see region_of
         self._loc_of: dict[int, tuple[weakref.ref[np.ndarray], tuple[int, int]]] = {}
@@ -217,8 +221,15 @@ class Endpoint:
 
         A stale control reply (a retry crossed its answer), a NACK or ACK for
         nobody, or anything beyond the stash's bounds is counted and dropped;
-        other frames are kept for a later operation (a peer ahead of us).
+        other frames are kept for a later operation (a peer ahead of us). Frames
+        the application's ``app_filter`` claims go to ``inbox`` first.
         """
+        if self.app_filter is not None and self.app_filter(f):
+            if len(self.inbox) >= STASH_FRAMES:
+                self.dropped += 1  # the application stopped reading: keep our bounds
+                return
+            self.inbox.append(f)
+            return
         if f.op is Op.CTRL:
             try:
                 if control.parse(f.payload).get("t") in CTRL_REPLIES:
@@ -240,6 +251,11 @@ class Endpoint:
             old = self.stash.popleft()
             self._stash_bytes -= len(old.payload)
             self.dropped += 1
+
+    def wait(self, timeout_ms: int) -> bool:
+        """Wait up to ``timeout_ms`` for a frame (socket or doorbell); whether one came.
+        :meth:`drain_idle` then takes it."""
+        return self._wait(max(timeout_ms, 0)) != _NOTHING
 
     def drain_idle(self) -> None:
         """Between operations: take what arrived and apply :meth:`defer` to it (late

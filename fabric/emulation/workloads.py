@@ -33,15 +33,19 @@ from fabric.core.workload import (
 )
 from fabric.errors import SemfabError, UsageError
 
-__all__ = ["run_in_emulation"]
+__all__ = ["drive", "perform", "run_in_emulation"]
 
 
 def run_in_emulation(ep: Any, fn: Callable[..., Generator[Any, Any, Any]], *args: Any,
                      **kwargs: Any) -> Any:
     """Run a workload on an emulated worker's endpoint; returns its return value."""
     check_workload(fn)
-    ctx = Context(ep.rank, ep.world, ep.name)
-    gen = fn(ctx, *args, **kwargs)
+    return drive(ep, fn(Context(ep.rank, ep.world, ep.name), *args, **kwargs))
+
+
+def drive(ep: Any, gen: Generator[Any, Any, Any]) -> Any:
+    """Perform every operation ``gen`` yields on ``ep`` (a semfab error is raised
+    where it waits, which may catch it); returns what ``gen`` returns."""
     value: Any = None
     error: SemfabError | None = None
     while True:
@@ -54,12 +58,12 @@ def run_in_emulation(ep: Any, fn: Callable[..., Generator[Any, Any, Any]], *args
         except StopIteration as stop:
             return stop.value
         try:
-            value = _perform(ep, op)
+            value = perform(ep, op)
         except SemfabError as exc:
             value, error = None, exc
 
 
-def _perform(ep: Any, op: Any) -> Any:
+def perform(ep: Any, op: Any) -> Any:
     """Do one operation a workload yielded, on ``ep``; returns what it gives back."""
     if isinstance(op, Allreduce):
         with ep.group_call(op.group):  # a refusal here ends the call on every member

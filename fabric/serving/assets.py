@@ -173,6 +173,33 @@ def load_tokenizer(assets_dir: str | Path) -> Any:
     return Tokenizer.from_file(str(Path(assets_dir) / "tokenizer.json"))
 
 
+def model_vocab(assets_dir: str | Path, size: int) -> np.ndarray:
+    """The tokenizer ids a model preset's ``size`` ids stand for (int32, by model id):
+    the tokens most frequent in the training text among those that are whole UTF-8
+    characters on their own (so any sequence of them is valid text), ties by id."""
+    from fabric.serving.detok import byte_table
+
+    d = Path(assets_dir)
+    table = byte_table(load_tokenizer(d))
+    ids = np.load(d / "corpus_ids.npy")
+    counts = np.bincount(ids, minlength=len(table))
+
+    def whole(raw: bytes) -> bool:
+        try:
+            raw.decode("utf-8")
+        except UnicodeDecodeError:
+            return False
+        return bool(raw)
+
+    ok = np.array([whole(bytes(table[i])) for i in range(len(table))])
+    order = np.lexsort((np.arange(len(table)), -counts))  # most frequent first, then by id
+    chosen = order[ok[order]][:size]
+    if chosen.size < size:
+        raise ValueError(f"the tokenizer has {chosen.size} whole-character tokens, "
+                         f"fewer than the model's {size} ids")
+    return chosen.astype(np.int32)
+
+
 @dataclass(frozen=True)
 class CorpusWalk:
     """Maps toy-decoder ids to tokenizer ids by walking the tokenized text."""

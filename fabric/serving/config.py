@@ -32,6 +32,8 @@ MAX_STEP_MS = 60_000.0
 
 #: Model name served on /v1/models.
 DEFAULT_MODEL = "semfab-toy"
+#: Paths of a sharded model's TP allreduces (integers: fixed-point sums).
+TP_PATHS = ("ina", "ina-mem", "host-ps", "host-ring")
 
 
 @dataclass
@@ -55,8 +57,16 @@ class ServeConfig:
     toy_dim: int = 64
     temperature: float = 1.0
     seed: int = 0
-    # presentation
+    # the model: DEFAULT_MODEL is the toy decoder above (one worker a generator);
+    # a preset of fabric.core.model whose arithmetic runs here ("tiny") is sharded
+    # tp x ep x pp over a group of workers, each group one generator
     model: str = DEFAULT_MODEL
+    tp: int = 1
+    ep: int = 1
+    pp: int = 1
+    moe: str = "flat"  # MoE dispatch/combine variant (fabric.core.moe.MOE_VARIANTS)
+    tp_path: str = "ina"  # path of the TP allreduces
+    # presentation
     host: str = "127.0.0.1"
     port: int = 0  # 0: any free port
     max_tokens_limit: int = 4096
@@ -103,12 +113,56 @@ class ServeConfig:
             raise UsageError("ring-slots must hold at least one step (>= max-batch)")
         if not 0 <= self.temperature <= 2:  # also refuses NaN
             raise UsageError(f"temperature {self.temperature:g} must be in 0..2")
+        self._check_model()
         from kernels.backends import VALID_NAMES
 
         if self.backend not in VALID_NAMES:  # now, not in a worker after the launch
             raise UsageError(f"unknown backend {self.backend!r}; choose one of "
                              f"{', '.join(VALID_NAMES)}")
         return self
+
+    def _check_model(self) -> None:
+        from fabric.core.model import MODELS, RUNNABLE_PARAMS, Layout
+        from fabric.core.moe import MOE_VARIANTS
+
+        if self.model not in MODELS:
+            if (self.tp, self.ep, self.pp) != (1, 1, 1):
+                runnable = " or ".join(n for n, m in MODELS.items()
+                                       if m.params() <= RUNNABLE_PARAMS)
+                raise UsageError(f"--tp/--ep/--pp shard a model preset; {self.model!r} is the "
+                                 f"toy decoder's name. Choose --model {runnable}")
+            return
+        m = MODELS[self.model]
+        if m.params() > RUNNABLE_PARAMS:
+            raise UsageError(f"{self.model} is timed only (its arithmetic does not run here); "
+                             f"serve runs tiny, and `semfab bench decode --model {self.model}` "
+                             "times it")
+        Layout(tp=self.tp, ep=self.ep, pp=self.pp).check(m)
+        if self.moe not in MOE_VARIANTS:
+            raise UsageError(f"unknown --moe {self.moe!r}; choose one of "
+                             f"{', '.join(MOE_VARIANTS)}")
+        if self.tp_path not in TP_PATHS:
+            raise UsageError(f"unknown --tp-path {self.tp_path!r}; choose one of "
+                             f"{', '.join(TP_PATHS)}")
+
+    @property
+    def runs_model(self) -> bool:
+        """Whether the generator is a sharded model preset (not the toy decoder)."""
+        from fabric.core.model import MODELS
+
+        return self.model in MODELS
+
+    @property
+    def group_size(self) -> int:
+        """Workers per generator: the model's tp x ep x pp, or 1 (toy decoder)."""
+        return self.tp * self.ep * self.pp
+
+    @property
+    def input_vocab(self) -> int:
+        """Token ids the generator takes (prompt ids are folded into it)."""
+        from fabric.core.model import MODELS
+
+        return MODELS[self.model].vocab if self.runs_model else self.toy_vocab
 
     def label(self) -> str:
         """Short strategy name, e.g. ``direct+immediate`` or ``host-staged+batched@client``."""

@@ -112,23 +112,28 @@ class _Batch:
         return int(hits[0]) if hits.size else None
 
 
+def retire(b: _Batch) -> list[int]:
+    """After a step that gave every sequence of ``b`` a token: count it, and remove
+    the sequences that reached their ``max_tokens`` (their request ids, in the
+    order removed: every copy of a batch removes alike)."""
+    n = b.n
+    b.index[:n] += 1
+    gone = []
+    for j in sorted(np.flatnonzero(b.index[:n] >= b.max_tokens[:n]).tolist(), reverse=True):
+        gone.append(int(b.rid[j]))
+        b.remove(j)
+    return gone
+
+
 class Generator:
     """One worker's generation loop (driven by :func:`generate`)."""
 
     def __init__(self, ep: Any, cfg: ServeConfig) -> None:
         from fabric.serving.assets import CorpusWalk, local_assets
-        from kernels import ToyDecoder, get_backend
 
         self.ep = ep
         self.cfg = cfg
-        self.backend = get_backend(cfg.backend)
-        if self.backend.name == "numba-cpu":
-            import numba
-
-            # one "GPU" per process: leave the other cores to the rest of the chain
-            limit = int(getattr(numba.config, "NUMBA_NUM_THREADS", 1))
-            numba.set_num_threads(max(1, min(cfg.kernel_threads, limit)))
-        self.weights = ToyDecoder(cfg.toy_vocab, cfg.toy_dim, cfg.seed)
+        self.backend_name = self._load_model()
         self.walk = CorpusWalk.load(local_assets(cfg.assets_dir))
         self.batch = _Batch(cfg.max_batch, cfg.toy_dim)
         self.pending: deque[dict[str, Any]] = deque()
@@ -163,6 +168,30 @@ class Generator:
         self._last_send = 0.0
         self.resent = 0  # token frames sent again on a NACK
         self.unrecoverable = 0  # NACKed frames no longer kept
+        # the chain's frames (host0's control messages, its NACKs of token frames)
+        # reach us through the endpoint's inbox, even while a collective runs
+        ep.app_filter = self._ours
+
+    def _load_model(self) -> str:
+        """Load the toy decoder and its kernel backend; the backend's name."""
+        from kernels import ToyDecoder, get_backend
+
+        cfg = self.cfg
+        self.backend = get_backend(cfg.backend)
+        if self.backend.name == "numba-cpu":
+            import numba
+
+            # one "GPU" per process: leave the other cores to the rest of the chain
+            limit = int(getattr(numba.config, "NUMBA_NUM_THREADS", 1))
+            numba.set_num_threads(max(1, min(cfg.kernel_threads, limit)))
+        self.weights = ToyDecoder(cfg.toy_vocab, cfg.toy_dim, cfg.seed)
+        return str(self.backend.name)
+
+    def _ours(self, f: fr.Frame) -> bool:
+        """A frame of the chain: host0's control message, or its NACK of a token frame."""
+        if f.op is Op.CTRL:
+            return f.src == self.host_id
+        return f.op is Op.NACK and f.flow in (rec.TOKEN_FLOW, rec.STAGED_FLOW)
 
     # ------------------------------------------------------------------ control
     def warm_up(self) -> None:
@@ -177,25 +206,20 @@ class Generator:
                                payload=control.pack(t, session=self.session, **fields)))
 
     def poll_control(self, timeout_ms: int) -> None:
-        """Handle every control frame waiting (wait up to ``timeout_ms`` for the first)."""
-        sock = self.ep.sock
-        if timeout_ms and not sock.poll(timeout_ms):
-            return
-        while True:
+        """Handle every frame of the chain waiting (wait up to ``timeout_ms`` for one)."""
+        ep = self.ep
+        if timeout_ms and not ep.inbox:
+            ep.wait(timeout_ms)
+        ep.drain_idle()
+        while ep.inbox:
+            f = ep.inbox.popleft()
+            if f.op is Op.NACK:
+                self.on_nack(f)
+                continue
             try:
-                parts = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
-            try:
-                f = fr.decode(parts[0].buffer, parts[1].buffer if len(parts) > 1 else None)
-                if f.op is Op.NACK:
-                    self.on_nack(f)
-                    continue
-                if f.op is not Op.CTRL:
-                    continue  # nothing else is addressed to a generator
                 msg = control.parse(f.payload)
             except FrameError as exc:
-                log.warning("%s: refused a frame: %s", self.ep.name, exc)
+                log.warning("%s: refused a frame: %s", ep.name, exc)
                 continue
             if msg.get("session") != self.session:
                 continue  # a leftover of an earlier chain on this fabric
@@ -228,6 +252,10 @@ class Generator:
             self._ctrl(rec.SENT, psn=self.psn & 0xFFFF_FFFF,
                        staged=self.cfg.transport == "host-staged")
 
+    def ready_fields(self) -> dict[str, Any]:
+        """What READY tells host0 beyond the worker's name and doorbell."""
+        return {}
+
     def on_control(self, msg: dict[str, Any]) -> None:
         t = msg["t"]
         if t == rec.ADD:
@@ -259,7 +287,7 @@ class Generator:
             dst = self.relay_id if self.cfg.transport == "host-staged" else self.host_id
             self.hops = len(self.ep.topo.route(self.ep.name, self.ep.topo.by_id(dst).name))
             bell = self._open_bell(str(msg.get("ring_path") or ""))
-            self._ctrl(rec.READY, worker=self.ep.name, bell=bell)
+            self._ctrl(rec.READY, worker=self.ep.name, bell=bell, **self.ready_fields())
         elif t == rec.STOP:
             self._ctrl(rec.STOPPED)
             self.stop = True
@@ -358,10 +386,17 @@ class Generator:
         if running.size:
             self._step_rows(running)
 
-    def _emit(self) -> None:
+    def text_ids(self, n: int) -> np.ndarray:
+        """Tokenizer ids of the batch's first ``n`` new tokens: the corpus walk."""
+        b = self.batch
+        return self.walk.step(b.toy[:n], b.cursor[:n])
+
+    def _emit(self) -> list[int]:
+        """Send the step's tokens of the batch to the host, then retire what finished
+        (their request ids)."""
         b = self.batch
         n = b.n
-        ids = self.walk.step(b.toy[:n], b.cursor[:n])
+        ids = self.text_ids(n)
         # a token is generated once its id is chosen: sampling is the step's last
         # part (the step's own start and cadence keep the time it was due)
         t_gen = now_ns()
@@ -381,9 +416,7 @@ class Generator:
             for rid, tok in zip(b.rid[:n].tolist(), ids.tolist(), strict=True):
                 self.generated[rid].append(tok)
         self.tokens += n
-        b.index[:n] += 1
-        for j in sorted(np.flatnonzero(last).tolist(), reverse=True):
-            b.remove(j)
+        return retire(b)
 
     def _open_bell(self, ring_path: str) -> str:
         """With ``cfg.bells`` and host0's ring in shared memory on this host: map the
@@ -493,7 +526,7 @@ class Generator:
         return {
             "node": self.ep.name, "tokens": self.tokens, "aborted": self.aborted,
             "generated": self.generated, "sem": self.sem.__dict__.copy(),
-            "steps": steps, "backend": self.backend.name,
+            "steps": steps, "backend": self.backend_name,
             "resent_frames": self.resent, "unrecoverable_frames": self.unrecoverable,
             "bell_frames": self.bell_frames,
         }
@@ -507,9 +540,10 @@ def _wait_config(g: Generator, timeout_s: float) -> None:
         g.poll_control(100)
 
 
-def generate(ep: Any, cfg: ServeConfig) -> dict[str, Any]:
-    """Worker task: generate tokens for the host's requests until it says stop."""
-    g = Generator(ep, cfg)
+def generate(ep: Any, cfg: ServeConfig, kind: type[Generator] = Generator) -> dict[str, Any]:
+    """Worker task: generate tokens for the host's requests until it says stop
+    (``kind``: the generator's class, the toy decoder's by default)."""
+    g = kind(ep, cfg)
     g.warm_up()
     previous = signal.getsignal(signal.SIGTERM)
 

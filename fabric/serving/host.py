@@ -249,6 +249,8 @@ class TokenHost:
         self.worker_names = {w.id: w.name for w in ep.topo.workers}
         self.load = dict.fromkeys(self.workers, 0)
         self.dead: dict[int, str] = {}
+        self.followers: set[int] = set()  # ranks of a sharded generator that take no requests
+        self.group_of: dict[int, int] = {}  # worker -> its generator group's leader
         self.streams: dict[int, Stream] = {}
         self.rids = itertools.count(1)
         self.counters = HostCounters()
@@ -589,6 +591,10 @@ class TokenHost:
         t = msg["t"]
         if t == rec.READY:
             self._ready_workers.add(f.src)
+            # a sharded model's group is one generator: its leader takes the requests
+            if not msg.get("admits", True):
+                self.followers.add(f.src)
+            self.group_of[f.src] = int(msg.get("group", f.src))
             if msg.get("bell") and f.src in self._ring_bounds and f.src not in self._bells:
                 self._attach_bell(f.src, str(msg["bell"]))
         elif t == rec.PONG:
@@ -608,8 +614,10 @@ class TokenHost:
         name = self.worker_names.get(worker, str(worker))
         self.dead[worker] = error
         log.error("host0: generator %s failed: %s", name, error)
+        leader = self.group_of.get(worker, worker)  # a rank of a group fails the group
+        self.dead.setdefault(leader, error)
         for st in list(self.streams.values()):
-            if st.worker == worker and not st.done:
+            if st.worker == leader and not st.done:
                 self._fail(st, api.ApiError(500, f"generator {name} failed: {error}",
                                             type_="server_error", code="generator_failed"))
 
@@ -748,7 +756,7 @@ class TokenHost:
             self.counters.rejected += 1
             raise api.ApiError(429, f"Too many requests in flight ({self.cfg.max_queue})",
                                type_="rate_limit_error", code="rate_limit_exceeded")
-        alive = [w for w in self.workers if w not in self.dead]
+        alive = [w for w in self.workers if w not in self.dead and w not in self.followers]
         if not alive:
             raise api.ApiError(503, "No generator is running", type_="server_error")
         t_req = now_ns()
@@ -774,7 +782,7 @@ class TokenHost:
         self.load[worker] += 1
         self.counters.requests += 1
         self.metrics.prompt_tokens.inc(len(prompt_ids))
-        toy = [int(t) % self.cfg.toy_vocab for t in prompt_ids[-256:]] or [0]
+        toy = [int(t) % self.cfg.input_vocab for t in prompt_ids[-256:]] or [0]
         temperature = self.cfg.temperature if req.temperature is None else req.temperature
         seed = req.seed if temperature > 0 else None  # greedy: a seed changes nothing
         st.add = dict(rid=rid, prompt=toy, max_tokens=req.max_tokens, temperature=temperature,

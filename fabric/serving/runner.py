@@ -96,7 +96,16 @@ class ServingChain:
             cfg.bells = _bells_fit(fab, cfg)
             if cfg.transport == "host-staged":
                 self.tasks["relay"] = fab.submit(generator.relay, cfg, nodes=[cfg.relay])
-            self.tasks["workers"] = fab.submit(generator.generate, cfg)
+            if cfg.runs_model:
+                from fabric.serving import sharded
+
+                if len(fab.topo.workers) % cfg.group_size:
+                    raise UsageError(f"{len(fab.topo.workers)} workers do not split into "
+                                     f"groups of tp {cfg.tp} x ep {cfg.ep} x pp {cfg.pp}; "
+                                     f"use a multiple of {cfg.group_size} workers")
+                self.tasks["workers"] = fab.submit(sharded.generate_sharded, cfg)
+            else:
+                self.tasks["workers"] = fab.submit(generator.generate, cfg)
             self.tasks["host"] = fab.submit(http.serve, cfg, nodes=["host0"])
             self.url = self._wait_ready(ready if shared else None)
         except BaseException:
