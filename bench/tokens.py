@@ -63,7 +63,10 @@ BASELINE = ("direct", "immediate", "host")
 DEFAULT_CONCURRENCY = "1,8,32"
 #: Flags that set up our own chain: refused beside --base-url.
 CHAIN_FLAGS = ("transport", "detok", "detok_at", "detokenizer", "batch_tokens", "batch_ms",
-               "step_ms", "prefill_ms", "workers", "backend", "trace", "run_dir", "keep_runs")
+               "step_ms", "prefill_ms", "workers", "backend", "trace", "run_dir", "keep_runs",
+               "tp", "ep", "pp", "moe", "tp_path")
+#: A sharded model's step, split (ms per token): its own work and its waits.
+STEP_PARTS = ("compute", "tp", "dispatch", "combine", "pp", "plan")
 #: Slowest open loop, in requests per second (one request every 1000 s).
 MIN_RATE = 1e-3
 #: Longest prompt the benchmark builds, in tokens (the corpus dataset holds less;
@@ -87,7 +90,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--base-url", metavar="URL",
                    help="measure this OpenAI-compatible server (e.g. http://127.0.0.1:8000) "
                    "instead of our own chain; nothing is launched")
-    g.add_argument("--model", help="model name to ask for (default: with --base-url the "
+    g.add_argument("--model", help="our own chain: semfab-toy (default) or a model preset "
+                   "that runs here, sharded by --tp/--ep/--pp (tiny). With --base-url: the "
+                   "model name to ask for (default: with --base-url the "
                    "server's first model, else semfab-toy)")
     g.add_argument("--endpoint", default="completions", choices=("completions", "chat"),
                    help="which OpenAI endpoint the client streams from")
@@ -139,11 +144,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     c.add_argument("--batch-tokens", type=int, default=8,
                    help="batched detok: flush every K tokens ...")
     c.add_argument("--batch-ms", type=float, default=20.0, help="... or after T ms")
-    c.add_argument("--step-ms", type=float, default=10.0,
-                   help="decode step time of the stand-in model")
-    c.add_argument("--prefill-ms", type=float, default=20.0,
-                   help="time of a step that admits new requests (prefill)")
-    c.add_argument("--workers", type=int, default=1, help="generator workers (GPUs)")
+    c.add_argument("--step-ms", type=float, default=None,
+                   help="decode step time of the toy decoder (default 10); with a model "
+                   "preset, the least a step takes (default 0)")
+    c.add_argument("--prefill-ms", type=float, default=None,
+                   help="time of a step that admits new requests (toy decoder: 20)")
+    c.add_argument("--workers", type=int, default=None,
+                   help="generator workers (GPUs); default 1, or one group of tp x ep x pp "
+                   "with --model tiny")
+    c.add_argument("--tp", type=int, default=1,
+                   help="--model tiny: tensor-parallel degree (TP allreduces per layer)")
+    c.add_argument("--ep", type=int, default=1,
+                   help="--model tiny: expert-parallel degree (MoE dispatch and combine)")
+    c.add_argument("--pp", type=int, default=1, help="--model tiny: pipeline stages")
+    c.add_argument("--moe", default="flat", choices=("flat", "hierarchical", "in-network"),
+                   help="MoE dispatch and combine variant")
+    c.add_argument("--tp-path", default="ina", choices=("ina", "ina-mem", "host-ps", "host-ring"),
+                   help="path of the TP allreduces")
     c.add_argument("--backend", default="auto", help="kernel backend of the toy decoder")
     c.add_argument("--trace", metavar="PATH",
                    help="write a Chrome Trace Event file (open it in the Perfetto UI)")
@@ -289,16 +306,35 @@ def options(args: argparse.Namespace) -> Options:
         raise UsageError(f"--trace-requests {args.trace_requests}: must be 0 or more")
     if args.input_len is not None and not 1 <= args.input_len <= MAX_INPUT_LEN:
         raise UsageError(f"--input-len {args.input_len}: must be 1..{MAX_INPUT_LEN} tokens")
+    held = 0  # sequences our chain's generators hold at once
     if not base_url:  # semfab's own chain: its settings, checked before it starts
-        from fabric.serving.config import ServeConfig
+        from fabric.serving.config import DEFAULT_MODEL, ServeConfig
 
         cfg = ServeConfig(detokenizer=args.detokenizer, batch_tokens=args.batch_tokens,
-                          batch_ms=args.batch_ms, step_ms=args.step_ms,
-                          prefill_ms=args.prefill_ms, backend=args.backend).check()
+                          batch_ms=args.batch_ms, backend=args.backend,
+                          model=args.model or DEFAULT_MODEL, tp=args.tp, ep=args.ep, pp=args.pp,
+                          moe=args.moe, tp_path=args.tp_path)
+        # resolved here, so the JSON records what ran: a model's steps take what its
+        # arithmetic and traffic take; the toy decoder's are set
+        if args.step_ms is None:
+            args.step_ms = 0.0 if cfg.runs_model else cfg.step_ms
+        if args.prefill_ms is None:
+            args.prefill_ms = 0.0 if cfg.runs_model else cfg.prefill_ms
+        if args.workers is None:
+            args.workers = cfg.group_size
+        cfg.step_ms, cfg.prefill_ms = args.step_ms, args.prefill_ms
+        cfg.check()
+        if args.workers % cfg.group_size:
+            raise UsageError(f"--workers {args.workers} does not split into groups of tp "
+                             f"{cfg.tp} x ep {cfg.ep} x pp {cfg.pp}; use a multiple of "
+                             f"{cfg.group_size}")
+        # a generator holds max_batch sequences (a model's: per attention replica)
+        held = 64 * (args.workers // cfg.group_size) * (cfg.ep if cfg.runs_model else 1)
         if args.tokens > cfg.max_tokens_limit:
             raise UsageError(f"--tokens {args.tokens}: semfab's server takes at most "
                              f"{cfg.max_tokens_limit} output tokens per request")
-    if args.workers < 1 or args.repeat < 1 or args.num_prompts < 0:
+    if (args.workers is not None and args.workers < 1) or args.repeat < 1 or \
+            args.num_prompts < 0:
         raise UsageError("--workers and --repeat must be >= 1, --num-prompts >= 0")
     if not (math.isfinite(args.burstiness) and args.burstiness > 0):
         raise UsageError(f"--burstiness {args.burstiness:g}: must be > 0 (1: Poisson)")
@@ -306,9 +342,9 @@ def options(args: argparse.Namespace) -> Options:
         raise UsageError(f"--temperature {args.temperature:g}: must be in 0..2")
     levels = _levels(args, conc)
     caps = [lv.concurrency for lv in levels if lv.concurrency is not None]
-    if not base_url and caps and max(caps) > 64 * args.workers:
+    if not base_url and caps and max(caps) > held:
         raise UsageError(f"concurrency {max(caps)} exceeds the batch of {args.workers} "
-                         "worker(s) (64 each); add --workers")
+                         f"worker(s) ({held} sequences); add --workers")
     try:
         slo = parse_slo(args.slo)
         percentiles = parse_percentiles(args.metric_percentiles)
@@ -383,6 +419,7 @@ class StrategyRun:
     detok_samples: list[np.ndarray] = field(default_factory=list)
     counters: list[dict[str, Any]] = field(default_factory=list)
     bells: bool = False  # direct's WRITEs went through doorbells (ServeConfig.bells)
+    parts: list[dict[str, float]] = field(default_factory=list)  # sharded: leaders' steps
 
     @property
     def label(self) -> str:
@@ -471,7 +508,8 @@ def _run_strategy(fab: Any, run: StrategyRun, opts: Options, assets_dir: str,
                       detokenizer=a.detokenizer, batch_tokens=a.batch_tokens,
                       batch_ms=a.batch_ms, step_ms=a.step_ms, prefill_ms=a.prefill_ms,
                       backend=a.backend, seed=a.seed, record=True, assets_dir=assets_dir,
-                      max_batch=64, model=opts.model or DEFAULT_MODEL)
+                      max_batch=64, model=opts.model or DEFAULT_MODEL, tp=a.tp, ep=a.ep,
+                      pp=a.pp, moe=a.moe, tp_path=a.tp_path)
     factory = (lambda: make_detokenizer(a.detokenizer, tokenizer, table)) if at == "client" \
         else None
     chain = ServingChain(cfg, fabric=fab, timeout_s=30.0).start()
@@ -495,6 +533,8 @@ def _run_strategy(fab: Any, run: StrategyRun, opts: Options, assets_dir: str,
     for w in results["workers"]:
         run.generated.update({(session, int(k)): list(v) for k, v in w["generated"].items()})
         run.steps.append(w["steps"])
+        if w.get("role", {}).get("leader"):  # a sharded model: its leader's step split
+            run.parts.extend(w["parts"])
         _add_sem(run.sem.setdefault("worker", {}), "transport", w["sem"])
     if "relay" in results:
         _add_sem(run.sem.setdefault("relay", {}), "transport", results["relay"]["sem"])
@@ -556,9 +596,50 @@ def _rows(runs: list[StrategyRun], opts: Options, tokenizer: Any,
                                    if per_token_us else None,
                                    "repeat": len(reps)})
             row = level_row(li, tokenizer, table, opts.slo, opts.percentiles)
+            split = _step_split(run.parts, reps, opts.percentiles)
+            if split is not None:
+                _add_split(row, split)
             row["warnings"] = _warnings(row, opts)
             rows.append(row)
     return rows
+
+
+def _step_split(parts: list[dict[str, float]], reps: list[tuple[list[Any], int, int]],
+                percentiles: list[float]) -> dict[str, Any] | None:
+    """A sharded model's steps inside a level's windows, split into STEP_PARTS, per
+    token: each step counts once for every token it gave (as ITL counts them)."""
+    from fabric.serving.metrics import stats
+
+    win = [p for p in parts if any(t0 <= p["t"] <= t1 for _c, t0, t1 in reps)]
+    if not win:
+        return None
+    weight = np.array([int(p["rows"]) for p in win])
+    out: dict[str, Any] = {}
+    for k in (*STEP_PARTS, "step"):
+        per_step = np.array([p.get(k, 0.0) * 1e3 for p in win])
+        out[k] = stats(np.repeat(per_step, weight).tolist(), percentiles)
+    ops = sum(p.get("ops", 0.0) for p in win)
+    resent = sum(p.get("resent", 0.0) for p in win)
+    out["collectives"] = {"ops": ops, "resent": resent,
+                          "completion_rate": 1 - resent / ops if ops else float("nan")}
+    return out
+
+
+def _add_split(row: dict[str, Any], split: dict[str, Any]) -> None:
+    """``parts_ms``: the step's parts, then the layers after generation (latency each
+    token gains on its way to the client); ``step_over_itl``: how much of the mean ITL
+    the step's parts explain."""
+    keep = ("mean", "p50", "p99")
+    parts = {k: {q: split[k][q] for q in keep} for k in STEP_PARTS}
+    for k in ("transport", "interpretation", "presentation"):
+        parts[k] = {q: row["layers_ms"][k][q] for q in keep}
+    row["parts_ms"] = parts
+    row["step_ms_per_token"] = {q: split["step"][q] for q in keep}
+    itl = row.get("itl_ms", {}).get("mean")
+    total = sum(split[k]["mean"] for k in STEP_PARTS)
+    row["step_over_itl"] = total / itl if itl else float("nan")
+    row["collectives"] = split["collectives"]
+    row["experience"]["completion_collectives"] = split["collectives"]["completion_rate"]
 
 
 def _external_row(run: StrategyRun, opts: Options, level: Level, model: str
@@ -737,6 +818,20 @@ def tables(rows: list[dict[str, Any]], opts: Options) -> str:
         table.append([r["strategy"], c("transport"), c("interpretation"), c("presentation"),
                       c("total"), _f(dt["p50"] if dt else None)])
     out += report.markdown_table(head, table, left=head)
+    split = [r for r in rows if "parts_ms" in r]
+    if split:
+        out.append("\n### The model's step, split (ms per token, mean / p99; sharded over "
+                   "the fabric); step parts over mean ITL\n")
+        head = ["strategy", "load", *STEP_PARTS, "parts / ITL", "collectives resent"]
+        table = []
+        for r in split:
+            P = r["parts_ms"]
+            coll = r["collectives"]
+            table.append([r["strategy"], r["load"]]
+                         + [f"{_f(P[k]['mean'], 3)} / {_f(P[k]['p99'], 3)}" for k in STEP_PARTS]
+                         + [_f(r["step_over_itl"], 3),
+                            f"{coll['resent']:.0f} of {coll['ops']:.0f}"])
+        out += report.markdown_table(head, table, left=head)
     itl_text = f"{itl_slo:g} ms" if itl_slo is not None else "no SLO"
     out.append(f"\n### Effective experience = compute × completion × timeliness "
                f"(timeliness: ITL <= {itl_text})\n")
@@ -833,7 +928,7 @@ def _path(endpoint: str) -> str:
 def _header(opts: Options, model: str) -> str:
     a = opts.args
     where = (f"{opts.base_url} (client only; no fabric launched)" if opts.base_url
-             else f"semfab's own chain, {a.workers} worker(s), strategies "
+             else f"semfab's own chain, {a.workers} worker(s){_layout(a)}, strategies "
              + ", ".join(StrategyRun(k).label for k in opts.strategies))
     inp = a.input_len if a.input_len is not None else "dataset default"
     burst = f"{a.burstiness:g}" + (" (Poisson)" if a.burstiness == 1 else "")
@@ -848,6 +943,16 @@ def _header(opts: Options, model: str) -> str:
         f"# percentiles {', '.join(f'{p:g}' for p in opts.percentiles)} of "
         f"{', '.join(opts.metrics)}; SLO {_slo_text(opts)}",
     ])
+
+
+def _layout(a: argparse.Namespace) -> str:
+    """`` as tp 2 x ep 2 x pp 1 (moe flat, tp allreduce ina)`` for a model preset."""
+    from fabric.core.model import MODELS
+
+    if a.model not in MODELS:
+        return ""
+    return (f" as {a.workers // (a.tp * a.ep * a.pp)} generator(s) of tp {a.tp} x ep {a.ep} x "
+            f"pp {a.pp} (moe {a.moe}, tp allreduce {a.tp_path})")
 
 
 def _params(opts: Options, model: str) -> dict[str, Any]:

@@ -75,7 +75,9 @@ def test_bench_tokens_small_sweep_writes_json_trace_and_plot(
 
 def test_bench_tokens_refuses_bad_flags() -> None:
     for argv in (["--transport", "carrier-pigeon"], ["--concurrency", "0"],
-                 ["--slo", "speed:9"], ["--tokens", "1"]):
+                 ["--slo", "speed:9"], ["--tokens", "1"], ["--model", "tiny", "--tp", "3"],
+                 ["--model", "tiny", "--ep", "2", "--workers", "3"], ["--tp", "2"],
+                 ["--model", "tiny", "--ep", "2", "--concurrency", "129"]):
         with pytest.raises(UsageError):
             bench_tokens.options(_args(bench_tokens.add_arguments, argv))
 

@@ -143,3 +143,30 @@ def test_serve_refuses_a_layout_that_cannot_run_in_one_line(args: list[str], say
     assert r.returncode == 2, r.stderr
     assert says in r.stderr and "Traceback" not in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_bench_tokens_splits_the_sharded_step_per_token(tmp_path: Path) -> None:
+    """`semfab bench tokens --model tiny --tp 2`: every text exact, and the step's parts
+    (its own work and each wait) per token in the JSON, adding up to the step."""
+    import json
+
+    from bench import tokens as bench_tokens
+
+    out = tmp_path / "t.json"
+    p = bench_tokens.argparse.ArgumentParser()
+    bench_tokens.add_arguments(p)
+    args = p.parse_args(["--model", "tiny", "--tp", "2", "--concurrency", "1,4", "--tokens",
+                         "12", "--transport", "direct", "--detok", "immediate",
+                         "--json", str(out), "--run-dir", str(tmp_path / "run")])
+    assert bench_tokens.run(args) == 0
+    doc = json.loads(out.read_text())
+    assert (doc["params"]["workers"], doc["params"]["step_ms"]) == (2, 0.0)
+    for r in doc["results"]:
+        assert r["lost_tokens"] == 0 and r["text_mismatches"] == 0 and r["failed"] == 0
+        parts = r["parts_ms"]
+        assert {"compute", "tp", "dispatch", "combine", "pp", "plan", "transport",
+                "interpretation", "presentation"} <= set(parts)
+        assert parts["tp"]["mean"] > 0 and parts["dispatch"]["mean"] == 0  # tp 2, ep 1
+        total = sum(parts[k]["mean"] for k in bench_tokens.STEP_PARTS)
+        assert total == pytest.approx(r["step_ms_per_token"]["mean"], rel=1e-6)
+        assert r["collectives"]["ops"] > 0

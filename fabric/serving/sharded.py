@@ -45,7 +45,7 @@ from fabric.serving.config import ServeConfig
 from fabric.serving.generator import MAX_STEP_LOG, PROBE_INTERVAL_MS, Generator, _Batch, retire
 from fabric.serving.generator import generate as _generate
 
-__all__ = ["ShardedGenerator", "generate_sharded"]
+__all__ = ["NET_PARTS", "ShardedGenerator", "generate_sharded"]
 
 log = logging.getLogger("semfab.serving.sharded")
 
@@ -53,6 +53,8 @@ log = logging.getLogger("semfab.serving.sharded")
 PLAN_HEADER = 2
 #: Rows of a joining prompt prefilled (its last ones), as the toy decoder does.
 PREFILL_TOKENS = 256
+#: A step's waits on the network (the rest of the step is the rank's own work).
+NET_PARTS = ("tp", "dispatch", "combine", "pp", "plan")
 
 
 class ShardedGenerator(Generator):
@@ -266,8 +268,15 @@ class ShardedGenerator(Generator):
         t_gen = now_ns()
         part = shard.clock.steps.pop()
         part["plan"] = (t_plan - t0) / 1e9
+        part["step"] = (t_gen - t0) / 1e9  # the plan and the bookkeeping included
+        waits = sum(part.get(k, 0.0) for k in NET_PARTS)
+        part["compute"] = part["step"] - waits  # this rank's own work: the rest
+        part["rows"] = float(sum(r.n for r in self.replicas))  # tokens the step gave
+        part["t"] = float(t_gen)
         self.parts.append(part)
-        self.steps.append((t_gen, 0, t_gen - t0, n, prefill))
+        # (t_gen, compute ns, step ns, rows, prefill): compute over step is the
+        # compute-throughput factor of the effective experience
+        self.steps.append((t_gen, int(part["compute"] * 1e9), t_gen - t0, n, prefill))
         gone = self._emit() if self.emitter and n else retire(b)
         for rid in gone:
             shard.cache.drop(rid)
