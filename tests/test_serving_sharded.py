@@ -111,6 +111,19 @@ def test_tp2_ep2_answers_with_exactly_the_unsharded_text(fab: Fabric, assets_dir
     assert got[2, 2] == want
 
 
+@pytest.mark.parametrize("layout", [dict(ep=2, pp=2, moe="in-network"),
+                                    dict(tp=4, tp_path="host-ring")])
+def test_pipeline_stages_and_other_paths_give_the_same_text(fab: Fabric, assets_dir: Path,
+                                                            tokenizer: Any,
+                                                            layout: dict[str, Any]) -> None:
+    vocab = assets.model_vocab(assets_dir, 512)
+    with chain(fab, assets_dir, **layout) as ch:
+        got = ask_all(ch.url)
+        res = ch.stop()
+    assert got == [unsharded_text(tokenizer, vocab, p, n) for p, n in REQUESTS]
+    assert res["host"]["counters"]["completed"] == len(REQUESTS)
+
+
 def test_an_aborted_stream_leaves_the_group_serving(fab: Fabric, assets_dir: Path,
                                                     tokenizer: Any) -> None:
     vocab = assets.model_vocab(assets_dir, 512)
