@@ -66,7 +66,7 @@ CHAIN_FLAGS = ("transport", "detok", "detok_at", "detokenizer", "batch_tokens", 
                "step_ms", "prefill_ms", "workers", "backend", "trace", "run_dir", "keep_runs",
                "tp", "ep", "pp", "moe", "tp_path")
 #: A sharded model's step, split (ms per token): its own work and its waits.
-STEP_PARTS = ("compute", "tp", "dispatch", "combine", "pp", "plan")
+STEP_PARTS = ("compute", "tp", "dispatch", "combine", "pp", "plan", "emit")
 #: Slowest open loop, in requests per second (one request every 1000 s).
 MIN_RATE = 1e-3
 #: Longest prompt the benchmark builds, in tokens (the corpus dataset holds less;
@@ -607,13 +607,14 @@ def _rows(runs: list[StrategyRun], opts: Options, tokenizer: Any,
 def _step_split(parts: list[dict[str, float]], reps: list[tuple[list[Any], int, int]],
                 percentiles: list[float]) -> dict[str, Any] | None:
     """A sharded model's steps inside a level's windows, split into STEP_PARTS, per
-    token: each step counts once for every token it gave (as ITL counts them)."""
+    token as ITL counts them: each step once for every token it gave that is not its
+    sequence's first (a first token is TTFT's)."""
     from fabric.serving.metrics import stats
 
     win = [p for p in parts if any(t0 <= p["t"] <= t1 for _c, t0, t1 in reps)]
     if not win:
         return None
-    weight = np.array([int(p["rows"]) for p in win])
+    weight = np.array([int(p["rows"] - p.get("first", 0.0)) for p in win])
     out: dict[str, Any] = {}
     for k in (*STEP_PARTS, "step"):
         per_step = np.array([p.get(k, 0.0) * 1e3 for p in win])

@@ -248,7 +248,8 @@ class ShardedGenerator(Generator):
         cfg, b, shard = self.cfg, self.batch, self.shard
         n = b.n
         fresh = b.fresh[:n].copy()
-        prefill = any(bool(r.fresh[:r.n].any()) for r in self.replicas)
+        first = sum(int(r.fresh[:r.n].sum()) for r in self.replicas)  # first tokens (TTFT)
+        prefill = first > 0
         counts = np.array([len(b.prompts[j]) if fresh[j] else 1 for j in range(n)], np.int64)
         feed = np.array([t for j in range(n)
                          for t in (b.prompts[j] if fresh[j] else [int(b.toy[j])])], np.int64)
@@ -268,21 +269,25 @@ class ShardedGenerator(Generator):
         t_gen = now_ns()
         part = shard.clock.steps.pop()
         part["plan"] = (t_plan - t0) / 1e9
-        part["step"] = (t_gen - t0) / 1e9  # the plan and the bookkeeping included
+        part["step"] = (t_gen - t0) / 1e9  # the plan and the bookkeeping included (the
+        # emit below is added to it)
         waits = sum(part.get(k, 0.0) for k in NET_PARTS)
         part["compute"] = part["step"] - waits  # this rank's own work: the rest
-        part["rows"] = float(sum(r.n for r in self.replicas))  # tokens the step gave
+        part["rows"] = float(sum(r.n for r in self.replicas))  # tokens the step gave...
+        part["first"] = float(first)  # ...of which first tokens of their sequences
         part["t"] = float(t_gen)
         self.parts.append(part)
         # (t_gen, compute ns, step ns, rows, prefill): compute over step is the
         # compute-throughput factor of the effective experience
         self.steps.append((t_gen, int(part["compute"] * 1e9), t_gen - t0, n, prefill))
         gone = self._emit() if self.emitter and n else retire(b)
+        part["emit"] = (now_ns() - t_gen) / 1e9  # the tokens handed to the transport
         for rid in gone:
             shard.cache.drop(rid)
         for r in self.replicas:
             if r is not b:
                 retire(r)
+        part["step"] += part["emit"]
         return prefill
 
     def result(self) -> dict[str, Any]:
