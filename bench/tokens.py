@@ -48,6 +48,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -170,6 +171,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "removed after a successful run)")
     c.add_argument("--keep-runs", action="store_true",
                    help="keep the fabric's run folder after a successful run")
+    from bench import serve_sim
+
+    serve_sim.add_arguments(p.add_argument_group(
+        "in simulation (--sim: a model preset on a simulated fabric, to 1024 GPUs)"))
     o = p.add_argument_group("output")
     o.add_argument("--json", metavar="PATH",
                    help="write every result, setting and per-request array as JSON")
@@ -307,7 +312,13 @@ def options(args: argparse.Namespace) -> Options:
     if args.input_len is not None and not 1 <= args.input_len <= MAX_INPUT_LEN:
         raise UsageError(f"--input-len {args.input_len}: must be 1..{MAX_INPUT_LEN} tokens")
     held = 0  # sequences our chain's generators hold at once
-    if not base_url:  # semfab's own chain: its settings, checked before it starts
+    if args.sim and base_url:
+        raise UsageError("--sim simulates semfab's own chain; leave out --base-url")
+    if args.sim:
+        from bench import serve_sim
+
+        serve_sim.check(args)
+    elif not base_url:  # semfab's own chain: its settings, checked before it starts
         from fabric.serving.config import DEFAULT_MODEL, ServeConfig
 
         cfg = ServeConfig(detokenizer=args.detokenizer, batch_tokens=args.batch_tokens,
@@ -342,7 +353,7 @@ def options(args: argparse.Namespace) -> Options:
         raise UsageError(f"--temperature {args.temperature:g}: must be in 0..2")
     levels = _levels(args, conc)
     caps = [lv.concurrency for lv in levels if lv.concurrency is not None]
-    if not base_url and caps and max(caps) > held:
+    if not base_url and not args.sim and caps and max(caps) > held:
         raise UsageError(f"concurrency {max(caps)} exceeds the batch of {args.workers} "
                          f"worker(s) ({held} sequences); add --workers")
     try:
@@ -604,7 +615,7 @@ def _rows(runs: list[StrategyRun], opts: Options, tokenizer: Any,
     return rows
 
 
-def _step_split(parts: list[dict[str, float]], reps: list[tuple[list[Any], int, int]],
+def _step_split(parts: list[dict[str, float]], reps: Sequence[tuple[list[Any], float, float]],
                 percentiles: list[float]) -> dict[str, Any] | None:
     """A sharded model's steps inside a level's windows, split into STEP_PARTS, per
     token as ITL counts them: each step once for every token it gave that is not its
@@ -1061,6 +1072,10 @@ def run(args: argparse.Namespace, fab: Any = None) -> int:
     _check_outputs(args)
     if opts.base_url:
         return run_external(opts)
+    if args.sim:
+        from bench import serve_sim
+
+        return serve_sim.run(opts)
     if fab is None:  # launched here: this machine's limit
         from fabric.emulation.launcher import check_workers
 

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from fabric.emulation.launcher import Fabric
-from fabric.serving import api, assets, metrics
+from fabric.serving import api, metrics
 from fabric.serving.client import stream_request
 from fabric.serving.config import ServeConfig
 from fabric.serving.detok import make_detokenizer
@@ -26,16 +26,6 @@ pytestmark = pytest.mark.timeout(120)
 
 openai = pytest.importorskip("openai")
 aiohttp = pytest.importorskip("aiohttp")
-
-
-@pytest.fixture(scope="module")
-def assets_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return assets.ensure_assets(tmp_path_factory.mktemp("cache"))
-
-
-@pytest.fixture(scope="module")
-def tokenizer(assets_dir: Path) -> Any:
-    return assets.load_tokenizer(assets_dir)
 
 
 @pytest.fixture(scope="module")

@@ -31,16 +31,6 @@ REQUESTS = [("Hello there", 12), ("The switch sums the contributions", 20), ("æ•
 
 
 @pytest.fixture(scope="module")
-def assets_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return assets.ensure_assets(tmp_path_factory.mktemp("cache"))
-
-
-@pytest.fixture(scope="module")
-def tokenizer(assets_dir: Path) -> Any:
-    return assets.load_tokenizer(assets_dir)
-
-
-@pytest.fixture(scope="module")
 def fab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fabric]:
     # switch + 4 workers + host0: 6 processes beside pytest
     f = launch_for(["direct"], 4, run_dir=tmp_path_factory.mktemp("fab"), timeout_s=30)

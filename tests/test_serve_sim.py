@@ -1,0 +1,58 @@
+"""`semfab bench tokens --sim` (bench.serve_sim): the serving loop in virtual time,
+the client side modelled, rows like the emulated benchmark's."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench import tokens as bench_tokens
+
+
+def _main(argv: list[str]) -> int:
+    return bench_tokens.main(argv)
+
+
+def test_sim_rows_have_client_metrics_and_the_step_split(tmp_path: Path,
+                                                         capsys: pytest.CaptureFixture[str]
+                                                         ) -> None:
+    topo = tmp_path / "c.toml"
+    subprocess.run([sys.executable, "-m", "fabric.cli", "topo", "gen", "--cluster", "2",
+                    "--gpus-per-domain", "2", "-o", str(topo)], check=True, timeout=60)
+    out = tmp_path / "s.json"
+    assert _main(["--sim", "--model", "mixtral-8x7b", "--tp", "2", "--ep", "2", "--layers",
+                  "2", "--topology", str(topo), "--concurrency", "1,4", "--num-prompts", "6",
+                  "--tokens", "6", "--input-len", "32", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "| c=1 |" in text and "| c=4 |" in text
+    doc = json.loads(out.read_text())
+    assert doc["params"]["frontend_s"] > 0  # the cluster's links from w0 to host0
+    rows = doc["results"]
+    for r in rows:
+        assert r["completed"] == 6 and r["failed"] == 0
+        assert r["total_output_tokens"] == 36
+        assert r["itl_ms"]["median"] > 0 and r["ttft_ms"]["median"] > r["itl_ms"]["median"]
+        assert r["parts_ms"]["dispatch"]["mean"] > 0 and r["parts_ms"]["tp"]["mean"] > 0
+        assert r["step_over_itl"] == pytest.approx(1.0, rel=0.05)
+        assert 0 < r["experience"]["compute"] <= 1
+    by = {r["concurrency"]: r for r in rows}
+    assert by[4]["output_throughput_tok_s"] > by[1]["output_throughput_tok_s"]
+
+
+@pytest.mark.parametrize("argv,says", [
+    (["--sim"], "--sim serves a model preset"),
+    (["--sim", "--model", "tiny", "--tp", "3"], "does not divide"),
+    (["--sim", "--model", "tiny", "--workers", "3"], "--sim runs one generator"),
+    (["--sim", "--model", "tiny", "--gpu", "b300"], "--gpu"),
+    (["--sim", "--model", "tiny", "--base-url", "http://127.0.0.1:9"], "--base-url"),
+    (["--sim", "--model", "tiny", "--topology", "/nonexistent.toml"], "--topology"),
+])
+def test_sim_refuses_bad_flags_in_one_line(argv: list[str], says: str,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    assert _main(argv) == 2
+    err = capsys.readouterr().err
+    assert says in err and "Traceback" not in err
