@@ -222,14 +222,21 @@ def run(opts: Any) -> int:
             raise UsageError("--sim: give a request rate (open loop) or a concurrency "
                              "(closed loop) per level, not both")
         t0 = time.monotonic()
-        res = Simulation(s["topo"], seed=s["seed"], timeout_s=3600.0).run(
+        sim = Simulation(s["topo"], seed=s["seed"], timeout_s=3600.0).run(
             served_decode, s["model"], s["tp"], s["ep"], [s["input_len"]] * n,
             [s["output_len"]] * n, pp=s["pp"],
             arrivals=_arrivals(level, a.burstiness, s["seed"], i),
             concurrency=level.concurrency or 0, gpu=s["gpu"], variant=s["moe"],
             path=s["tp_path"], layers=s["layers"], seed=s["seed"],
-            frontend_s=s["frontend_s"]).results[0]
+            frontend_s=s["frontend_s"])
+        res = sim.results[0]
         row = level_row(res, s, level, opts, time.monotonic() - t0)
+        # bytes on each network class per token delivered (with --layers: scaled to
+        # the model's layers, as the step's time is)
+        scale = s["model_layers"] / s["layers"] if s["layers"] else 1.0
+        toks = max(row["total_output_tokens"], 1)
+        row["kb_per_token_by_class"] = {cls: b * scale / toks / 1e3
+                                        for cls, b in sorted(sim.bytes_by_class.items())}
         rows.append(row)
         P = row["parts_ms"]
         print("| " + " | ".join([

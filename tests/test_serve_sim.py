@@ -39,6 +39,7 @@ def test_sim_rows_have_client_metrics_and_the_step_split(tmp_path: Path,
         assert r["parts_ms"]["dispatch"]["mean"] > 0 and r["parts_ms"]["tp"]["mean"] > 0
         assert r["step_over_itl"] == pytest.approx(1.0, rel=0.05)
         assert 0 < r["experience"]["compute"] <= 1
+        assert r["kb_per_token_by_class"]["scaleup"] > 0  # TP inside a domain
     by = {r["concurrency"]: r for r in rows}
     assert by[4]["output_throughput_tok_s"] > by[1]["output_throughput_tok_s"]
 
