@@ -156,12 +156,12 @@ def clients(res: dict[str, Any], s: dict[str, Any]) -> tuple[list[Any], int, int
 def level_row(res: dict[str, Any], s: dict[str, Any], level: Any, opts: Any,
               wall: float) -> dict[str, Any]:
     """One level's row: client metrics, the step split, the experience factors."""
-    from bench.tokens import STEP_PARTS, _step_split
+    from bench.step_split import STEP_PARTS, step_split
     from fabric.serving.metrics import client_summary
 
     cl, t0, t1 = clients(res, s)
     row, _per = client_summary(cl, t0, t1, opts.slo, opts.percentiles)
-    split = _step_split(res["steps"], [([], -math.inf, math.inf)], opts.percentiles)
+    split = step_split(res["steps"], [([], -math.inf, math.inf)], opts.percentiles)
     keep = ("mean", "p50", "p99")
     fixed = {"mean": 0.0, "p50": 0.0, "p99": 0.0}
     row["parts_ms"] = {k: {q: split[k][q] for q in keep} for k in STEP_PARTS} \
@@ -197,7 +197,7 @@ def level_row(res: dict[str, Any], s: dict[str, Any], level: Any, opts: Any,
 
 def run(opts: Any) -> int:
     """`semfab bench tokens --sim`: each level simulated, a row printed as it finishes."""
-    from bench.tokens import STEP_PARTS
+    from bench.step_split import STEP_PARTS
     from fabric.core.serve_workload import served_decode
     from fabric.sim import Simulation
 

@@ -48,7 +48,6 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -56,6 +55,7 @@ from typing import Any
 import numpy as np
 
 from bench import report
+from bench.step_split import STEP_PARTS, step_split
 from fabric.errors import PeerFailed, UsageError
 
 log = logging.getLogger("semfab.bench.tokens")
@@ -66,8 +66,7 @@ DEFAULT_CONCURRENCY = "1,8,32"
 CHAIN_FLAGS = ("transport", "detok", "detok_at", "detokenizer", "batch_tokens", "batch_ms",
                "step_ms", "prefill_ms", "workers", "backend", "trace", "run_dir", "keep_runs",
                "tp", "ep", "pp", "moe", "tp_path")
-#: A sharded model's step, split (ms per token): its own work and its waits.
-STEP_PARTS = ("compute", "tp", "dispatch", "combine", "pp", "plan", "emit")
+
 #: Slowest open loop, in requests per second (one request every 1000 s).
 MIN_RATE = 1e-3
 #: Longest prompt the benchmark builds, in tokens (the corpus dataset holds less;
@@ -607,34 +606,12 @@ def _rows(runs: list[StrategyRun], opts: Options, tokenizer: Any,
                                    if per_token_us else None,
                                    "repeat": len(reps)})
             row = level_row(li, tokenizer, table, opts.slo, opts.percentiles)
-            split = _step_split(run.parts, reps, opts.percentiles)
+            split = step_split(run.parts, reps, opts.percentiles)
             if split is not None:
                 _add_split(row, split)
             row["warnings"] = _warnings(row, opts)
             rows.append(row)
     return rows
-
-
-def _step_split(parts: list[dict[str, float]], reps: Sequence[tuple[list[Any], float, float]],
-                percentiles: list[float]) -> dict[str, Any] | None:
-    """A sharded model's steps inside a level's windows, split into STEP_PARTS, per
-    token as ITL counts them: each step once for every token it gave that is not its
-    sequence's first (a first token is TTFT's)."""
-    from fabric.serving.metrics import stats
-
-    win = [p for p in parts if any(t0 <= p["t"] <= t1 for _c, t0, t1 in reps)]
-    if not win:
-        return None
-    weight = np.array([int(p["rows"] - p.get("first", 0.0)) for p in win])
-    out: dict[str, Any] = {}
-    for k in (*STEP_PARTS, "step"):
-        per_step = np.array([p.get(k, 0.0) * 1e3 for p in win])
-        out[k] = stats(np.repeat(per_step, weight).tolist(), percentiles)
-    ops = sum(p.get("ops", 0.0) for p in win)
-    resent = sum(p.get("resent", 0.0) for p in win)
-    out["collectives"] = {"ops": ops, "resent": resent,
-                          "completion_rate": 1 - resent / ops if ops else float("nan")}
-    return out
 
 
 def _add_split(row: dict[str, Any], split: dict[str, Any]) -> None:

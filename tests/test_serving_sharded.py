@@ -154,6 +154,7 @@ def test_bench_tokens_splits_the_sharded_step_per_token(tmp_path: Path) -> None:
     import json
 
     from bench import tokens as bench_tokens
+    from bench.step_split import STEP_PARTS
 
     out = tmp_path / "t.json"
     p = bench_tokens.argparse.ArgumentParser()
@@ -170,6 +171,6 @@ def test_bench_tokens_splits_the_sharded_step_per_token(tmp_path: Path) -> None:
         assert {"compute", "tp", "dispatch", "combine", "pp", "plan", "transport",
                 "interpretation", "presentation"} <= set(parts)
         assert parts["tp"]["mean"] > 0 and parts["dispatch"]["mean"] == 0  # tp 2, ep 1
-        total = sum(parts[k]["mean"] for k in bench_tokens.STEP_PARTS)
+        total = sum(parts[k]["mean"] for k in STEP_PARTS)
         assert total == pytest.approx(r["step_ms_per_token"]["mean"], rel=1e-6)
         assert r["collectives"]["ops"] > 0
