@@ -163,11 +163,9 @@ def level_row(res: dict[str, Any], s: dict[str, Any], level: Any, opts: Any,
     row, _per = client_summary(cl, t0, t1, opts.slo, opts.percentiles)
     split = step_split(res["steps"], [([], -math.inf, math.inf)], opts.percentiles)
     keep = ("mean", "p50", "p99")
-    fixed = {"mean": 0.0, "p50": 0.0, "p99": 0.0}
     row["parts_ms"] = {k: {q: split[k][q] for q in keep} for k in STEP_PARTS} \
         if split else {}
     if split:
-        row["parts_ms"]["emit"] = dict(fixed)  # sending is in the front-end model below
         row["parts_ms"]["transport"] = {q: s["frontend_s"] * 1e3 for q in keep}
         row["parts_ms"]["interpretation+presentation"] = {q: s["host_s"] * 1e3 for q in keep}
         itl = row["itl_ms"]["mean"]
