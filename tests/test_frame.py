@@ -252,7 +252,7 @@ def test_a_congestion_mark_keeps_every_field_and_a_valid_crc(body: bytes, crc: b
     marked = fr.mark_ce(header, body)
     got, want = fr.decode(marked, body), fr.decode(header, body)
     assert got.flags == want.flags | Flag.ECN
-    assert got._replace(flags=want.flags, payload=b"") == want._replace(payload=b"")
+    assert got.replace(flags=want.flags, payload=b"") == want.replace(payload=b"")
     assert bytes(got.payload) == body
 
 

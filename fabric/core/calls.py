@@ -34,7 +34,7 @@ simulator runs it as is), and the emulator opens one around each blocking call
 from __future__ import annotations
 
 from collections.abc import Callable, Generator
-from typing import Any
+from typing import Any, Final
 
 from fabric.core import frame as fr
 from fabric.core.programs import (
@@ -56,7 +56,7 @@ __all__ = ["ENDED_EVERYWHERE", "NOTIFY_TIMEOUT_S", "CallScope", "GroupCall", "ab
 
 #: Longest a failing member tries to reach its peers (resending with backoff):
 #: a peer that is gone must not hold up the member's own error for a full timeout.
-NOTIFY_TIMEOUT_S = 5.0
+NOTIFY_TIMEOUT_S: Final = 5.0
 
 
 def shared_error(exc: Exception) -> bool:
@@ -71,7 +71,7 @@ def shared_error(exc: Exception) -> bool:
 
 #: Set on an error that ended a group call on every member (the peers were told,
 #: the group realigned): the communicator stays usable after it.
-ENDED_EVERYWHERE = "semfab_call_ended_everywhere"
+ENDED_EVERYWHERE: Final = "semfab_call_ended_everywhere"
 
 
 def ended_everywhere(exc: BaseException) -> bool:

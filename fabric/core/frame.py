@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import struct
 from enum import IntEnum, IntFlag
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, Final
 
 import crc32c as _crc32c
 
@@ -65,25 +65,24 @@ __all__ = [
 ]
 
 #: Protocol version carried in the high nibble of byte 0 (docs/PROTOCOL.md "Versioning").
-VERSION = 1
+VERSION: Final = 1
 #: Header type in the low nibble of byte 0; 0 is the 32-byte base header.
 #: Other values are reserved for extension headers.
-HEADER_TYPE_BASE = 0
+HEADER_TYPE_BASE: Final = 0
 
 # B ver/type, B opcode, B flags, B dtype, H src, H dst, H job, H flow,
 # I psn, I key, I offset, I length, I msg  -> 32 bytes
-_HEADER = struct.Struct("<BBBBHHHHIIIII")
-_new_tuple = tuple.__new__
-HEADER_SIZE = _HEADER.size
+_HEADER: Final = struct.Struct("<BBBBHHHHIIIII")
+HEADER_SIZE: Final = _HEADER.size
 assert HEADER_SIZE == 32
-_CRC = struct.Struct("<I")
-CRC_SIZE = _CRC.size
+_CRC: Final = struct.Struct("<I")
+CRC_SIZE: Final = _CRC.size
 #: Largest payload length the 32-bit length field can name.
-MAX_PAYLOAD = 0xFFFF_FFFF
+MAX_PAYLOAD: Final = 0xFFFF_FFFF
 # ACK frames reuse the key+offset words as one 64-bit SACK bitmap (as UET ACK_CC
 # carries a SACK bitmap beside the cumulative PSN).
-_SACK = struct.Struct("<Q")
-_SACK_OFFSET = 16
+_SACK: Final = struct.Struct("<Q")
+_SACK_OFFSET: Final = 16
 
 
 class Op(IntEnum):
@@ -145,7 +144,7 @@ class DType(IntEnum):
     U8 = 6
 
 
-DTYPE_SIZES: dict[DType, int] = {
+DTYPE_SIZES: Final[dict[DType, int]] = {
     DType.RAW: 1,
     DType.F32: 4,
     DType.F16: 2,
@@ -155,7 +154,7 @@ DTYPE_SIZES: dict[DType, int] = {
     DType.U8: 1,
 }
 #: The project-wide dtype names (kernels and numpy use these strings).
-DTYPE_NAMES: dict[DType, str] = {
+DTYPE_NAMES: Final[dict[DType, str]] = {
     DType.RAW: "raw",
     DType.F32: "float32",
     DType.F16: "float16",
@@ -164,7 +163,7 @@ DTYPE_NAMES: dict[DType, str] = {
     DType.I64: "int64",
     DType.U8: "uint8",
 }
-_DTYPE_BY_NAME = {v: k for k, v in DTYPE_NAMES.items()}
+_DTYPE_BY_NAME: Final = {v: k for k, v in DTYPE_NAMES.items()}
 
 
 def dtype_from_name(name: str) -> DType:
@@ -197,30 +196,33 @@ class NackCode(IntEnum):
 #: decoded, BAD_CHECKSUM), came out of its window or before room was free, or was
 #: lost (MISSING) or trimmed (TRIMMED). The reliability layer retries these within
 #: its limits.
-TRANSIENT_NACKS = frozenset({NackCode.MALFORMED, NackCode.OUT_OF_WINDOW,
+TRANSIENT_NACKS: Final = frozenset({NackCode.MALFORMED, NackCode.OUT_OF_WINDOW,
                              NackCode.NO_RESOURCE, NackCode.BAD_CHECKSUM, NackCode.MISSING,
                              NackCode.TRIMMED})
 #: Refusals no resend can cure (a permission, an unknown key or job, a protocol we
 #: do not speak, an intact frame that is wrong): the call ends, naming the cause.
-PERMANENT_NACKS = frozenset(set(NackCode) - TRANSIENT_NACKS)
+PERMANENT_NACKS: Final = frozenset(set(NackCode) - TRANSIENT_NACKS)
 
 
-_OP_VALUES = frozenset(int(o) for o in Op)
-_DTYPE_VALUES = frozenset(int(d) for d in DType)
-_NACK_VALUES = frozenset(int(c) for c in NackCode)
+_OP_VALUES: Final = frozenset(int(o) for o in Op)
+_DTYPE_VALUES: Final = frozenset(int(d) for d in DType)
+_NACK_VALUES: Final = frozenset(int(c) for c in NackCode)
 # Lookup tables: constructing enum members per frame costs microseconds.
-_OP_BY_VALUE = {int(o): o for o in Op}
-_DTYPE_BY_VALUE = {int(d): d for d in DType}
-_FLAGS_BY_VALUE = [Flag(i) for i in range(256)]
-_FLAG_OF = dict(enumerate(_FLAGS_BY_VALUE))
-_SIZE_BY_VALUE = {int(d): n for d, n in DTYPE_SIZES.items()}
-_F_REF, _F_CRC, _F_ECN, _F_MCAST = int(Flag.REF), int(Flag.CRC), int(Flag.ECN), int(Flag.MCAST)
-_VT_BASE = (VERSION << 4) | HEADER_TYPE_BASE
+_OP_BY_VALUE: Final = {int(o): o for o in Op}
+_DTYPE_BY_VALUE: Final = {int(d): d for d in DType}
+_FLAGS_BY_VALUE: Final = [Flag(i) for i in range(256)]
+_FLAG_OF: Final = dict(enumerate(_FLAGS_BY_VALUE))
+_SIZE_BY_VALUE: Final = {int(d): n for d, n in DTYPE_SIZES.items()}
+_F_REF: Final = int(Flag.REF)
+_F_CRC: Final = int(Flag.CRC)
+_F_ECN: Final = int(Flag.ECN)
+_F_MCAST: Final = int(Flag.MCAST)
+_VT_BASE: Final = (VERSION << 4) | HEADER_TYPE_BASE
 # Opcodes that never carry data bytes: their length must be 0 (ACK/NACK) or
 # name remote memory (READ, which must say so with Flag.REF).
-_NO_DATA_OPS = frozenset({Op.ACK, Op.NACK})
+_NO_DATA_OPS: Final = frozenset({Op.ACK, Op.NACK})
 # Atomics carry exactly one element.
-_ATOMIC_OPS = frozenset({Op.ATOMIC_ADD, Op.FETCH_ADD})
+_ATOMIC_OPS: Final = frozenset({Op.ATOMIC_ADD, Op.FETCH_ADD})
 
 
 class FrameError(Exception):
@@ -240,16 +242,24 @@ class LocalFrameError(ValueError):
 
 
 #: A frame's payload: a view of the received buffer. An alias, because compiled
-#: (mypyc) a NamedTuple field annotated with the builtin itself fails at import.
+#: (mypyc) a field annotated with the builtin itself once failed at import.
 Payload = memoryview
 
+#: The fields of a :class:`Frame`, in header order (``payload`` and ``version`` last).
+FRAME_FIELDS: Final = ("op", "flags", "dtype", "src", "dst", "job", "flow", "psn", "key",
+                       "offset", "length", "msg", "payload", "version")
 
-class Frame(NamedTuple):
+
+class Frame:
     """A decoded frame. ``payload`` is a view into the received buffer (no copy).
 
-    A named tuple rather than a frozen dataclass: it is built once per frame
-    on every receive path, and a frozen dataclass costs ten times more to build.
+    A slotted class, not a named tuple: compiled (mypyc) it is a native class,
+    whose fields every hot path reads as C struct members instead of through
+    the tuple's descriptors (``decode`` builds one per frame on every receive
+    path). Immutable by convention; :meth:`replace` gives a changed copy.
     """
+
+    __slots__ = FRAME_FIELDS
 
     op: Op
     flags: Flag
@@ -264,12 +274,62 @@ class Frame(NamedTuple):
     length: int
     msg: int
     payload: Payload
-    version: int = VERSION
+    version: int
+
+    def __init__(self, op: Op, flags: Flag, dtype: DType, src: int, dst: int, job: int,
+                 flow: int, psn: int, key: int, offset: int, length: int, msg: int,
+                 payload: Payload, version: int = VERSION) -> None:
+        self.op = op
+        self.flags = flags
+        self.dtype = dtype
+        self.src = src
+        self.dst = dst
+        self.job = job
+        self.flow = flow
+        self.psn = psn
+        self.key = key
+        self.offset = offset
+        self.length = length
+        self.msg = msg
+        self.payload = payload
+        self.version = version
+
+    def fields(self) -> tuple[Any, ...]:
+        """The fields as a tuple, in :data:`FRAME_FIELDS` order."""
+        return (self.op, self.flags, self.dtype, self.src, self.dst, self.job, self.flow,
+                self.psn, self.key, self.offset, self.length, self.msg, self.payload,
+                self.version)
+
+    def replace(self, **changes: Any) -> Frame:
+        """A copy with ``changes`` (field name -> value) applied."""
+        values = dict(zip(FRAME_FIELDS, self.fields(), strict=True))
+        for name in changes:
+            if name not in values:
+                raise TypeError(f"Frame has no field {name!r}")
+        values.update(changes)
+        return Frame(**values)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Frame):
+            return NotImplemented
+        return self.fields() == other.fields()
+
+    __hash__ = None  # type: ignore[assignment]  # payload views are not hashable
+
+    def __repr__(self) -> str:
+        inner = ", ".join(f"{n}={v!r}" for n, v in zip(FRAME_FIELDS, self.fields(),
+                                                         strict=True))
+        return f"Frame({inner})"
+
+    def has(self, flag: int) -> bool:
+        """True when any of the bits of ``flag`` (a :class:`Flag`) is set: on int
+        values, since a :class:`Flag` operator goes through the enum machinery."""
+        return int(self.flags) & int(flag) != 0
 
     @property
     def referenced(self) -> bool:
         """True when the data lives in registered memory, not in the frame."""
-        return bool(self.flags & _F_REF)
+        return int(self.flags) & _F_REF != 0
 
     @property
     def elements(self) -> int:
@@ -293,8 +353,12 @@ class Frame(NamedTuple):
 
 # Opcodes as plain ints for the encoder's checks (enum attribute lookups and
 # comparisons cost more than the packing itself).
-_READ, _ACK, _NACK, _WRITE = int(Op.READ), int(Op.ACK), int(Op.NACK), int(Op.WRITE)
-_ATOMIC_ADD, _FETCH_ADD = int(Op.ATOMIC_ADD), int(Op.FETCH_ADD)
+_READ: Final = int(Op.READ)
+_ACK: Final = int(Op.ACK)
+_NACK: Final = int(Op.NACK)
+_WRITE: Final = int(Op.WRITE)
+_ATOMIC_ADD: Final = int(Op.ATOMIC_ADD)
+_FETCH_ADD: Final = int(Op.FETCH_ADD)
 
 
 def _check_fields(
@@ -539,25 +603,21 @@ def decode(buf: bytes | bytearray | memoryview, payload: object = None) -> Frame
                 NackCode.BAD_CHECKSUM,
                 f"CRC32C mismatch: frame says {crc_value:#010x}, computed {computed:#010x}",
             )
-    # tuple.__new__ straight: what the named tuple's own __new__ does, without
-    # its Python-level frame (a third of decode's cost in the compiled build)
-    return _new_tuple(Frame, (
-        opc, _FLAGS_BY_VALUE[flags], dt, src, dst, job, flow, psn, key, offset, length, msg,
-        body, VERSION,
-    ))
+    return Frame(opc, _FLAGS_BY_VALUE[flags], dt, src, dst, job, flow, psn, key, offset,
+                 length, msg, body, VERSION)
 
 
 #: The flows of reliable streams: point-to-point (16) and the collectives' (20);
 #: their ACKs and NACKs travel on flow + 1. Their receivers answer a trimmed frame
 #: with a TRIMMED NACK, so these are the frames a switch trims (others it drops).
-STREAM_FLOWS = (16, 20)
+STREAM_FLOWS: Final = (16, 20)
 #: The flow of masked multicast rows (in-network MoE dispatch; ACKs and NACKs on
 #: flow + 1): their receivers too answer a trimmed copy with a TRIMMED NACK.
-MASKED_FLOW = 22
+MASKED_FLOW: Final = 22
 #: A masked multicast frame (Flag.MCAST, ``key`` != 0) names its members by bits:
 #: bit i of ``key`` is member ``MASK_BITS * offset + i`` of the group, by id, so
 #: ``offset`` picks a block of 32 and one frame reaches members of one block.
-MASK_BITS = 32
+MASK_BITS: Final = 32
 
 
 def trimmable(header: bytes | bytearray | memoryview) -> bool:
@@ -604,7 +664,7 @@ def decode_trimmed(buf: bytes | bytearray | memoryview) -> Frame:
     if length % _SIZE_BY_VALUE[fields[3]]:
         raise FrameError(NackCode.MALFORMED, f"trimmed frame of length {length}: not a "
                          f"multiple of the {f.dtype.name} element size")
-    return f._replace(length=length, flags=_FLAGS_BY_VALUE[flags])
+    return f.replace(length=length, flags=_FLAGS_BY_VALUE[flags])
 
 
 def mark_ce(header: bytes | bytearray | memoryview, payload: object = None) -> bytes:

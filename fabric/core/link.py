@@ -35,7 +35,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final
 
 from fabric.core import frame as fr
 from fabric.core.congestion.buffer import Admission
@@ -48,7 +48,7 @@ from fabric.core.topology import LinkParams
 __all__ = ["DEPTH_POINTS", "LinkPipeline", "LinkShaper", "PipelineStats", "wire_bytes"]
 
 #: Queue-depth samples a recording pipeline keeps (a long run has millions).
-DEPTH_POINTS = 200_000
+DEPTH_POINTS: Final = 200_000
 
 Item = tuple[Any, Any]
 

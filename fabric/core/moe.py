@@ -40,7 +40,7 @@ from __future__ import annotations
 
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final
 
 import numpy as np
 
@@ -54,16 +54,16 @@ from kernels.dtypes import np_dtype
 __all__ = ["MOE_VARIANTS", "Dispatched", "expert_partials", "make_inputs", "moe_combine_program",
            "moe_dispatch_program", "moe_reference", "parse_routing"]
 
-MOE_VARIANTS = ("flat", "hierarchical", "in-network")
+MOE_VARIANTS: Final = ("flat", "hierarchical", "in-network")
 #: Flow of in-network dispatch rows (masked multicast), ACKs on MASKED_FLOW + 1.
-MASKED_FLOW = fr.MASKED_FLOW
+MASKED_FLOW: Final = fr.MASKED_FLOW
 #: Rows in flight per sender (in-network dispatch), contributions per rank (combine).
-ROWS_WINDOW = 64
+ROWS_WINDOW: Final = 64
 #: Members one in-network dispatch frame can name: a block of the frame's 32-bit
 #: mask (fabric.core.frame.MASK_BITS); larger groups take a frame per block.
-MASK_MEMBERS = fr.MASK_BITS
+MASK_MEMBERS: Final = fr.MASK_BITS
 #: Dispatch rows with the same targets travel together, up to this many bytes a frame.
-ROWS_FRAME_BYTES = 64 * 1024
+ROWS_FRAME_BYTES: Final = 64 * 1024
 
 
 @dataclass

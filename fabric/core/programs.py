@@ -26,7 +26,7 @@ import random
 from collections import OrderedDict
 from collections.abc import Callable, Generator
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Final
 
 import msgpack
 import numpy as np
@@ -63,38 +63,38 @@ __all__ = [
 Send = tuple[bytes, Any]
 
 #: Flow ids that tell a host-staged message's kind apart at the receiver.
-HOST_PS_FLOW = 2
-RING_FLOW = 3
+HOST_PS_FLOW: Final = 2
+RING_FLOW: Final = 3
 #: Finished streams a node remembers to ACK late retransmissions (far fewer
 #: than the 65536 stream ids of a pair, so an id is forgotten before reuse).
-STREAMS_KEPT = 4096
+STREAMS_KEPT: Final = 4096
 #: Default bytes of one chunk per path (one frame on the frame plane).
-DEFAULT_CHUNK_BYTES = {"ina": 256 * 1024, "ina-mem": 4 * 1024 * 1024,
+DEFAULT_CHUNK_BYTES: Final = {"ina": 256 * 1024, "ina-mem": 4 * 1024 * 1024,
                        "host-ps": 256 * 1024, "host-ring": 256 * 1024}
 #: Default window (chunks in flight) per path.
-DEFAULT_SLOTS = {"ina": 8, "ina-mem": 4, "host-ps": 8}
+DEFAULT_SLOTS: Final = {"ina": 8, "ina-mem": 4, "host-ps": 8}
 #: Memory plane: split a tensor into at least this many chunks (pipelining),
 #: but never below this chunk size: on an unshaped host every chunk costs
 #: wake-ups (measured, 2 workers: 1 MiB in one chunk 0.85 ms, in four 1.65 ms);
 #: on shaped links chunks must be small enough to pipeline over the wire.
-MEM_MIN_CHUNKS = 8
-MEM_MIN_CHUNK_BYTES = 4 * 1024 * 1024
-MEM_MIN_CHUNK_BYTES_SHAPED = 256 * 1024
+MEM_MIN_CHUNKS: Final = 8
+MEM_MIN_CHUNK_BYTES: Final = 4 * 1024 * 1024
+MEM_MIN_CHUNK_BYTES_SHAPED: Final = 256 * 1024
 #: First resend interval of a control request before any round trip to that node
 #: was measured; after that, the RTO of the measured control round trips
 #: (RFC 6298, the project's one estimator), never below CTRL_RETRY_MIN_S (the
 #: streams' floor: a shared host's scheduling jitter). Doubles per resend up to
 #: CTRL_RETRY_MAX_S.
-CTRL_RETRY_S = 0.05
-CTRL_RETRY_MIN_S = 0.005
-CTRL_RETRY_MAX_S = 1.0
+CTRL_RETRY_S: Final = 0.05
+CTRL_RETRY_MIN_S: Final = 0.005
+CTRL_RETRY_MAX_S: Final = 1.0
 #: Floor of the aggregation retransmit timeout (seconds).
-AGG_RTO_MIN_S = 0.02
+AGG_RTO_MIN_S: Final = 0.02
 #: NACK codes that mean "send it again now": damaged on the way (undecodable, or
 #: a CRC mismatch), or lost (the switch saw later chunks of ours and asks for this
 #: one). Other transient refusals (fabric.core.frame.TRANSIENT_NACKS) wait for the
 #: chunk's timer; permanent ones end the call naming the code.
-RESEND_CODES = frozenset({NackCode.BAD_CHECKSUM, NackCode.MALFORMED, NackCode.MISSING})
+RESEND_CODES: Final = frozenset({NackCode.BAD_CHECKSUM, NackCode.MALFORMED, NackCode.MISSING})
 
 
 @dataclass
@@ -111,22 +111,22 @@ class JobState:
 
 #: Bits of a job id below its group id (a group's jobs: ``gid << 8 | n``, n >= 1;
 #: switchd.core.GROUP_JOB_BITS) and of a collective message id below it.
-GROUP_JOB_BITS = 8
-GROUP_MSG_BITS = 24
+GROUP_JOB_BITS: Final = 8
+GROUP_MSG_BITS: Final = 24
 #: Message (and barrier) ids one group call owns: call ``c`` of a group numbers
 #: its messages from ``c * CALL_MSGS``, so a call one member abandoned before it
 #: sent anything leaves every member's next call on the same ids. The most any
 #: call uses is 3 (a fixed-point allreduce, or a collective whose in-network job
 #: was refused); a program built outside a call spills into the next block.
-CALL_MSGS = 16
+CALL_MSGS: Final = 16
 #: Job ids skipped after an abandoned call: the members that reached it may have
 #: registered up to this many (one per path, dtype and op the call uses), the
 #: member that failed none; every member moves past them alike.
-CALL_JOBS = 4
+CALL_JOBS: Final = 4
 #: Recent calls whose job numbering a member remembers (a notice about an older
 #: call than this is too late to realign for; it cannot happen: a member is at
 #: most a call or two ahead of another).
-CALLS_KEPT = 256
+CALLS_KEPT: Final = 256
 
 
 @dataclass
@@ -647,12 +647,12 @@ class Program:
 # ---------------------------------------------------------------------- control
 #: The control message a member sends each peer when it abandons a group call,
 #: and the peer's answer (fabric.core.calls).
-ABORT = "abort"
-ABORT_ACK = "abort_ack"
+ABORT: Final = "abort"
+ABORT_ACK: Final = "abort_ack"
 #: Abandoned calls a node remembers (the oldest are forgotten first), and the
 #: longest reason kept from a notice.
-ABORTS_KEPT = 1024
-ABORT_WHY_MAX = 400
+ABORTS_KEPT: Final = 1024
+ABORT_WHY_MAX: Final = 400
 
 
 class Request(Program):
@@ -1564,7 +1564,7 @@ def allreduce_program(st: NodeState, t: Tensor, op: str = "sum", path: str = "in
 # ---------------------------------------------------------------------- fixed point
 #: Elements per fixed-point scale block (SwitchML scales each packet's worth;
 #: one scale per block keeps the extra max-allreduce small).
-FIXED_BLOCK = 16384
+FIXED_BLOCK: Final = 16384
 
 
 def fixed_maxima(x: np.ndarray) -> np.ndarray:
@@ -1629,31 +1629,31 @@ P2P_FLOW, COLL_FLOW = fr.STREAM_FLOWS
 #: Retransmissions of one frame before a stream fails, and the RTO ceiling: a
 #: fabric's round trip is milliseconds, and go-back-N under heavy loss needs
 #: many rounds for a tail frame.
-STREAM_MAX_RETRIES = 64
-STREAM_RTO_MAX_S = 1.0
+STREAM_MAX_RETRIES: Final = 64
+STREAM_RTO_MAX_S: Final = 1.0
 #: Where switch buffers are bounded, the RTO ceiling in RTO floors (a floor is
 #: one window at the path's bottleneck rate): a frame lost behind a full queue
 #: may be lost again, and a 1 s ceiling made each such loss cost up to a second
 #: (docs/CONGESTION.md "Timeouts behind a full queue").
-STREAM_BOUNDED_RTO_FLOORS = 2
+STREAM_BOUNDED_RTO_FLOORS: Final = 2
 #: ... but never below this many smoothed round trips (a ceiling under the path's
 #: true round trip would resend every frame; fabric.core.reliability.RttEstimator).
-BOUNDED_RTO_SRTTS = 2.0
+BOUNDED_RTO_SRTTS: Final = 2.0
 #: With a ceiling below STREAM_RTO_MAX_S, a stream also needs this long since a
 #: frame's first transmission before it gives up on it, so a stalled host (an
 #: emulator's scheduling) does not exhaust the retries in a second.
-STREAM_GIVE_UP_S = 10.0
+STREAM_GIVE_UP_S: Final = 10.0
 #: Windows a node may have queued on its link at once (a collective runs one
 #: stream per peer), for the first RTO on a slow link.
-STREAMS_IN_FLIGHT = 4
+STREAMS_IN_FLIGHT: Final = 4
 #: Frames in flight per stream (a deeper window only queues in the sockets).
-STREAM_WINDOW = 16
+STREAM_WINDOW: Final = 16
 #: PSNs a stream's frames may span, a hole included: the SACK bitmap's width, so
 #: the receiver can report every frame of the span. Wider than the window, new
 #: frames keep going past a lost one, and their ACKs reveal a lost resend
 #: (measured in docs/RELIABILITY.md "In the emulator").
-STREAM_SPAN = SACK_BITS
-STREAM_FRAME_BYTES = 64 * 1024
+STREAM_SPAN: Final = SACK_BITS
+STREAM_FRAME_BYTES: Final = 64 * 1024
 
 
 def stream_span(policy: str, window_frames: int) -> int:

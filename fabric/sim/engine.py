@@ -22,7 +22,7 @@ import random
 from collections import deque
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final
 
 import numpy as np
 
@@ -77,11 +77,11 @@ from switchd.plugins import load_services
 __all__ = ["SimResult", "Simulation", "SimulationError", "TimingModel"]
 
 #: Frames a node keeps for a later program before it drops the oldest.
-STASH_LIMIT = 4096
+STASH_LIMIT: Final = 4096
 
 #: Operations of a whole group: numbered alike on every member, and ended on
 #: every member when one cannot take part (fabric.core.calls)
-_GROUP_CALLS = (Allreduce, Collective, MoeDispatch, MoeCombine, Barrier)
+_GROUP_CALLS: Final = (Allreduce, Collective, MoeDispatch, MoeCombine, Barrier)
 
 
 class SimulationError(SemfabError):

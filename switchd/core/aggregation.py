@@ -13,7 +13,7 @@ one (NACK MISSING); a RESULT carries a completion mark so a member can tell
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Final
 
 import numpy as np
 
@@ -32,19 +32,19 @@ from switchd.core.service import Service
 __all__ = ["ASKED_KEPT", "MISSING_ASKS", "MISSING_FEW", "MISSING_SCAN", "Aggregation"]
 
 #: Chunks a switch checks behind a member's newest one for a lost contribution.
-MISSING_SCAN = 64
+MISSING_SCAN: Final = 64
 #: A chunk missing at most this many members checks whether they already sent
 #: later chunks (then theirs was lost).
-MISSING_FEW = 2
+MISSING_FEW: Final = 2
 #: Times one contribution is asked for (each ask with another proof).
-MISSING_ASKS = 4
+MISSING_ASKS: Final = 4
 #: MISSING requests remembered (so each lost contribution is asked for once).
-ASKED_KEPT = 65536
+ASKED_KEPT: Final = 65536
 #: ``offset`` of a child switch's REDUCE whose partial is not a sum: the chunk's
 #: sum would wrap below it (an inline REDUCE has no other use for the field).
-OVERFLOWED_BELOW = 1
+OVERFLOWED_BELOW: Final = 1
 #: Chunks that overflowed in a tree and are still on their way, kept at most.
-OVERFLOWS_KEPT = 4096
+OVERFLOWS_KEPT: Final = 4096
 
 
 class Aggregation(Service):
@@ -435,7 +435,7 @@ class Aggregation(Service):
             return
         partial = self.engine.kept_result(f.job, chunk)
         if (f.job, chunk) in self._awaiting and partial is not None:
-            self._send_up(spec, chunk, partial, f._replace(dtype=fr.dtype_from_name(
+            self._send_up(spec, chunk, partial, f.replace(dtype=fr.dtype_from_name(
                 spec.dtype), key=self._await_owner.get((f.job, chunk), 0)),
                 retx=True)
 

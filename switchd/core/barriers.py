@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Final
 
 from fabric.core import control
 from fabric.core import frame as fr
@@ -28,7 +28,7 @@ from switchd.core.service import Service
 __all__ = ["BARRIERS_KEPT", "BarrierStats", "Barriers"]
 
 #: Finished barrier ids kept to answer late retries of the barrier.
-BARRIERS_KEPT = 1024
+BARRIERS_KEPT: Final = 1024
 
 
 @dataclass(frozen=True)

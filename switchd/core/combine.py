@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Final
 
 import numpy as np
 
@@ -35,11 +35,11 @@ __all__ = ["COMBINE_FLOW", "COMBINE_KEPT", "Combine", "CombineStats"]
 
 #: In-network MoE combine: REDUCE frames on this flow, addressed to a token's
 #: home, are summed by the first switch (the contributors' leaf).
-COMBINE_FLOW = 24
+COMBINE_FLOW: Final = 24
 #: Finished per-token combine sums a switch keeps for the home to ask again.
-COMBINE_KEPT = 65536
+COMBINE_KEPT: Final = 65536
 
-_FLOAT_CODES = frozenset({fr.DType.F32, fr.DType.F16, fr.DType.BF16})
+_FLOAT_CODES: Final = frozenset({fr.DType.F32, fr.DType.F16, fr.DType.BF16})
 
 #: (home, msg, stream, token)
 SumKey = tuple[int, int, int, int]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final
 
 from fabric.core import control
 from fabric.core import frame as fr
@@ -22,7 +22,7 @@ __all__ = ["INCARNATION_BITS", "Counters", "Output", "SwitchContext", "next_hops
 #: Bits of a group's incarnation id: drawn at random by the tree root when the
 #: group is created, so a peer outside the group cannot guess it (and a group
 #: made again with the same members gets another one).
-INCARNATION_BITS = 63
+INCARNATION_BITS: Final = 63
 
 #: What a switch returns from ``handle``: frames to send, by port.
 Output = tuple[bytes, Any, Any]

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Final
 
 from fabric.core import control
 from fabric.core import frame as fr
@@ -32,9 +32,9 @@ __all__ = ["MAX_GROUPS", "Multicast", "MulticastStats"]
 
 #: Multicast group ids the tree root hands out (0 is every worker, built in). A
 #: group's jobs take ids ``gid << GROUP_JOB_BITS | n`` (fabric.core.programs.Group).
-MAX_GROUPS = 255
+MAX_GROUPS: Final = 255
 #: Groups that failed as they were made, remembered to answer members' retries.
-FAILED_KEPT = 1024
+FAILED_KEPT: Final = 1024
 
 GroupKey = tuple[tuple[int, ...], int]
 

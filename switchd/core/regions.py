@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar, Final, Protocol
 
 import numpy as np
 
@@ -29,7 +29,7 @@ from switchd.core.service import Service
 __all__ = ["DOORBELL_SUFFIX", "MemoryPlane", "RegionStats", "Regions"]
 
 #: A node's doorbell file ends in this and its node id (fabric.emulation.doorbell).
-DOORBELL_SUFFIX = "-bell-"
+DOORBELL_SUFFIX: Final = "-bell-"
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Final
 
 from fabric.core import control
 from fabric.core import frame as fr
@@ -60,10 +60,10 @@ from switchd.core.tenants import TenantLedger
 __all__ = ["HELLO_INTERVAL_S", "ServiceFactory", "SwitchCore", "SwitchStats"]
 
 #: Interval of the link-up hello to a neighbour switch that has not answered.
-HELLO_INTERVAL_S = 0.1
+HELLO_INTERVAL_S: Final = 0.1
 #: Control messages the core answers itself.
-_CORE_CTRL = ("hello", "welcome", "stats")
-_F_CRC = int(Flag.CRC)
+_CORE_CTRL: Final = ("hello", "welcome", "stats")
+_F_CRC: Final = int(Flag.CRC)
 
 #: Makes a service for a switch (a Service subclass is one).
 ServiceFactory = Callable[[SwitchContext], Service]
@@ -242,7 +242,7 @@ class SwitchCore:
                 src, job, psn = 0, 0, 0
             ctx.nack(port, src, job, psn, 0, bad.code, str(bad))
             return
-        if f.flags & _F_CRC:
+        if f.has(_F_CRC):
             ctx.crc = True  # the fabric checks: so does every data frame we originate
         speaker = ctx.port_node.get(port)
         if speaker is not None and f.src != speaker:
@@ -259,9 +259,9 @@ class SwitchCore:
             else:
                 c.unauthorised += 1
             return
-        if f.flags & self._flags:
+        if f.has(self._flags):
             for svc in self._flagged:
-                if f.flags & svc.flag and svc.claims(f, port, speaker):
+                if f.has(svc.flag) and svc.claims(f, port, speaker):
                     svc.handle(f, port, header, payload, now)
                     return
         for svc in self._by_op.get(f.op, ()):
@@ -298,7 +298,7 @@ class SwitchCore:
             return False
         if f.dst == self.id or port not in self.ctx.switch_ports:
             return False  # only switches trim, so only a switch link brings one
-        if f.flags & Flag.MCAST:
+        if f.has(Flag.MCAST):
             if not fr.trimmable(header):
                 return False
             for svc in self._flagged:
