@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any, Final, TypeAlias
+from typing import Any, ClassVar, Final, TypeAlias
 
 import numpy as np
 from mypy_extensions import mypyc_attr
@@ -110,8 +110,33 @@ class Refused:
     slots_free: int
 
 
-@dataclass(frozen=True, slots=True)
-class Completed:
+class _Event:
+    """Base of the per-contribution events: equal when of one type with equal
+    fields (``_fields``), immutable by convention. Written out rather than frozen
+    dataclasses: a dataclass's generated ``__init__`` stays interpreted in the
+    compiled build, and these are made on every contribution."""
+
+    __slots__ = ()
+    _fields: ClassVar[tuple[str, ...]] = ()
+
+    def _values(self) -> tuple[object, ...]:
+        return tuple(getattr(self, name) for name in self._fields)
+
+    def __eq__(self, other: object) -> bool:
+        if type(other) is not type(self):
+            return NotImplemented
+        assert isinstance(other, _Event)
+        return self._values() == other._values()
+
+    __hash__ = None  # type: ignore[assignment]  # results are arrays
+
+    def __repr__(self) -> str:
+        inner = ", ".join(f"{n}={v!r}" for n, v in zip(self._fields, self._values(),
+                                                         strict=True))
+        return f"{type(self).__name__}({inner})"
+
+
+class Completed(_Event):
     """All members contributed to ``chunk``: send ``result`` to every recipient.
 
     ``result`` is a read-only view of engine memory, valid until this slot
@@ -119,66 +144,86 @@ class Completed:
     referenced (the daemon reduces from shared memory itself).
     """
 
-    job: int
-    chunk: int
-    slot: int
-    result: np.ndarray | None
-    recipients: tuple[int, ...]
+    __slots__ = ("job", "chunk", "slot", "result", "recipients")
+    _fields: ClassVar[tuple[str, ...]] = ("job", "chunk", "slot", "result", "recipients")
+
+    def __init__(self, job: int, chunk: int, slot: int, result: np.ndarray | None,
+                 recipients: tuple[int, ...]) -> None:
+        self.job = job
+        self.chunk = chunk
+        self.slot = slot
+        self.result = result
+        self.recipients = recipients
 
 
-@dataclass(frozen=True, slots=True)
-class ResendResult:
+class ResendResult(_Event):
     """A contribution for an already-completed chunk: resend the kept result to ``member``.
 
     The member lost the RESULT and retransmitted; ``result`` is the kept view
     (``None`` when referenced).
     """
 
-    job: int
-    chunk: int
-    member: int
-    result: np.ndarray | None
+    __slots__ = ("job", "chunk", "member", "result")
+    _fields: ClassVar[tuple[str, ...]] = ("job", "chunk", "member", "result")
+
+    def __init__(self, job: int, chunk: int, member: int, result: np.ndarray | None) -> None:
+        self.job = job
+        self.chunk = chunk
+        self.member = member
+        self.result = result
 
 
-@dataclass(frozen=True, slots=True)
-class DuplicateIgnored:
+class DuplicateIgnored(_Event):
     """A retransmission already in the bitmap of an incomplete chunk; nothing to send."""
 
-    job: int
-    chunk: int
-    member: int
+    __slots__ = ("job", "chunk", "member")
+    _fields: ClassVar[tuple[str, ...]] = ("job", "chunk", "member")
+
+    def __init__(self, job: int, chunk: int, member: int) -> None:
+        self.job = job
+        self.chunk = chunk
+        self.member = member
 
 
-@dataclass(frozen=True, slots=True)
-class Stale:
+class Stale(_Event):
     """A late duplicate for a chunk whose slot version was already reused; nothing to send."""
 
-    job: int
-    chunk: int
-    member: int
+    __slots__ = ("job", "chunk", "member")
+    _fields: ClassVar[tuple[str, ...]] = ("job", "chunk", "member")
+
+    def __init__(self, job: int, chunk: int, member: int) -> None:
+        self.job = job
+        self.chunk = chunk
+        self.member = member
 
 
-@dataclass(frozen=True, slots=True)
-class Rejected:
+class Rejected(_Event):
     """A contribution refused with a NACK ``code``; no slot state was changed."""
 
-    job: int
-    chunk: int
-    member: int
-    code: str
-    reason: str
+    __slots__ = ("job", "chunk", "member", "code", "reason")
+    _fields: ClassVar[tuple[str, ...]] = ("job", "chunk", "member", "code", "reason")
+
+    def __init__(self, job: int, chunk: int, member: int, code: str, reason: str) -> None:
+        self.job = job
+        self.chunk = chunk
+        self.member = member
+        self.code = code
+        self.reason = reason
 
 
-@dataclass(frozen=True, slots=True)
-class Overflowed:
+class Overflowed(_Event):
     """A contribution would make ``chunk``'s integer sum wrap: the chunk ends
     without a result and every one of ``recipients`` is told (a member that
     sends to it later is told again). Its slot is free for the next chunks."""
 
-    job: int
-    chunk: int
-    recipients: tuple[int, ...]
-    reason: str
+    __slots__ = ("job", "chunk", "recipients", "reason")
+    _fields: ClassVar[tuple[str, ...]] = ("job", "chunk", "recipients", "reason")
+
+    def __init__(self, job: int, chunk: int, recipients: tuple[int, ...], reason: str) -> None:
+        self.job = job
+        self.chunk = chunk
+        self.recipients = recipients
+        self.reason = reason
 
 
 Event: TypeAlias = (
