@@ -412,35 +412,23 @@ def encode_header(
     ``crc=True`` sets ``Flag.CRC`` and appends CRC32C(header + payload).
     """
     pview = memoryview(payload)  # type: ignore[arg-type]  # ndarray is a buffer
-    inline_len = pview.nbytes  # numpy arrays and typed views count in bytes
-    flags = int(flags) | (_F_CRC if crc else 0)
-    op, dtype = int(op), int(dtype)
-    if op == _READ and not flags & _F_REF:
+    inline_len: int = pview.nbytes  # numpy arrays and typed views count in bytes
+    # ints under their own names: compiled, the checks are then native int ops
+    bits: int = int(flags) | (_F_CRC if crc else 0)
+    code: int = int(op)
+    dt: int = int(dtype)
+    if code == _READ and not bits & _F_REF:
         raise LocalFrameError("READ frames name remote memory: set Flag.REF")
-    if length is None:
-        length = inline_len
-    elif not flags & _F_REF and length != inline_len:
+    size: int = inline_len if length is None else length
+    if length is not None and not bits & _F_REF and length != inline_len:
         raise LocalFrameError(f"length {length} does not match the payload ({inline_len} B)")
-    _check_fields(op, flags, dtype, length, inline_len)
+    _check_fields(code, bits, dt, size, inline_len)
     try:
-        header = _HEADER.pack(
-            _VT_BASE,
-            op,
-            flags,
-            dtype,
-            src,
-            dst,
-            job,
-            flow,
-            psn,
-            key,
-            offset,
-            length,
-            msg,
-        )
+        header: bytes = _HEADER.pack(
+            _VT_BASE, code, bits, dt, src, dst, job, flow, psn, key, offset, size, msg)
     except struct.error as exc:
         raise LocalFrameError(f"a field is out of range for its width: {exc}") from None
-    if flags & _F_CRC:
+    if bits & _F_CRC:
         value = _crc32c.crc32c(header)
         if inline_len:
             if pview.ndim != 1 or pview.itemsize != 1:
@@ -530,6 +518,13 @@ def decode(buf: bytes | bytearray | memoryview, payload: object = None) -> Frame
         raise FrameError(
             NackCode.MALFORMED, f"short frame: {size} B, the header alone is {HEADER_SIZE} B"
         )
+    # declared ints: compiled, the checks below are then native, not generic ops
+    vt: int
+    op: int
+    flags: int
+    dtype: int
+    length: int
+    offset: int
     (vt, op, flags, dtype, src, dst, job, flow, psn, key, offset, length, msg) = (
         _HEADER.unpack_from(view)
     )
