@@ -40,7 +40,7 @@ import random
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import ClassVar, Final, Generic, TypeVar
 
 from mypy_extensions import mypyc_attr
@@ -48,6 +48,7 @@ from mypy_extensions import mypyc_attr
 from fabric.core.congestion.gate import CcGate
 from fabric.core.congestion.policy import CongestionControl
 from fabric.core.frame import PERMANENT_NACKS, Flag, NackCode, Op, encode_header
+from fabric.core.records import Record
 from fabric.errors import FabricTimeout, PeerFailed, SemfabError
 
 __all__ = [
@@ -218,19 +219,24 @@ def _fmt_seconds(t: float) -> str:
 # ---------------------------------------------------------------------------
 
 
-@mypyc_attr(native_class=False)  # a generic dataclass (mypyc compiles no such native class)
-@dataclass(frozen=True, slots=True)
-class Transmit(Generic[H]):
-    """One frame the driver must put on the wire now."""
+class Transmit(Record, Generic[H]):
+    """One frame the driver must put on the wire now.
 
-    psn: int
-    handle: H
-    size: int
-    retransmit: bool
-    #: Ask the receiver to ACK at once (UET "AR"): set on retransmissions and on
-    #: the last frame of a burst (queue empty or window full), so the tail of a
-    #: burst is not held by the receiver's ACK coalescing.
-    ack_req: bool = False
+    ``ack_req``: ask the receiver to ACK at once (UET "AR"): set on
+    retransmissions and on the last frame of a burst (queue empty or window
+    full), so the tail of a burst is not held by the receiver's ACK coalescing.
+    """
+
+    __slots__ = ("psn", "handle", "size", "retransmit", "ack_req")
+    _fields: ClassVar[tuple[str, ...]] = ("psn", "handle", "size", "retransmit", "ack_req")
+
+    def __init__(self, psn: int, handle: H, size: int, retransmit: bool,
+                 ack_req: bool = False) -> None:
+        self.psn = psn
+        self.handle = handle
+        self.size = size
+        self.retransmit = retransmit
+        self.ack_req = ack_req
 
     @property
     def flags(self) -> Flag:
@@ -243,32 +249,37 @@ class Transmit(Generic[H]):
         return f
 
 
-@mypyc_attr(native_class=False)  # a generic dataclass (mypyc compiles no such native class)
-@dataclass(frozen=True, slots=True)
-class Delivered(Generic[H]):
+class Delivered(Record, Generic[H]):
     """A frame handed to the application (exactly once; in PSN order when ordered)."""
 
-    psn: int
-    handle: H
+    __slots__ = ("psn", "handle")
+    _fields: ClassVar[tuple[str, ...]] = ("psn", "handle")
+
+    def __init__(self, psn: int, handle: H) -> None:
+        self.psn = psn
+        self.handle = handle
 
 
-@dataclass(frozen=True, slots=True)
-class Ack:
+class Ack(Record):
     """Feedback a receiver wants sent: an ACK, and possibly a NACK for a gap.
 
     ``cum_psn``: every PSN up to and including it was received. ``sack``: bit i
     set = PSN ``cum_psn + 1 + i`` received (docs/PROTOCOL.md ``ACK``).
     ``nack_psn``: when not None, also send a NACK for this (missing) PSN with
-    ``nack_code``.
+    ``nack_code``. ``ecn``: a frame this ACK covers arrived congestion
+    experienced: the ACK carries ``Flag.ECN`` back to the sender (the ECN echo).
     """
 
-    cum_psn: int
-    sack: int
-    nack_psn: int | None = None
-    nack_code: NackCode = GAP_NACK_CODE
-    #: a frame this ACK covers arrived congestion experienced: the ACK carries
-    #: ``Flag.ECN`` back to the sender (the ECN echo)
-    ecn: bool = False
+    __slots__ = ("cum_psn", "sack", "nack_psn", "nack_code", "ecn")
+    _fields: ClassVar[tuple[str, ...]] = ("cum_psn", "sack", "nack_psn", "nack_code", "ecn")
+
+    def __init__(self, cum_psn: int, sack: int, nack_psn: int | None = None,
+                 nack_code: NackCode = GAP_NACK_CODE, ecn: bool = False) -> None:
+        self.cum_psn = cum_psn
+        self.sack = sack
+        self.nack_psn = nack_psn
+        self.nack_code = nack_code
+        self.ecn = ecn
 
     def frames(
         self, *, src: int, dst: int, flow: int, job: int = 0, msg: int = 0, crc: bool = False
@@ -590,20 +601,24 @@ class RttEstimator:
         self.rto = rto
 
 
-@mypyc_attr(native_class=False)  # a generic dataclass
-@dataclass(slots=True)
 class _Flight(Generic[H]):
-    psn: int
-    handle: H
-    size: int
-    first_sent: float
-    last_sent: float
-    tx_seq: int  # order of the latest transmission: "sent after" for loss detection
-    retransmissions: int = 0
-    losses: int = 0  # times declared lost itself (not resent as a policy's collateral)
-    acked: bool = False
-    in_pipe: bool = True  # its size counts in the congestion window's bytes in flight
-    waiting: bool = False  # declared lost, its resend waits for the policy's window
+    # written out, not a dataclass: made for every frame sent (see fabric.core.records)
+    __slots__ = ("psn", "handle", "size", "first_sent", "last_sent", "tx_seq",
+                 "retransmissions", "losses", "acked", "in_pipe", "waiting")
+
+    def __init__(self, psn: int, handle: H, size: int, first_sent: float, last_sent: float,
+                 tx_seq: int) -> None:
+        self.psn = psn
+        self.handle = handle
+        self.size = size
+        self.first_sent = first_sent
+        self.last_sent = last_sent
+        self.tx_seq = tx_seq  # order of the latest transmission: "sent after" for loss detection
+        self.retransmissions = 0
+        self.losses = 0  # times declared lost itself (not resent as a policy's collateral)
+        self.acked = False
+        self.in_pipe = True  # its size counts in the congestion window's bytes in flight
+        self.waiting = False  # declared lost, its resend waits for the policy's window
 
 
 class Sender(Generic[H]):
@@ -984,7 +999,8 @@ class Sender(Generic[H]):
             self._sent += 1
             out.append(Transmit(psn, handle, size, retransmit=False))
         if out and (not self._queue or self._window_full()):
-            out[-1] = replace(out[-1], ack_req=True)
+            last = out[-1]
+            out[-1] = Transmit(last.psn, last.handle, last.size, last.retransmit, ack_req=True)
         if gate is not None:
             gate.end()
         return out

@@ -11,23 +11,28 @@ fabric.core.reliability (SRTT, RTTVAR, Karn's rule, exponential backoff).
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass
 
 from fabric.core.reliability import PACKET_THRESHOLD, RttEstimator
 
 __all__ = ["ChunkTimers", "Deadlines", "RttEstimator"]
 
 
-@dataclass(slots=True)
 class _Timer:
-    first_sent: float
-    sent: float
-    deadline: float
-    order: int  # send order of the latest transmission
-    rto: float  # the timeout the deadline was set with
-    allowance: float = 0.0  # known wire time of the round trip, beside the RTO
-    tries: int = 0
-    overtaken: int = 0  # results of chunks sent after it that came back first
+    # written out, not a dataclass: compiled, a dataclass's generated __init__
+    # stays interpreted, and a timer is made for every chunk sent
+    __slots__ = ("first_sent", "sent", "deadline", "order", "rto", "allowance", "tries",
+                 "overtaken")
+
+    def __init__(self, first_sent: float, sent: float, deadline: float, order: int,
+                 rto: float, allowance: float = 0.0) -> None:
+        self.first_sent = first_sent
+        self.sent = sent
+        self.deadline = deadline
+        self.order = order  # send order of the latest transmission
+        self.rto = rto  # the timeout the deadline was set with
+        self.allowance = allowance  # known wire time of the round trip, beside the RTO
+        self.tries = 0
+        self.overtaken = 0  # results of chunks sent after it that came back first
 
 
 class ChunkTimers:

@@ -15,6 +15,7 @@ from typing import Any, ClassVar, Final, TypeAlias
 import numpy as np
 from mypy_extensions import mypyc_attr
 
+from fabric.core.records import Record
 from kernels.dtypes import DTYPES as _DTYPES
 
 __all__ = [
@@ -110,33 +111,7 @@ class Refused:
     slots_free: int
 
 
-class _Event:
-    """Base of the per-contribution events: equal when of one type with equal
-    fields (``_fields``), immutable by convention. Written out rather than frozen
-    dataclasses: a dataclass's generated ``__init__`` stays interpreted in the
-    compiled build, and these are made on every contribution."""
-
-    __slots__ = ()
-    _fields: ClassVar[tuple[str, ...]] = ()
-
-    def _values(self) -> tuple[object, ...]:
-        return tuple(getattr(self, name) for name in self._fields)
-
-    def __eq__(self, other: object) -> bool:
-        if type(other) is not type(self):
-            return NotImplemented
-        assert isinstance(other, _Event)
-        return self._values() == other._values()
-
-    __hash__ = None  # type: ignore[assignment]  # results are arrays
-
-    def __repr__(self) -> str:
-        inner = ", ".join(f"{n}={v!r}" for n, v in zip(self._fields, self._values(),
-                                                         strict=True))
-        return f"{type(self).__name__}({inner})"
-
-
-class Completed(_Event):
+class Completed(Record):
     """All members contributed to ``chunk``: send ``result`` to every recipient.
 
     ``result`` is a read-only view of engine memory, valid until this slot
@@ -156,7 +131,7 @@ class Completed(_Event):
         self.recipients = recipients
 
 
-class ResendResult(_Event):
+class ResendResult(Record):
     """A contribution for an already-completed chunk: resend the kept result to ``member``.
 
     The member lost the RESULT and retransmitted; ``result`` is the kept view
@@ -173,7 +148,7 @@ class ResendResult(_Event):
         self.result = result
 
 
-class DuplicateIgnored(_Event):
+class DuplicateIgnored(Record):
     """A retransmission already in the bitmap of an incomplete chunk; nothing to send."""
 
     __slots__ = ("job", "chunk", "member")
@@ -185,7 +160,7 @@ class DuplicateIgnored(_Event):
         self.member = member
 
 
-class Stale(_Event):
+class Stale(Record):
     """A late duplicate for a chunk whose slot version was already reused; nothing to send."""
 
     __slots__ = ("job", "chunk", "member")
@@ -197,7 +172,7 @@ class Stale(_Event):
         self.member = member
 
 
-class Rejected(_Event):
+class Rejected(Record):
     """A contribution refused with a NACK ``code``; no slot state was changed."""
 
     __slots__ = ("job", "chunk", "member", "code", "reason")
@@ -211,7 +186,7 @@ class Rejected(_Event):
         self.reason = reason
 
 
-class Overflowed(_Event):
+class Overflowed(Record):
     """A contribution would make ``chunk``'s integer sum wrap: the chunk ends
     without a result and every one of ``recipients`` is told (a member that
     sends to it later is told again). Its slot is free for the next chunks."""
