@@ -22,17 +22,14 @@ would alias a new chunk onto an old completed one).
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable
 from dataclasses import astuple
-from typing import Any, Final
+from typing import Final
 
 import numpy as np
 
-from kernels.dtypes import UFUNCS as _OP_UFUNCS
 from switchd.core.events import (
     DEFAULT_MAX_SLOTS,
     DTYPES,
-    AggOp,
     Completed,
     DuplicateIgnored,
     EngineStats,
@@ -48,110 +45,14 @@ from switchd.core.events import (
     normalise,
     spec_error,
 )
+from switchd.core.slots import JobSlots, absmax
 
 __all__ = ["AggregationEngine"]
 
 
 # ------------------------------------------------------------------ internals
 
-_UFUNCS: Final[dict[AggOp, Callable[..., Any]]] = {op: _OP_UFUNCS[op.value] for op in AggOp}
-
-
 _NO_DATA: Final = np.empty(0)  # stands in for data on referenced jobs (never read)
-
-
-def _absmax(a: np.ndarray) -> int:
-    # Python ints: -INT_MIN does not fit the dtype, and the bound must not wrap.
-    return max(int(a.max()), -int(a.min()))
-
-
-class _Job:
-    """Per-job slot state. Lists indexed by ``2 * slot + version``."""
-
-    __slots__ = (
-        "overflowed",
-        "spec",
-        "slots",
-        "elems",
-        "dtype",
-        "ufunc",
-        "mem",
-        "bits",
-        "full",
-        "held",
-        "bitmap",
-        "length",
-        "bound",
-        "int_max",
-        "scratch",
-        "nbytes",
-    )
-
-    def __init__(self, spec: JobSpec, mem: np.ndarray | None, nbytes: int) -> None:
-        s = spec.slots
-        self.spec = spec
-        self.slots = s
-        self.elems = spec.slot_elems
-        self.dtype = DTYPES[spec.dtype]
-        self.ufunc = _UFUNCS[spec.op]
-        self.mem = mem
-        self.nbytes = nbytes
-        self.bits = {m: 1 << i for i, m in enumerate(spec.members)}
-        self.full = (1 << len(spec.members)) - 1
-        # Each version starts as if it held the *completed* chunk c - 2S for its
-        # first chunk c = slot + version*S: the reuse rule then needs no special
-        # case for fresh slots, and a first chunk >= 2S is rightly out of window.
-        self.held = [(i >> 1) + (i & 1) * s - 2 * s for i in range(2 * s)]
-        self.bitmap = [self.full] * (2 * s)
-        self.length = [0] * (2 * s)
-        # Integer SUM only: a bound on max|partial sum| per slot version, to
-        # prove cheaply that the next add cannot wrap.
-        sum_int = spec.op is AggOp.SUM and self.dtype.kind == "i" and mem is not None
-        self.int_max = int(np.iinfo(self.dtype).max) if sum_int else 0
-        self.bound = [0] * (2 * s) if sum_int else []
-        self.scratch: np.ndarray | None = None
-        # per slot version: why its chunk ended in an overflow (None: it did not)
-        self.overflowed: list[str | None] = [None] * (2 * s)
-
-    def view(self, idx: int, n: int) -> np.ndarray | None:
-        if self.mem is None:
-            return None
-        v = self.mem[idx >> 1, idx & 1, :n]
-        v.flags.writeable = False  # the daemon must not scribble on slot memory
-        return v
-
-    def add_int_checked(self, dst: np.ndarray, data: np.ndarray, idx: int) -> str | None:
-        """Integer sum that never wraps silently; returns a reason when it would."""
-        m = _absmax(data)
-        bound = self.bound[idx] + m
-        if bound <= self.int_max:
-            np.add(dst, data, out=dst)
-            self.bound[idx] = bound
-            return None
-        # Rare path: the cheap bound failed; check element-wise with two scratch
-        # rows (allocated once per job) before touching the slot.
-        n = dst.shape[0]
-        if self.scratch is None:
-            self.scratch = np.empty((2, self.elems), dtype=self.dtype)
-        s, t = self.scratch[0, :n], self.scratch[1, :n]
-        np.add(dst, data, out=s)  # wrapping sum
-        # Overflow iff both operands have the sign the wrapped sum lacks.
-        np.bitwise_xor(dst, s, out=t)
-        np.bitwise_xor(data, s, out=s)
-        np.bitwise_and(t, s, out=t)
-        if int(t.min()) < 0:
-            i = int(np.argmax(t < 0))
-            return (
-                f"{self.dtype.name} sum would wrap at element {i} "
-                f"({int(dst[i])} + {int(data[i])}); workers must scale to leave "
-                f"headroom for {len(self.bits)} members"
-            )
-        np.add(dst, data, out=dst)
-        self.bound[idx] = _absmax(dst)
-        return None
-
-
-# --------------------------------------------------------------------- engine
 
 
 class AggregationEngine:
@@ -169,7 +70,7 @@ class AggregationEngine:
             raise ValueError("memory_budget_bytes and max_slots must be >= 0")
         self._budget = int(memory_budget_bytes)
         self._max_slots = int(max_slots)
-        self._jobs: dict[int, _Job] = {}
+        self._jobs: dict[int, JobSlots] = {}
         # Jobs refused for resources: their contributions get NO_RESOURCE, which
         # tells the worker "use the host path" rather than "who are you?".
         self._refused: set[int] = set()
@@ -236,7 +137,7 @@ class AggregationEngine:
                 return Refused(
                     spec.job, f"job {spec.job}: host could not allocate {fmt_bytes(asked)}", 0
                 )
-        self._jobs[spec.job] = _Job(spec, mem, asked)
+        self._jobs[spec.job] = JobSlots(spec, mem, asked)
         self._refused.discard(spec.job)
         self._reserved += asked
         self._slots_used += spec.slots
@@ -255,7 +156,7 @@ class AggregationEngine:
         if j is None or j.mem is None:
             return False
         s = j.slots
-        q, slot = divmod(chunk, s)
+        q, slot = chunk // s, chunk % s  # native int ops when compiled (divmod is generic)
         idx = 2 * slot + (q & 1)
         n = j.length[idx]
         if (j.held[idx] != chunk or j.bitmap[idx] != j.full or data.dtype != j.dtype
@@ -272,7 +173,7 @@ class AggregationEngine:
         bit = None if j is None else j.bits.get(member)
         if j is None or bit is None or chunk < 0:
             return None
-        q, slot = divmod(chunk, j.slots)
+        q, slot = chunk // j.slots, chunk % j.slots
         idx = 2 * slot + (q & 1)
         if j.held[idx] != chunk or j.bitmap[idx] == j.full:
             return None
@@ -293,7 +194,7 @@ class AggregationEngine:
         j = self._jobs.get(job)
         if j is None or chunk < 0:
             return ()
-        q, slot = divmod(chunk, j.slots)
+        q, slot = chunk // j.slots, chunk % j.slots
         idx = 2 * slot + (q & 1)
         bm = j.bitmap[idx]
         if j.held[idx] != chunk or bm == j.full:
@@ -305,7 +206,7 @@ class AggregationEngine:
         j = self._jobs.get(job)
         if j is None or chunk < 0:
             return None
-        q, slot = divmod(chunk, j.slots)
+        q, slot = chunk // j.slots, chunk % j.slots
         idx = 2 * slot + (q & 1)
         if j.held[idx] != chunk or j.bitmap[idx] != j.full or j.overflowed[idx] is not None:
             return None
@@ -318,7 +219,7 @@ class AggregationEngine:
         j = self._jobs.get(job)
         if j is None or chunk < 0:
             return False
-        q, slot = divmod(chunk, j.slots)
+        q, slot = chunk // j.slots, chunk % j.slots
         idx = 2 * slot + (q & 1)
         if j.held[idx] != chunk or j.bitmap[idx] != j.full:
             return False
@@ -439,7 +340,7 @@ class AggregationEngine:
 
         # ---- locate the slot version and classify
         s = j.slots
-        q, slot = divmod(chunk, s)
+        q, slot = chunk // s, chunk % s  # native int ops when compiled (divmod is generic)
         ver = q & 1
         idx = 2 * slot + ver
         held = j.held[idx]
@@ -498,7 +399,7 @@ class AggregationEngine:
                 dst = j.mem[slot, ver, :n]
                 np.copyto(dst, arr)  # first contribution is copied, as hardware does
                 if j.int_max:
-                    j.bound[idx] = _absmax(dst)
+                    j.bound[idx] = absmax(dst)
             j.held[idx] = chunk
             j.length[idx] = n
             j.overflowed[idx] = None
