@@ -49,6 +49,7 @@ __all__ = ["DEPTH_POINTS", "LinkPipeline", "LinkShaper", "PipelineStats", "wire_
 
 #: Queue-depth samples a recording pipeline keeps (a long run has millions).
 DEPTH_POINTS: Final = 200_000
+_F_REF: Final = int(Flag.REF)
 
 Item = tuple[Any, Any]
 
@@ -114,12 +115,25 @@ class LinkShaper:
 def wire_bytes(header: Any, payload: Any) -> int:
     """Bytes a frame puts on its link: a referenced (memory-plane) frame also
     moves the ``length`` bytes it names, loaded or stored over that link."""
-    size = len(header) + (memoryview(payload).nbytes if payload is not None else 0)
+    head: int = len(header)
+    size = head if payload is None else head + _nbytes(payload)
+    # the flags byte first: only a referenced frame needs its header read
+    if isinstance(header, bytes) and (head < fr.HEADER_SIZE or not header[2] & _F_REF):
+        return size
     try:
         _op, flags, _s, _j, _p, _k, _o, length = fr.peek(header)
     except FrameError:
         return size
-    return size + length if flags & Flag.REF else size
+    return size + length if int(flags) & _F_REF else size
+
+
+def _nbytes(payload: Any) -> int:
+    # arrays and views know their size: a memoryview of them is made only for
+    # other buffers (bytes)
+    if isinstance(payload, (bytes, bytearray)):
+        return len(payload)
+    n = getattr(payload, "nbytes", None)
+    return n if isinstance(n, int) else memoryview(payload).nbytes
 
 
 @dataclass(frozen=True)

@@ -222,7 +222,7 @@ class Simulation:
         self.timing = timing or TimingModel()
         self.now = 0.0
         self._heap: list[tuple[float, int, int, Any]] = []
-        self._seq = itertools.count()
+        self._seq = 0  # scheduling order: ties in time keep it
         self.events = 0
         self.frames = 0
         self.regions: dict[str, np.ndarray] = {}  # simulated "device memory", by path
@@ -351,7 +351,8 @@ class Simulation:
                 self._schedule_switch_timer(obj)
 
     def _push(self, t: float, kind: int, obj: Any) -> None:
-        heapq.heappush(self._heap, (t, next(self._seq), kind, obj))
+        self._seq += 1
+        heapq.heappush(self._heap, (t, self._seq, kind, obj))
 
     # ------------------------------------------------------------------ links
     def _send(self, src: str, dst: str, header: Any, payload: Any, t: float,
