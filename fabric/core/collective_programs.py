@@ -30,7 +30,7 @@ jobs, message ids and barriers never mix with another group's.
 from __future__ import annotations
 
 from collections.abc import Generator, Sequence
-from typing import Any
+from typing import Any, Final
 
 import numpy as np
 
@@ -58,6 +58,9 @@ from fabric.core.programs import (
 from fabric.core.timers import Deadlines
 from fabric.errors import PeerFailed, UsageError
 from kernels.dtypes import UFUNCS, byte_view, np_dtype
+
+_F_MCAST: Final = int(Flag.MCAST)
+_F_LAST: Final = int(Flag.LAST)
 
 __all__ = [
     "COLLECTIVES",
@@ -211,12 +214,13 @@ class McastSend(Program):
         off = handle * self.fb
         n = min(self.fb, self.nbytes - off)
         part = self.buf[off: off + n] if self.buf is not None else _zero_bytes(n)
+        bits = int(flags)  # int masks: a Flag operator goes through the enum
         if mcast:
-            flags |= Flag.MCAST
+            bits |= _F_MCAST
         if off + n == self.nbytes:
-            flags |= Flag.LAST
+            bits |= _F_LAST
         return (fr.encode_header(Op.WRITE, src=self.st.node_id, dst=dst, flow=COLL_FLOW,
-                                 job=self.sid, psn=psn, offset=off, flags=flags, msg=self.msg,
+                                 job=self.sid, psn=psn, offset=off, flags=bits, msg=self.msg,
                                  payload=part, crc=self.st.crc), part)
 
     def _put(self, dst: int, transmits: list[Any]) -> list[Send]:
@@ -270,7 +274,7 @@ class McastSend(Program):
         if s.done:
             return []
         if f.op is Op.ACK:
-            sends = s.handle_ack(f.psn, f.sack, now, bool(f.flags & Flag.ECN))
+            sends = s.handle_ack(f.psn, f.sack, now, f.has(Flag.ECN))
         else:
             sends = s.handle_nack(f.psn, f.offset, now)
         out = self._put(f.src, sends)

@@ -218,6 +218,13 @@ _F_CRC: Final = int(Flag.CRC)
 _F_ECN: Final = int(Flag.ECN)
 _F_MCAST: Final = int(Flag.MCAST)
 _VT_BASE: Final = (VERSION << 4) | HEADER_TYPE_BASE
+
+
+def flag_of(bits: int) -> Flag:
+    """The :class:`Flag` of an 8-bit value, from a table (building one through the
+    enum machinery costs a microsecond)."""
+    return _FLAGS_BY_VALUE[bits]
+
 # Opcodes that never carry data bytes: their length must be 0 (ACK/NACK) or
 # name remote memory (READ, which must say so with Flag.REF).
 _NO_DATA_OPS: Final = frozenset({Op.ACK, Op.NACK})
@@ -411,8 +418,9 @@ def encode_header(
     For a referenced frame (``Flag.REF``) pass ``length`` and no payload.
     ``crc=True`` sets ``Flag.CRC`` and appends CRC32C(header + payload).
     """
-    pview = memoryview(payload)  # type: ignore[arg-type]  # ndarray is a buffer
-    inline_len: int = pview.nbytes  # numpy arrays and typed views count in bytes
+    # numpy arrays and typed views count in bytes; a view is made only when needed
+    inline_len: int = len(payload) if isinstance(payload, bytes) else \
+        memoryview(payload).nbytes  # type: ignore[arg-type]  # ndarray is a buffer
     # ints under their own names: compiled, the checks are then native int ops
     bits: int = int(flags) | (_F_CRC if crc else 0)
     code: int = int(op)
@@ -431,6 +439,7 @@ def encode_header(
     if bits & _F_CRC:
         value = _crc32c.crc32c(header)
         if inline_len:
+            pview = memoryview(payload)  # type: ignore[arg-type]
             if pview.ndim != 1 or pview.itemsize != 1:
                 pview = pview.cast("B")
             value = _crc32c.crc32c(pview, value)

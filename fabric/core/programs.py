@@ -1484,7 +1484,7 @@ class HostPsAllreduce(Program):
         _, fast = self.timers.acked(i, now)
         if self.gate is not None:
             # a mark on our message (the host echoes it) or on the reply itself
-            ecn = bool(f.flags & Flag.ECN) or self.st.node_id in reply.get("ce", ())
+            ecn = f.has(Flag.ECN) or self.st.node_id in reply.get("ce", ())
             # the round trip without the host's wait for the other members
             held = next((float(h) for m, h in reply.get("held", ()) if m == self.st.node_id),
                         0.0)
@@ -1654,6 +1654,7 @@ STREAM_WINDOW: Final = 16
 #: (measured in docs/RELIABILITY.md "In the emulator").
 STREAM_SPAN: Final = SACK_BITS
 STREAM_FRAME_BYTES: Final = 64 * 1024
+_F_LAST: Final = int(Flag.LAST)
 
 
 def stream_span(policy: str, window_frames: int) -> int:
@@ -1716,7 +1717,7 @@ class StreamSend(Program):
             n = min(self.fb, self.nbytes - off)
             part = self.buf[off: off + n] if self.buf is not None else _zero_bytes(n)
             # LAST marks the stream's end: a receiver expecting another size says so
-            flags = t.flags | (Flag.LAST if off + n == self.nbytes else 0)
+            flags = int(t.flags) | (_F_LAST if off + n == self.nbytes else 0)
             out.append((fr.encode_header(Op.WRITE, src=st.node_id, dst=self.dst, flow=self.flow,
                                          job=self.sid, psn=t.psn, offset=off, flags=flags,
                                          msg=self.msg, payload=part, crc=st.crc), part))
@@ -1746,7 +1747,7 @@ class StreamSend(Program):
     def handle_frame(self, f: fr.Frame, now: float) -> list[Send]:
         if f.op is Op.ACK:
             out = self._put(self.sender.handle_ack(f.psn, f.sack, now,
-                                                   bool(f.flags & Flag.ECN)))
+                                                   f.has(Flag.ECN)))
         else:
             out = self._put(self.sender.handle_nack(f.psn, f.offset, now))
         return self._check_done(now, out)
@@ -1812,12 +1813,12 @@ class StreamRecv(Program):
         self.last_heard = now
         index = f.offset // self.fb
         end = f.offset + f.length
-        if end > self.nbytes or (f.flags & Flag.LAST and end != self.nbytes):
+        if end > self.nbytes or (f.has(Flag.LAST) and end != self.nbytes):
             # the sender's stream has another size than this receive: refuse it (the
             # sender fails at once) and fail here, naming both ends
             peer = self.st.topo.by_id(self.src).name
             self.error = PeerFailed(
-                f"{self.st.name}: {peer} sends {end if f.flags & Flag.LAST else f'> {end - 1}'} "
+                f"{self.st.name}: {peer} sends {end if f.has(Flag.LAST) else f'> {end - 1}'} "
                 f"bytes, but this receive expects {self.nbytes} (sizes disagree between the "
                 "two ranks)")
             return [(fr.encode_nack(src=self.st.node_id, dst=self.src, flow=self.flow + 1,

@@ -47,7 +47,7 @@ from mypy_extensions import mypyc_attr
 
 from fabric.core.congestion.gate import CcGate
 from fabric.core.congestion.policy import CongestionControl
-from fabric.core.frame import PERMANENT_NACKS, Flag, NackCode, Op, encode_header
+from fabric.core.frame import PERMANENT_NACKS, Flag, NackCode, Op, encode_header, flag_of
 from fabric.core.records import Record
 from fabric.errors import FabricTimeout, PeerFailed, SemfabError
 
@@ -98,6 +98,9 @@ __all__ = [
 ]
 
 H = TypeVar("H")
+_F_ACK_REQ: Final = int(Flag.ACK_REQ)
+_F_ECN: Final = int(Flag.ECN)
+_F_RETX: Final = int(Flag.RETX)
 
 # ---------------------------------------------------------------------------
 # constants, each with its source
@@ -241,12 +244,8 @@ class Transmit(Record, Generic[H]):
     @property
     def flags(self) -> Flag:
         """The header flags this transmission adds (``Flag.RETX``, ``Flag.ACK_REQ``)."""
-        f = Flag.NONE
-        if self.retransmit:
-            f |= Flag.RETX
-        if self.ack_req:
-            f |= Flag.ACK_REQ
-        return f
+        return flag_of((_F_RETX if self.retransmit else 0)
+                       | (_F_ACK_REQ if self.ack_req else 0))
 
 
 class Delivered(Record, Generic[H]):
@@ -1257,8 +1256,9 @@ class Receiver(Generic[H]):
         """Take one data frame; return what to deliver and the feedback to send (if any)."""
         self._received += 1
         delivered: list[Delivered[H]] = []
-        immediate = bool(flags & Flag.ACK_REQ)
-        if flags & Flag.ECN:
+        bits: int = int(flags)  # int masks: a Flag operator goes through the enum
+        immediate = bits & _F_ACK_REQ != 0
+        if bits & _F_ECN:
             self._ce = True
             self._ce_frames += 1
         want_nack = False
@@ -1266,7 +1266,7 @@ class Receiver(Generic[H]):
         d = psn_diff(psn, self._nxt)
         if d < 0 or (0 < d < self.window and (self._bits >> d) & 1):
             self._duplicates += 1
-            if flags & Flag.RETX:
+            if bits & _F_RETX:
                 self._dup_retx += 1
             immediate = True  # our ACK may have been lost: repeat it now
         elif d >= self.window:

@@ -452,12 +452,12 @@ class Simulation:
         if f.op is not Op.WRITE or f.flow != HOST_PS_FLOW:
             return
         try:
-            replies = node.host.on_message(f.src, f.payload, bool(f.flags & Flag.ECN), t)
+            replies = node.host.on_message(f.src, f.payload, f.has(Flag.ECN), t)
         except FrameError:
             return
         sends = [(fr.encode_header(Op.WRITE, src=node.state.node_id, dst=dst, flow=HOST_PS_FLOW,
                                    psn=f.psn, msg=f.msg, payload=body,
-                                   crc=bool(f.flags & Flag.CRC)), body)
+                                   crc=f.has(Flag.CRC)), body)
                  for dst, body in replies]
         self._node_send(node, sends, t)
 
