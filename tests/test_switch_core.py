@@ -81,6 +81,31 @@ def test_allreduce_through_the_cores_is_exact(topo) -> None:
         np.testing.assert_array_equal(np.frombuffer(res.payload, np.int32), want)
 
 
+def test_results_carry_a_crc_only_once_a_node_sends_one() -> None:
+    # the switches' hellos always carry a CRC: they must not make every result
+    # pay for one in a fabric that cannot corrupt (docs/PROTOCOL.md)
+    topo = leaf_spine(2, 2)
+    net = Net(topo)
+    assert all(c.ready for c in net.cores.values())
+    _job(net)
+    x = np.arange(1, 38, dtype=np.int32)
+    for w in topo.workers:
+        _reduce(net, w.name, 1, 0, x)
+    for w in topo.workers:
+        (res,) = net.take(w.name)
+        assert res.op is Op.RESULT and not res.has(fr.Flag.CRC)
+    # a member whose driver checks sends CRC frames: from then on the results do too
+    for w in topo.workers:
+        n, sw = topo.node(w.name), topo.node(topo.switch_of(w.name))
+        net.send(w.name, fr.encode_header(Op.REDUCE, src=n.id, dst=sw.id, job=1, psn=1,
+                                          dtype=fr.dtype_from_name("int32"), payload=x,
+                                          crc=True), x)
+    for w in topo.workers:
+        (res,) = net.take(w.name)
+        assert res.has(fr.Flag.CRC)
+        np.testing.assert_array_equal(np.frombuffer(res.payload, np.int32), x * 4)
+
+
 def test_a_node_cannot_speak_for_another() -> None:
     topo = star(2)
     net = Net(topo)

@@ -242,8 +242,11 @@ class SwitchCore:
                 src, job, psn = 0, 0, 0
             ctx.nack(port, src, job, psn, 0, bad.code, str(bad))
             return
-        if f.has(_F_CRC):
-            ctx.crc = True  # the fabric checks: so does every data frame we originate
+        if f.has(_F_CRC) and f.op is not Op.CTRL and f.op is not Op.NACK and f.op is not Op.ACK:
+            # the fabric checks: so does every data frame we originate. Not on the
+            # control, NACK and ACK frames switches always check (a neighbour's hello
+            # would turn it on in every multi-switch fabric)
+            ctx.crc = True
         speaker = ctx.port_node.get(port)
         if speaker is not None and f.src != speaker:
             # the port is the sender's identity: no node speaks for another
