@@ -309,6 +309,8 @@ def _ro_flat(a: np.ndarray) -> np.ndarray:
 
 
 def _kind16(dt: np.dtype) -> int:
+    if dt.itemsize != 2:  # the common case, without the dtype comparisons (~0.3 us each)
+        return 0
     if dt == np.float16:
         return KIND_F16
     if dt == BF16:

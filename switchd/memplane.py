@@ -39,7 +39,7 @@ class SharedMemoryPlane:
         # array views of the chunks reduced so far, by (key, offset, count, dtype):
         # a call reduces the same chunks of the same regions again, and making a
         # view costs more than reducing 4 KiB
-        self._views: dict[tuple[int, int, int, np.dtype[Any]], np.ndarray] = {}
+        self._views: dict[tuple[int, int, int], np.ndarray] = {}
         self.reduce_seconds = 0.0  # time in the fused kernel (driver-side: it reads a clock)
 
     def prepare(self, backend: str) -> None:
@@ -86,11 +86,11 @@ class SharedMemoryPlane:
         views = self._views
         arrays = []
         for key, offset in refs:
-            v = views.get((key, offset, count, dtype))
-            if v is None:
+            v = views.get((key, offset, count))
+            if v is None or v.dtype is not dtype:  # (hashing a dtype per chunk costs)
                 if len(views) >= VIEWS_KEPT:
                     views.clear()
-                v = views[(key, offset, count, dtype)] = self._mapped[key].array(
+                v = views[(key, offset, count)] = self._mapped[key].array(
                     dtype, count, offset)
             arrays.append(v)
         if op == "sum" and dtype.kind == "i":
