@@ -45,6 +45,7 @@ __all__ = [
     "TRANSIENT_NACKS",
     "PERMANENT_NACKS",
     "Frame",
+    "FRAME_FIELDS",
     "FrameError",
     "LocalFrameError",
     "encode",
@@ -62,6 +63,7 @@ __all__ = [
     "DTYPE_SIZES",
     "DTYPE_NAMES",
     "dtype_from_name",
+    "flag_of",
 ]
 
 #: Protocol version carried in the high nibble of byte 0 (docs/PROTOCOL.md "Versioning").
@@ -197,8 +199,8 @@ class NackCode(IntEnum):
 #: lost (MISSING) or trimmed (TRIMMED). The reliability layer retries these within
 #: its limits.
 TRANSIENT_NACKS: Final = frozenset({NackCode.MALFORMED, NackCode.OUT_OF_WINDOW,
-                             NackCode.NO_RESOURCE, NackCode.BAD_CHECKSUM, NackCode.MISSING,
-                             NackCode.TRIMMED})
+                                    NackCode.NO_RESOURCE, NackCode.BAD_CHECKSUM,
+                                    NackCode.MISSING, NackCode.TRIMMED})
 #: Refusals no resend can cure (a permission, an unknown key or job, a protocol we
 #: do not speak, an intact frame that is wrong): the call ends, naming the cause.
 PERMANENT_NACKS: Final = frozenset(set(NackCode) - TRANSIENT_NACKS)
