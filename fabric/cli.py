@@ -140,6 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
                      "with and without the writer's handoff", "bench.wakeup")
     _add_lazy_parser(bsub, "core", "the protocol's own cost per allreduce: switch core and member "
                      "programs in one process, no IPC", "bench.core")
+    _add_lazy_parser(bsub, "relay", "the floor of the frame plane's design: workers' buffers "
+                     "summed by one ZeroMQ relay process, no protocol", "bench.relay")
     _add_lazy_parser(bsub, "incast", "N senders into one receiver on real processes, beside "
                      "the same run simulated: queues, ECN, trimming, congestion-control policies "
                      "(--cc)", "bench.incast")
