@@ -148,28 +148,28 @@ class ResendResult(Record):
         self.result = result
 
 
-class DuplicateIgnored(Record):
+class _MemberEvent(Record):
+    """An event about one member's contribution to one chunk, with nothing to send."""
+
+    __slots__ = ("job", "chunk", "member")
+    _fields: ClassVar[tuple[str, ...]] = ("job", "chunk", "member")
+
+    def __init__(self, job: int, chunk: int, member: int) -> None:
+        self.job = job
+        self.chunk = chunk
+        self.member = member
+
+
+class DuplicateIgnored(_MemberEvent):
     """A retransmission already in the bitmap of an incomplete chunk; nothing to send."""
 
-    __slots__ = ("job", "chunk", "member")
-    _fields: ClassVar[tuple[str, ...]] = ("job", "chunk", "member")
-
-    def __init__(self, job: int, chunk: int, member: int) -> None:
-        self.job = job
-        self.chunk = chunk
-        self.member = member
+    __slots__ = ()
 
 
-class Stale(Record):
+class Stale(_MemberEvent):
     """A late duplicate for a chunk whose slot version was already reused; nothing to send."""
 
-    __slots__ = ("job", "chunk", "member")
-    _fields: ClassVar[tuple[str, ...]] = ("job", "chunk", "member")
-
-    def __init__(self, job: int, chunk: int, member: int) -> None:
-        self.job = job
-        self.chunk = chunk
-        self.member = member
+    __slots__ = ()
 
 
 class Rejected(Record):
