@@ -103,7 +103,6 @@ def _worker(path: str, rank: int, n: int, count: int, warmup: int, iters: int, s
     out = np.empty(count, np.float32)
     tag = rank.to_bytes(2, "little")
     times: list[float] = []
-    wrong = 0
     try:
         for it in range(warmup + iters):
             np.copyto(buf, make_input(rank, it, count, "float32", seed))
@@ -120,8 +119,7 @@ def _worker(path: str, rank: int, n: int, count: int, warmup: int, iters: int, s
         exact = make_input(0, last, count, "float32", seed).copy()
         for r in range(1, n):
             exact += make_input(r, last, count, "float32", seed)
-        wrong += int(np.count_nonzero(out != exact))
-        out_q.put((rank, times, wrong))
+        out_q.put((rank, times, int(np.count_nonzero(out != exact))))
     finally:
         sock.close()
         ctx.term()
