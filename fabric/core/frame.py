@@ -219,6 +219,7 @@ _F_REF: Final = int(Flag.REF)
 _F_CRC: Final = int(Flag.CRC)
 _F_ECN: Final = int(Flag.ECN)
 _F_MCAST: Final = int(Flag.MCAST)
+_EMPTY: Final = memoryview(b"")
 _VT_BASE: Final = (VERSION << 4) | HEADER_TYPE_BASE
 
 
@@ -421,12 +422,21 @@ def encode_header(
     ``crc=True`` sets ``Flag.CRC`` and appends CRC32C(header + payload).
     """
     # numpy arrays and typed views count in bytes; a view is made only when needed
-    inline_len: int = len(payload) if isinstance(payload, bytes) else \
-        memoryview(payload).nbytes  # type: ignore[arg-type]  # ndarray is a buffer
+    inline_len: int
+    if isinstance(payload, bytes):
+        inline_len = len(payload)
+    elif isinstance(payload, memoryview):
+        inline_len = payload.nbytes
+    else:
+        inline_len = memoryview(payload).nbytes  # type: ignore[arg-type]  # ndarray is a buffer
     # ints under their own names: compiled, the checks are then native int ops
-    bits: int = int(flags) | (_F_CRC if crc else 0)
-    code: int = int(op)
-    dt: int = int(dtype)
+    # IntEnum members are ints: compiled, these unbox them without a call, and
+    # ``+ 0`` turns a Flag into a plain int (its own ``|`` and ``&`` are slower)
+    code: int = op
+    dt: int = dtype
+    bits: int = flags + 0
+    if crc:
+        bits |= _F_CRC
     if code == _READ and not bits & _F_REF:
         raise LocalFrameError("READ frames name remote memory: set Flag.REF")
     size: int = inline_len if length is None else length
@@ -518,13 +528,19 @@ def decode(buf: bytes | bytearray | memoryview, payload: object = None) -> Frame
     the header part of a two-part message (``payload`` being the second part).
     Returns a :class:`Frame` or raises :class:`FrameError`; never anything else.
     """
-    try:
-        view = memoryview(buf).cast("B") if not isinstance(buf, memoryview) else buf
-        if view.ndim != 1 or view.itemsize != 1:
-            view = view.cast("B")
-    except (TypeError, ValueError) as exc:
-        raise FrameError(NackCode.MALFORMED, f"not a byte buffer: {exc}") from None
-    size = view.nbytes
+    view: memoryview | None = None
+    if isinstance(buf, bytes):  # the usual header part: unpacked as it is, no view
+        head: bytes = buf
+        size = len(head)
+    else:
+        try:
+            view = memoryview(buf)
+            if view.ndim != 1 or view.itemsize != 1:
+                view = view.cast("B")
+        except (TypeError, ValueError) as exc:
+            raise FrameError(NackCode.MALFORMED, f"not a byte buffer: {exc}") from None
+        size = view.nbytes
+        head = bytes(view[:HEADER_SIZE + CRC_SIZE])  # a copy of 36 bytes at most
     if size < HEADER_SIZE:
         raise FrameError(
             NackCode.MALFORMED, f"short frame: {size} B, the header alone is {HEADER_SIZE} B"
@@ -537,7 +553,7 @@ def decode(buf: bytes | bytearray | memoryview, payload: object = None) -> Frame
     length: int
     offset: int
     (vt, op, flags, dtype, src, dst, job, flow, psn, key, offset, length, msg) = (
-        _HEADER.unpack_from(view)
+        _HEADER.unpack_from(head)
     )
     if vt != _VT_BASE:
         version, htype = vt >> 4, vt & 0x0F
@@ -554,35 +570,45 @@ def decode(buf: bytes | bytearray | memoryview, payload: object = None) -> Frame
         raise FrameError(NackCode.MALFORMED, f"unknown dtype code {dtype}")
     pos = HEADER_SIZE
     has_crc = flags & _F_CRC
+    crc_value = 0
     if has_crc:
         if size < pos + CRC_SIZE:
             raise FrameError(NackCode.MALFORMED, "CRC flag set but the CRC32C field is missing")
-        (crc_value,) = _CRC.unpack_from(view, pos)
+        (crc_value,) = _CRC.unpack_from(head, pos)
         pos += CRC_SIZE
     referenced = flags & _F_REF
+    body: memoryview
     if payload is None:
-        body = view[pos:]
+        if size == pos:
+            body = _EMPTY
+        else:
+            if view is None:
+                view = memoryview(head)
+            body = view[pos:]
+        nbytes = size - pos
     else:
         if size != pos:
             raise FrameError(
                 NackCode.MALFORMED, f"header part is {size} B, expected {pos} B for these flags"
             )
         try:
-            body = memoryview(payload)  # type: ignore[arg-type]
+            body = payload if isinstance(payload, memoryview) else \
+                memoryview(payload)  # type: ignore[arg-type]
             if body.ndim != 1 or body.itemsize != 1:
                 body = body.cast("B")
         except (TypeError, ValueError) as exc:
             raise FrameError(NackCode.MALFORMED, f"payload part is not bytes: {exc}") from None
+        nbytes = len(body)
     if referenced:
-        if body.nbytes:
+        if nbytes:
             raise FrameError(
                 NackCode.MALFORMED,
-                f"referenced frame (REF flag) carries {body.nbytes} inline bytes; expected none",
+                f"referenced frame (REF flag) carries {nbytes} inline bytes; expected none",
             )
-    elif body.nbytes != length:
+    elif nbytes != length:
         raise FrameError(
             NackCode.MALFORMED,
-            f"payload length field says {length} B but {body.nbytes} B follow",
+            f"payload length field says {length} B but {nbytes} B follow",
         )
     esize = _SIZE_BY_VALUE[dtype]
     if length % esize:
@@ -601,8 +627,8 @@ def decode(buf: bytes | bytearray | memoryview, payload: object = None) -> Frame
     elif op == _READ and not referenced:
         raise FrameError(NackCode.MALFORMED, "READ frame without the REF flag")
     if has_crc:
-        computed = _crc32c.crc32c(view[:HEADER_SIZE])
-        if body.nbytes:
+        computed = _crc32c.crc32c(head[:HEADER_SIZE])
+        if nbytes:
             computed = _crc32c.crc32c(body, computed)
         if computed != crc_value:
             raise FrameError(
