@@ -4,7 +4,9 @@ The decode loop of `semfab serve --model` (:func:`fabric.core.serve_workload.ser
 the leader's plans, continuous batching, every rank's TP allreduces, MoE
 dispatch and combine and stage hand-offs) runs in the simulator on the
 topology given (e.g. `semfab topo gen --cluster ...`, to 1024 GPUs), timing-only:
-real sizes, compute charged from the cost model (``--gpu``).
+real sizes, compute charged from the cost model (``--gpu``). A fabric of several
+layouts' worth of workers (``--workers``, or the topology's) runs that many
+generators side by side, data parallel, the requests dealt to them in turn.
 
 What happens after a token is ready is modelled, not simulated: it reaches
 host0 after the front-end path's latency (the topology's links from the first
@@ -59,11 +61,12 @@ def add_arguments(g: Any) -> None:
                    help="--sim: host0's detokenizer and HTTP cost per token")
 
 
-def _topology(args: argparse.Namespace, world: int) -> Any:
+def _topology(args: argparse.Namespace, size: int) -> Any:
+    """The fabric: the file's, or a star of ``--workers`` (default: one generator)."""
     from fabric.core.topology import TopologyError, loads, star
 
     if not args.topology:
-        return star(world, bandwidth_gbps=400.0, latency_us=1.0, hosts=1)
+        return star(args.workers or size, bandwidth_gbps=400.0, latency_us=1.0, hosts=1)
     try:
         with open(args.topology, encoding="utf-8") as fh:
             topo = loads(fh.read(), args.topology)
@@ -71,9 +74,13 @@ def _topology(args: argparse.Namespace, world: int) -> Any:
         raise UsageError(f"--topology {args.topology}: {exc.strerror}") from None
     except TopologyError as exc:
         raise UsageError(str(exc)) from None
-    if len(topo.workers) != world:
-        raise UsageError(f"--topology {args.topology} has {len(topo.workers)} workers; the "
-                         f"layout needs {world} (tp x ep x pp)")
+    have = len(topo.workers)
+    if args.workers not in (None, have):
+        raise UsageError(f"--workers {args.workers}: --topology {args.topology} has {have}; "
+                         "leave --workers out to take the file's")
+    if have % size:
+        raise UsageError(f"--topology {args.topology} has {have} workers; the layout needs "
+                         f"{size} (tp x ep x pp) or a multiple (data parallel generators)")
     return topo
 
 
@@ -109,17 +116,28 @@ def check(args: argparse.Namespace) -> dict[str, Any]:
     for flag, v in (("--frontend-us", args.frontend_us), ("--host-us", args.host_us)):
         if v is not None and not (math.isfinite(v) and v >= 0):
             raise UsageError(f"{flag} {v:g}: give microseconds >= 0")
-    world = args.tp * args.ep * args.pp
-    if args.workers not in (None, world):
-        raise UsageError(f"--sim runs one generator: --workers {world} (tp x ep x pp) or "
-                         "leave it out")
-    topo = _topology(args, world)
+    size = args.tp * args.ep * args.pp
+    if args.workers is not None and (args.workers < 1 or args.workers % size):
+        raise UsageError(f"--workers {args.workers}: give a multiple of tp x ep x pp = {size} "
+                         "(one generator per group of that many)")
+    topo = _topology(args, size)
+    world = len(topo.workers)
     return {"model": m.name, "tp": args.tp, "ep": args.ep, "pp": args.pp, "moe": args.moe,
+            "dp": world // size,
             "tp_path": args.tp_path, "gpu": None if args.gpu == "none" else args.gpu,
             "layers": args.layers, "model_layers": m.layers, "world": world,
             "input_len": args.input_len or DEFAULT_INPUT_LEN, "output_len": args.tokens,
             "frontend_s": frontend_s(topo, args.frontend_us), "host_s": args.host_us * 1e-6,
             "topology": args.topology, "seed": args.seed, "topo": topo}
+
+
+def merged(results: list[Any]) -> dict[str, Any]:
+    """The generators' leaders' results as one: every request in request order, every
+    step of every generator."""
+    leads = [r for r in results if r]
+    requests = sorted((q for r in leads for q in r["requests"]), key=lambda q: q["id"])
+    steps = [p for r in leads for p in r["steps"]]
+    return {"requests": requests, "steps": steps}
 
 
 def _arrivals(level: Any, burstiness: float, seed: int, i: int) -> list[float] | None:
@@ -185,8 +203,8 @@ def level_row(res: dict[str, Any], s: dict[str, Any], level: Any, opts: Any,
         e = row["experience"]
         e["product"] = e["compute"] * e["completion"] * e["timeliness"]
     row.update({"world": "simulation", "model": s["model"], "tp": s["tp"], "ep": s["ep"],
-                "pp": s["pp"], "moe": s["moe"], "tp_path": s["tp_path"], "gpu": s["gpu"],
-                "layers": s["layers"], "gpus": s["world"], **level.fields(),
+                "pp": s["pp"], "dp": s["dp"], "moe": s["moe"], "tp_path": s["tp_path"],
+                "gpu": s["gpu"], "layers": s["layers"], "gpus": s["world"], **level.fields(),
                 "input_len": s["input_len"], "output_len": s["output_len"],
                 "frontend_us": s["frontend_s"] * 1e6, "host_us": s["host_s"] * 1e6,
                 "wall_s": wall, "strategy": "simulated", "load": level.label})
@@ -202,8 +220,9 @@ def run(opts: Any) -> int:
     a = opts.args
     s = check(a)
     where = f"topology {a.topology}" if a.topology else "a star of 400 Gb/s, 1 us links"
-    print(f"# semfab bench tokens --sim: {s['model']} as tp {s['tp']} x ep {s['ep']} x pp "
-          f"{s['pp']} = {s['world']} GPUs (moe {s['moe']}, tp allreduce {s['tp_path']}, "
+    gens = f"{s['dp']} generators of " if s["dp"] > 1 else ""
+    print(f"# semfab bench tokens --sim: {s['model']} as {gens}tp {s['tp']} x ep {s['ep']} x "
+          f"pp {s['pp']} = {s['world']} GPUs (moe {s['moe']}, tp allreduce {s['tp_path']}, "
           f"gpu {s['gpu'] or 'none'}"
           + (f", {s['layers']} of {s['model_layers']} layers run" if s["layers"] else "")
           + f") on {where}")
@@ -227,7 +246,7 @@ def run(opts: Any) -> int:
             concurrency=level.concurrency or 0, gpu=s["gpu"], variant=s["moe"],
             path=s["tp_path"], layers=s["layers"], seed=s["seed"],
             frontend_s=s["frontend_s"])
-        res = sim.results[0]
+        res = merged(sim.results)
         row = level_row(res, s, level, opts, time.monotonic() - t0)
         # bytes on each network class per token delivered (with --layers: scaled to
         # the model's layers, as the step's time is)

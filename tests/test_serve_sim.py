@@ -44,13 +44,37 @@ def test_sim_rows_have_client_metrics_and_the_step_split(tmp_path: Path,
     assert by[4]["output_throughput_tok_s"] > by[1]["output_throughput_tok_s"]
 
 
+def test_sim_runs_data_parallel_generators_from_workers(tmp_path: Path,
+                                                        capsys: pytest.CaptureFixture[str]
+                                                        ) -> None:
+    """--workers 8 of tp 2 x ep 2: two generators, each serving half of the requests;
+    the same load on one generator queues more per step."""
+    rows = {}
+    for workers in (4, 8):
+        out = tmp_path / f"w{workers}.json"
+        assert _main(["--sim", "--model", "mixtral-8x7b", "--tp", "2", "--ep", "2",
+                      "--workers", str(workers), "--layers", "1", "--concurrency", "8",
+                      "--num-prompts", "16", "--tokens", "4", "--input-len", "16",
+                      "--json", str(out)]) == 0
+        rows[workers] = json.loads(out.read_text())["results"][0]
+    assert "2 generators of tp 2 x ep 2" in capsys.readouterr().out
+    one, two = rows[4], rows[8]
+    assert (one["dp"], two["dp"]) == (1, 2) and two["gpus"] == 8
+    for r in (one, two):
+        assert r["completed"] == 16 and r["total_output_tokens"] == 64
+        assert r["step_over_itl"] == pytest.approx(1.0, rel=0.05)
+    assert two["itl_ms"]["median"] < one["itl_ms"]["median"]  # half the batch per step
+    assert two["output_throughput_tok_s"] > one["output_throughput_tok_s"]
+
+
 @pytest.mark.parametrize("argv,says", [
     (["--sim"], "--sim serves a model preset"),
     (["--sim", "--model", "tiny", "--tp", "3"], "does not divide"),
-    (["--sim", "--model", "tiny", "--workers", "3"], "--sim runs one generator"),
+    (["--sim", "--model", "tiny", "--tp", "2", "--workers", "3"], "a multiple of tp x ep x pp"),
     (["--sim", "--model", "tiny", "--gpu", "b300"], "--gpu"),
     (["--sim", "--model", "tiny", "--base-url", "http://127.0.0.1:9"], "--base-url"),
     (["--sim", "--model", "tiny", "--topology", "/nonexistent.toml"], "--topology"),
+    (["--sim", "--model", "tiny", "--workers", "0"], "a multiple of tp x ep x pp"),
 ])
 def test_sim_refuses_bad_flags_in_one_line(argv: list[str], says: str,
                                           capsys: pytest.CaptureFixture[str]) -> None:

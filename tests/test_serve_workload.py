@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fabric.core.serve_workload import served_decode
+from fabric.core.serve_workload import deal, served_decode
 from fabric.core.topology import star
 from fabric.errors import UsageError
 from fabric.sim import Simulation
@@ -74,3 +74,42 @@ def test_bad_schedules_are_refused() -> None:
         _run(1, 2, 2, 2)  # neither arrivals nor concurrency
     with pytest.raises((UsageError, SimulationError)):
         _run(1, 2, 2, 2, arrivals=[0.0], concurrency=0)
+
+
+def test_requests_are_dealt_to_generators_in_turn() -> None:
+    assert deal(7, 2, 0) == ([0, 2, 4, 6], 0) and deal(7, 2, 1) == ([1, 3, 5], 0)
+    # closed loop: client k (requests k, k + 3, ...) sends to generator k % 2
+    assert deal(7, 2, 0, concurrency=3) == ([0, 2, 3, 5, 6], 2)
+    assert deal(7, 2, 1, concurrency=3) == ([1, 4], 1)
+    assert deal(4, 3, 2, concurrency=2) == ([], 0)  # fewer clients than generators
+    for dp, c in ((1, 1), (2, 3), (3, 8), (4, 2)):
+        served = sorted(i for g in range(dp) for i in deal(9, dp, g, c)[0])
+        assert served == list(range(9))
+        assert sum(deal(9, dp, g, c)[1] for g in range(dp)) == min(c, 9)
+
+
+@pytest.mark.parametrize("loop", [{"concurrency": 3}, {"arrivals": [0.0] * 5}])
+def test_data_parallel_generators_share_the_fabric(loop: dict) -> None:
+    """Two generators of tp 2 on four workers: each leader serves its requests and
+    no request is served twice; three clients on two generators: two and one."""
+    topo = star(4, bandwidth_gbps=400, latency_us=1, hosts=1)
+    res = Simulation(topo, timeout_s=60).run(served_decode, "mixtral-8x7b", 2, 1, [64] * 5,
+                                             [4] * 5, layers=2, **loop).results
+    assert res[1] == {} and res[3] == {}
+    a, b = res[0], res[2]
+    assert (a["group"], b["group"]) == (0, 1)
+    ids = [q["id"] for q in a["requests"]] + [q["id"] for q in b["requests"]]
+    assert sorted(ids) == list(range(5))
+    for lead in (a, b):
+        for q in lead["requests"]:
+            assert len(q["tokens"]) == 4 and q["tokens"][0] > q["arrival"]
+    if "concurrency" in loop:
+        opening = [sum(q["arrival"] == 0.0 for q in lead["requests"]) for lead in (a, b)]
+        assert opening == [2, 1]
+
+
+def test_a_fabric_that_is_no_multiple_of_the_layout_is_refused() -> None:
+    topo = star(3, bandwidth_gbps=400, latency_us=1, hosts=1)
+    with pytest.raises((UsageError, SimulationError), match="multiple"):
+        Simulation(topo, timeout_s=60).run(served_decode, "mixtral-8x7b", 2, 1, [64] * 2,
+                                           [2] * 2, layers=2, concurrency=2)

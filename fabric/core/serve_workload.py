@@ -2,7 +2,13 @@
 `semfab serve --model` with requests that arrive, join a running batch
 (continuous batching) and leave, for `semfab bench tokens --sim`.
 
-The layout's first rank, the leader, holds the requests. Before each step it
+The layout's first rank, the leader, holds the requests. A fabric of ``dp``
+times the layout's ranks runs ``dp`` such generators side by side (data
+parallel), sharing its links: consecutive ranks form one, and the requests are
+dealt to them in turn as host0 would (its least-loaded choice, with requests of
+one size: in an open loop request ``i`` goes to generator ``i % dp``; in a
+closed loop each client's requests go to one generator, client ``k`` to
+``k % dp``). Before each step it
 sends every other rank the step's plan over reliable streams, as the emulated
 server does (:mod:`fabric.serving.sharded`): a header ``[joining, stop]`` and
 a row ``[request, replica, prompt tokens, output tokens]`` per joining request.
@@ -34,7 +40,7 @@ from fabric.core.model import Layout, get_model
 from fabric.core.workload import Together
 from fabric.errors import UsageError
 
-__all__ = ["PLAN_ROW", "served_decode"]
+__all__ = ["PLAN_ROW", "deal", "served_decode"]
 
 #: Ints per joining request in a plan: request, replica, prompt tokens, output tokens.
 PLAN_ROW = 4
@@ -70,23 +76,32 @@ def served_decode(ctx: Any, preset: str, tp: int, ep: int, prompt_len: Sequence[
                                 dense_layers=round(m.dense_layers * layers / m.layers))
     Layout(tp=tp, ep=ep, pp=pp).check(m)
     size = tp * ep * pp
-    if ctx.world != size:
-        raise UsageError(f"tp {tp} x ep {ep} x pp {pp} needs {size} workers, the fabric has "
-                         f"{ctx.world}")
-    n = len(prompt_len)
-    if n == 0 or len(output_len) != n or min(prompt_len) < 1 or min(output_len) < 1:
+    dp, extra = divmod(ctx.world, size)
+    if extra or not dp:
+        raise UsageError(f"tp {tp} x ep {ep} x pp {pp} needs {size} workers (or a multiple, "
+                         f"for data parallel generators), the fabric has {ctx.world}")
+    total = len(prompt_len)
+    if total == 0 or len(output_len) != total or min(prompt_len) < 1 or min(output_len) < 1:
         raise UsageError("every request needs a prompt and output length >= 1")
     if (arrivals is None) == (concurrency < 1):
         raise UsageError("schedule the requests: arrivals (open loop) or concurrency >= 1 "
                          "(closed loop), one of the two")
-    if arrivals is not None and len(arrivals) != n:
-        raise UsageError(f"{len(arrivals)} arrival times for {n} requests")
+    if arrivals is not None and len(arrivals) != total:
+        raise UsageError(f"{len(arrivals)} arrival times for {total} requests")
     if max_batch < 1:
         raise UsageError("max_batch must be >= 1")
-    shard = DecodeShard(ctx, m, tp, ep, pp, ctx.rank, data=False, variant=variant,
-                        path=path, gpu=gpu, seed=seed)
+    base = ctx.rank - ctx.rank % size  # this generator's first world rank
+    group = base // size
+    ids, concurrency = deal(total, dp, group, concurrency if arrivals is None else 0)
+    prompt_len = [prompt_len[i] for i in ids]
+    output_len = [output_len[i] for i in ids]
+    if arrivals is not None:
+        arrivals = [arrivals[i] for i in ids]
+    n = len(ids)
+    shard = DecodeShard(ctx, m, tp, ep, pp, ctx.rank - base, base=base, data=False,
+                        variant=variant, path=path, gpu=gpu, seed=seed)
     yield from shard.open()
-    leader = ctx.rank == 0
+    leader = ctx.rank == base
     hdr = np.zeros(2, np.int64)
     # every rank's copy of every replica's batch: [request, prompt left to feed, output left]
     running: list[list[list[int]]] = [[] for _ in range(ep)]
@@ -100,7 +115,7 @@ def served_decode(ctx: Any, preset: str, tp: int, ep: int, prompt_len: Sequence[
     tokens: list[list[float]] = [[] for _ in range(n)]
     steps: list[dict[str, float]] = []
     nxt = 0  # the next request not yet admitted
-    followers = list(range(1, size))
+    followers = list(range(base + 1, base + size))
     index = 0
     while True:
         t0 = yield ctx.clock()
@@ -128,11 +143,11 @@ def served_decode(ctx: Any, preset: str, tp: int, ep: int, prompt_len: Sequence[
                 if len(joins):
                     yield Together(tuple(ctx.send(body, f) for f in followers))
         else:
-            got = yield ctx.recv(hdr, 0)
+            got = yield ctx.recv(hdr, base)
             hdr[:] = np.asarray(got, np.int64)  # (the simulator hands back its own copy)
             body = np.zeros(int(hdr[0]) * PLAN_ROW, np.int64)
             if hdr[0]:
-                body = np.asarray((yield ctx.recv(body, 0)), np.int64)
+                body = np.asarray((yield ctx.recv(body, base)), np.int64)
             done = bool(hdr[1])
         if done:
             break
@@ -191,6 +206,19 @@ def served_decode(ctx: Any, preset: str, tp: int, ep: int, prompt_len: Sequence[
     yield from shard.close()
     if not leader:
         return {}
-    return {"requests": [{"arrival": float(arrive[i] - start),
+    return {"requests": [{"id": ids[i], "arrival": float(arrive[i] - start),
                           "tokens": [t - start for t in tokens[i]]} for i in range(n)],
-            "steps": steps}
+            "steps": steps, "group": group}
+
+
+def deal(total: int, dp: int, group: int, concurrency: int = 0) -> tuple[list[int], int]:
+    """The requests (indices of ``total``) generator ``group`` of ``dp`` serves, and
+    its share of a closed loop's ``concurrency`` clients (0: an open loop, where
+    request ``i`` goes to generator ``i % dp``). In a closed loop the requests
+    are the clients' in turn (request ``i`` is client ``i % concurrency``'s) and
+    client ``k`` sends to generator ``k % dp``."""
+    if not concurrency:
+        return list(range(group, total, dp)), 0
+    clients = min(concurrency, total)
+    mine = [i for i in range(total) if i % clients % dp == group]
+    return mine, len(range(group, clients, dp))
