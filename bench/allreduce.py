@@ -304,7 +304,7 @@ def sim_point(topo_text: str, topo_source: str, path: str, size: int, dtype: str
     topo = topology_from_text(topo_text, topo_source)
     halves = []
     sem = None
-    retransmits = 0
+    retransmits = replays = 0
     runs = []
     for place in places:
         sim = Simulation(topo, seed=seed, faults=faults, timeout_s=timeout_s,
@@ -315,6 +315,7 @@ def sim_point(topo_text: str, topo_source: str, path: str, size: int, dtype: str
         except SimulationError as exc:
             return {"error": str(exc)}
         retransmits += res.retransmits
+        replays += res.llr_replays
         runs.append(res)
         halves.append((place, res.results))
         if sem is None:
@@ -323,7 +324,8 @@ def sim_point(topo_text: str, topo_source: str, path: str, size: int, dtype: str
     counters = {k: getattr(sem, k) / max(sem.chunks, 1)
                 for k in ("copies", "encodes", "crossings", "hops")}
     return {"halves": halves, "chunks": sem.chunks, "counters": counters,
-            "retransmits": retransmits, "queues": sweep.queue_figures(runs)}
+            "retransmits": retransmits, "llr_replays": replays,
+            "queues": sweep.queue_figures(runs)}
 
 
 class SimFabric(sweep.SimStandIn):
@@ -339,8 +341,8 @@ class SimFabric(sweep.SimStandIn):
     def per_rank(self, size: int, result: dict[str, Any]) -> list[list[dict[str, Any]]]:
         """What :func:`measure_on_worker` returns, per rank, for one size."""
         calls = max(self.args.warmup + 2 * self.args.iters, 1)  # of the first half's run
-        retransmits = result["retransmits"]
-        note = [SIM_NOTE + (f"; {retransmits} retransmissions" if retransmits else "")
+        note = [SIM_NOTE + sweep.recovery_note(result["retransmits"],
+                                               result.get("llr_replays", 0))
                 + sweep.queue_note(result.get("queues", {}))]
         halves = result["halves"]
         out = []

@@ -449,7 +449,7 @@ def sim_point(topo_text: str, topo_source: str, kind: str, path: str, size: int,
     from fabric.sim.engine import Simulation, SimulationError
 
     topo = topology_from_text(topo_text, topo_source)
-    per_place, retransmits = [], 0
+    per_place, retransmits, replays = [], 0, 0
     runs: list[Any] = []
     sem: dict[str, Any] = {}
     for place in places:
@@ -462,12 +462,13 @@ def sim_point(topo_text: str, topo_source: str, kind: str, path: str, size: int,
             return {"error": str(exc)}
         per_place.append([r[0] for r in res.results])
         retransmits += res.retransmits
+        replays += res.llr_replays
         runs.append(res)
         if len(per_place) == 1:
             first = [n.sem(path) for n in res.nodes.values()][0]
             sem = {"chunks": first.chunks, "per_chunk": first.per_chunk()}
     return {"per_place": per_place, "sem": sem, "retransmits": retransmits,
-            "queues": sweep.queue_figures(runs)}
+            "llr_replays": replays, "queues": sweep.queue_figures(runs)}
 
 
 class SimFabric(sweep.SimStandIn):
@@ -510,8 +511,8 @@ class SimFabric(sweep.SimStandIn):
             per_rank[0]["counters"] = {**sem["per_chunk"],
                                        "chunks": sem["chunks"] / max(args.warmup
                                                                      + 2 * args.iters, 1)}
-        retransmits = result["retransmits"]
-        note = (SIM_NOTE + (f"; {retransmits} retransmissions" if retransmits else "")
+        note = (SIM_NOTE + sweep.recovery_note(result["retransmits"],
+                                               result.get("llr_replays", 0))
                 + sweep.queue_note(result.get("queues", {})))
         return combine(kind, path, w, dtype, run_op, root, per_rank, bool(args.check), note)
 

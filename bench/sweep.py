@@ -370,6 +370,13 @@ def queue_figures(results: list[Any]) -> dict[str, Any]:
             "peak_queue": [port, peaks[port]]}
 
 
+def recovery_note(retransmits: int, replays: int) -> str:
+    """The resends of simulations, in words, for a row's note: end to end, and by
+    links with link-level retry ("" when none)."""
+    out = f"; {retransmits} retransmissions" if retransmits else ""
+    return out + (f"; {replays} link replays (link-level retry)" if replays else "")
+
+
 def queue_note(q: dict[str, Any]) -> str:
     """:func:`queue_figures` in words, for a row's note ("" without buffers)."""
     if not q:

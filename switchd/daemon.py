@@ -405,6 +405,8 @@ class SwitchDaemon:
             "doorbell_full": sum(b.outbox.full for b in self._bells.values()),
             "fault_lost": lost,  # injected losses by opcode
             "held_frames": sum(len(pipe) for _, pipe in self._pipes),
+            # frames links with link-level retry sent again, ingress and egress
+            "llr_replays": sum(pipe.llr_replays for _, pipe in self._pipes),
             # [congestion]: what the egress queues did, per port ("switch>peer")
             "queues": {f"{self.name}>{peer.decode()}": {
                 "overflow_drops": st.overflow_drops, "trims": st.trims,

@@ -249,3 +249,25 @@ def test_memory_link_serialises_with_bandwidth_and_delivers_in_order() -> None:
     assert (s.sent, s.delivered, s.in_flight) == (3, 3, 0)
     with pytest.raises(ValueError):
         clock.advance(-1.0)
+
+
+def test_a_retrying_link_sees_the_same_losses_and_counts_corruption() -> None:
+    """damaged(): the loss decisions of apply() (same streams), plus corruption;
+    nothing else (a retrying link neither duplicates nor reorders)."""
+    spec = "loss=0.05,dup=0.3,reorder=0.2:3,corrupt=0.02"
+    a, b = FaultInjector(spec, 5), FaultInjector(spec, 5)
+    lost_apply = []
+    for i in range(4000):
+        before = a.lost
+        a.apply(i.to_bytes(4, "little"), i * 1e-6)
+        lost_apply.append(a.lost > before)
+    lost_llr = []
+    for _ in range(4000):
+        before = b.lost
+        damaged = b.damaged()
+        lost_llr.append(b.lost > before)
+        assert damaged or b.lost == before
+    assert lost_llr == lost_apply
+    s = b.statistics()
+    assert s.frames == 4000 and s.duplicated == 0 and s.reordered == 0
+    assert 0.01 < s.corrupted / 4000 < 0.03 and 0.035 < s.lost / 4000 < 0.065

@@ -16,6 +16,7 @@ from fabric.core.topology import (
     Topology,
     TopologyError,
     check_main,
+    cluster,
     gen_main,
     leaf_spine,
     load,
@@ -609,3 +610,26 @@ def test_cluster_has_three_networks_with_their_figures() -> None:
                       ({"scaleup": {"colour": 1.0}}, "colour")]:
         with pytest.raises(TopologyError, match=words):
             cluster(4, 2, **kw)
+
+
+def test_link_level_retry_is_a_link_parameter() -> None:
+    """``llr``: false by default, per class or per link, round-trips, and a
+    cluster's scale-up links have it (UALink and NVLink retry at the link)."""
+    t = star(2, loss=0.01, llr=True)
+    assert all(lk.params.llr for lk in t.links)
+    assert loads(t.to_toml()) == t
+    assert not LinkParams().llr
+    c = cluster(2, 2)
+    assert {lk.cls: lk.params.llr for lk in c.links} == {
+        "scaleup": True, "scaleout": False, "frontend": False}
+    with pytest.raises(TopologyError, match="llr must be true or false"):
+        loads(t.to_toml().replace("llr = true", "llr = 1"))
+
+
+def test_gen_main_turns_link_level_retry_on_and_off(capsys: pytest.CaptureFixture[str]
+                                                    ) -> None:
+    assert gen_main(["--leaves", "2", "--per-leaf", "2", "--llr", "--loss", "0.01"]) == 0
+    ls = loads(capsys.readouterr().out)
+    assert all(lk.params.llr for lk in ls.links if lk.cls != "frontend")
+    assert gen_main(["--cluster", "2", "--gpus-per-domain", "2", "--no-llr"]) == 0
+    assert not any(lk.params.llr for lk in loads(capsys.readouterr().out).links)

@@ -409,6 +409,39 @@ class FaultInjector:
         out.extend(self._release(lambda h: h.remaining <= 0, natural))
         return out
 
+    def damaged(self) -> bool:
+        """One frame across a link with link-level retry (``llr``): whether its
+        receiver sees it lost or corrupted, and so asks for it again.
+
+        Such a link delivers what it accepts once and in order, so only the loss
+        (and Gilbert-Elliott) and corruption decisions apply, drawn from the same
+        streams as :meth:`apply`; the frame itself is not touched, since the
+        link replays a damaged frame rather than passing it on."""
+        spec = self.spec
+        self._frames += 1
+        u_loss = self._r_loss.random() if spec.loss else 1.0
+        ge = spec.gilbert_elliott
+        u_ge_move, u_ge_loss = ((self._r_ge.random(), self._r_ge.random()) if ge is not None
+                                else (1.0, 1.0))
+        u_corrupt = self._r_corrupt.random() if spec.corrupt else 1.0
+        lost = u_loss < spec.loss
+        if ge is not None:
+            if self._bad:
+                self._bad = u_ge_move >= ge.p_bad_to_good
+            else:
+                self._bad = u_ge_move < ge.p_good_to_bad
+            if u_ge_loss < (ge.loss_in_bad if self._bad else ge.loss_in_good):
+                if not lost:
+                    self._lost_burst += 1
+                lost = True
+        if lost:
+            self._lost += 1
+            return True
+        if u_corrupt < spec.corrupt:
+            self._corrupted += 1
+            return True
+        return False
+
     def poll(self, now: float) -> list[tuple[float, bytes]]:
         """Release held frames whose timeout has passed."""
         return self._release(lambda h: h.deadline <= now, now)

@@ -3,7 +3,12 @@
 A frame pushed into the pipeline goes through, in this order:
 
 1. **faults** (:class:`fabric.core.faults.FaultInjector`, seeded): loss, bursts,
-   duplication, reordering, corruption, delay;
+   duplication, reordering, corruption, delay. A link with link-level retry
+   (``llr``) loses nothing: a frame lost or corrupted on it is replayed by the
+   link (``llr_replays``) once the far end's negative acknowledgement is back,
+   one round trip of the link later. The link sends nothing else meanwhile, so
+   what follows stays behind it: go-back-N, as the frames sent in that round
+   trip would be refused and sent again;
 2. **the queue** (optional, a switch's egress,
    :class:`~fabric.core.congestion.switchq.SwitchQueues`): a frame that would not
    fit in the switch's buffer beside the frames still waiting to leave is dropped
@@ -102,6 +107,11 @@ class LinkShaper:
         self.busy_s += wire
         return start + pkt + self._latency_s, end + self._latency_s
 
+    def hold_until(self, t: float) -> None:
+        """Send nothing before ``t`` (a link waiting to replay a frame)."""
+        if t > self._free_at:
+            self._free_at = t
+
     def backlog_s(self, now: float) -> float:
         """How long a frame entering now would wait for the link to be free."""
         return max(self._free_at - now, 0.0)
@@ -150,6 +160,7 @@ class PipelineStats:
     trims: int = 0  # frames cut to their header for lack of room
     ecn_marks: int = 0  # frames marked congestion experienced
     peak_queue_bytes: int = 0  # the most data bytes this port's queue held
+    llr_replays: int = 0  # frames the link sent again (link-level retry)
 
 
 def _split(blob: bytes) -> tuple[bytes, memoryview | None]:
@@ -191,6 +202,9 @@ class LinkPipeline:
         # switch is handed over when its head arrives, into a node at its tail
         self.cut_through = cut_through if self.shaper is not None else 0
         self.to_switch = to_switch
+        # link-level retry: damaged frames are replayed here, not lost
+        self.llr = params is not None and params.llr
+        self.llr_replays = 0
         self._held: list[tuple[float, int, Item, float]] = []
         self._seq = itertools.count()
         # Without corruption the injector decides on an 8-byte token that stands
@@ -210,6 +224,9 @@ class LinkPipeline:
         inj = self.injector
         if inj is None:
             self._shape(item, now, tail)
+            return
+        if self.llr:
+            self._shape(item, self._replayed(inj, item, now), tail)
             return
         for at, arrived in self._inject(inj, item, now):
             self._shape(arrived, max(at, now), tail)
@@ -251,7 +268,7 @@ class LinkPipeline:
             lost_by_op=dict(self._lost_by_op),
             faults=self.injector.statistics() if self.injector is not None else None,
             overflow_drops=self.overflow_drops, trims=self.trims, ecn_marks=self.ecn_marks,
-            peak_queue_bytes=self.peak_queue)
+            peak_queue_bytes=self.peak_queue, llr_replays=self.llr_replays)
 
     # ------------------------------------------------------------------ internals
     def _shape(self, item: Item, now: float, tail: float | None) -> None:
@@ -296,6 +313,22 @@ class LinkPipeline:
             if buf is not None:
                 buf.hold(self.port, nbytes, self.shaper.free_at)
         heapq.heappush(self._held, (due, next(self._seq), item, end))
+
+    def _replayed(self, inj: FaultInjector, item: Item, now: float) -> float:
+        """When a frame entering a link with link-level retry at ``now`` is sent for
+        the last time: each damaged copy occupies the link for its serialisation,
+        reaches the far end, whose negative acknowledgement takes the link's
+        latency back; the link sends nothing meanwhile. (With neither bandwidth
+        nor latency the replay costs nothing but its count.)"""
+        t = now
+        sh = self.shaper
+        while inj.damaged():
+            self.llr_replays += 1
+            if sh is not None:
+                arrived = sh.schedule(wire_bytes(item[0], item[1]), t)
+                t = arrived + sh.params.latency_us * 1e-6  # the NAK is back
+                sh.hold_until(t)
+        return t
 
     def _trim(self, item: Item, now: float, again: bool = False) -> None:
         """Send ``item``'s header alone, ahead of the queued data (a class served

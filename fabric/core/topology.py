@@ -72,7 +72,7 @@ NODE_KINDS: tuple[NodeKind, ...] = ("worker", "host", "switch")
 #: The three networks of DESIGN.md 1.6.
 LINK_CLASSES: tuple[LinkClass, ...] = ("scaleup", "scaleout", "frontend")
 #: Link parameters a ``[[link]]`` or ``[defaults.<class>]`` table may set.
-LINK_PARAM_KEYS: tuple[str, ...] = ("latency_us", "bandwidth_gbps", "loss", "mtu")
+LINK_PARAM_KEYS: tuple[str, ...] = ("latency_us", "bandwidth_gbps", "loss", "mtu", "llr")
 TRANSPORTS: tuple[str, ...] = ("ipc", "tcp")
 
 MIN_MTU = 256
@@ -161,6 +161,10 @@ class Node:
 
 def _param_problem(key: str, value: object) -> str | None:
     """Return why ``value`` is not valid for link parameter ``key``, or None."""
+    if key == "llr":
+        if not isinstance(value, bool):
+            return f"llr must be true or false (link-level retry), got {value!r}"
+        return None
     if key == "mtu":
         if isinstance(value, bool) or not isinstance(value, int):
             return f"mtu must be an integer number of bytes, got {value!r}"
@@ -203,6 +207,10 @@ class LinkParams:
     bandwidth_gbps: float = 0.0
     loss: float = 0.0
     mtu: int = 256 * 1024
+    #: Link-level retry: the link replays a frame its far end received damaged or
+    #: not at all, so it delivers every frame once and in order, later
+    #: (fabric.core.link; UALink's and NVLink's links do this).
+    llr: bool = False
 
     def __post_init__(self) -> None:
         for key in LINK_PARAM_KEYS:
@@ -1306,6 +1314,7 @@ def leaf_spine(
     host_bandwidth_gbps: float | None = None,
     loss: float = 0.0,
     mtu: int | None = None,
+    llr: bool = False,
     name: str | None = None,
     transport: str = "ipc",
     base_port: int = DEFAULT_BASE_PORT,
@@ -1317,8 +1326,9 @@ def leaf_spine(
     links are ``scaleout`` with the bandwidth that makes each leaf's down:up
     ratio equal ``oversubscription`` (``K * leaf_bw / (ratio * spines)`` per
     uplink). Hosts attach to ``spine0`` over ``scaleout`` at
-    ``host_bandwidth_gbps`` (default: one worker link's bandwidth). ``loss`` and
-    ``mtu`` apply to every link. A ratio other than 1 needs shaped leaf links.
+    ``host_bandwidth_gbps`` (default: one worker link's bandwidth). ``loss``,
+    ``mtu`` and ``llr`` (link-level retry) apply to every link. A ratio other than 1
+    needs shaped leaf links.
     Names: workers ``w0..`` (leaf-major), ``leaf0..``, ``spine0..``, ``host0..``.
     """
     source = "<leaf_spine>"
@@ -1356,6 +1366,8 @@ def leaf_spine(
     common: dict[str, Any] = {"loss": loss}
     if mtu is not None:
         common["mtu"] = mtu
+    if llr:
+        common["llr"] = True
     nodes = [{"name": f"w{i}", "kind": "worker"} for i in range(leaves * workers_per_leaf)]
     nodes += [{"name": f"host{i}", "kind": "host"} for i in range(hosts)]
     # Spines before leaves so spine0 gets the lowest switch id (it wins root ties).
@@ -1400,9 +1412,12 @@ def leaf_spine(
 #: datasheet), sub-microsecond through an NVSwitch; scale-out one 400 Gb/s NIC per
 #: GPU (ConnectX-7, as in a DGX H100), about 1 us per cut-through hop with the NIC,
 #: RoCE's 4096-byte path MTU; front-end 100 Gb/s datacenter Ethernet, 9000-byte
-#: jumbo frames, a few microseconds per hop through host stacks.
-CLUSTER_DEFAULTS: dict[str, dict[str, float]] = {
-    "scaleup": {"bandwidth_gbps": 3600.0, "latency_us": 0.5, "mtu": 4096},
+#: jumbo frames, a few microseconds per hop through host stacks. Scale-up links
+#: retry at the link layer (``llr``): a flit that arrives damaged or not at all is
+#: replayed by the link, as UALink's link-level retry and NVLink's CRC-checked
+#: replay do, so no loss there reaches the protocol's end-to-end recovery.
+CLUSTER_DEFAULTS: dict[str, dict[str, float | bool]] = {
+    "scaleup": {"bandwidth_gbps": 3600.0, "latency_us": 0.5, "mtu": 4096, "llr": True},
     "scaleout": {"bandwidth_gbps": 400.0, "latency_us": 1.0, "mtu": 4096},
     "frontend": {"bandwidth_gbps": 100.0, "latency_us": 5.0, "mtu": 9000},
 }
@@ -1416,9 +1431,9 @@ def cluster(
     spines: int = 1,
     oversubscription: float = 1.0,
     hosts: int = 1,
-    scaleup: Mapping[str, float] | None = None,
-    scaleout: Mapping[str, float] | None = None,
-    frontend: Mapping[str, float] | None = None,
+    scaleup: Mapping[str, float | bool] | None = None,
+    scaleout: Mapping[str, float | bool] | None = None,
+    frontend: Mapping[str, float | bool] | None = None,
     name: str | None = None,
     transport: str = "ipc",
     base_port: int = DEFAULT_BASE_PORT,
@@ -1648,6 +1663,10 @@ def gen_main(argv: Sequence[str]) -> int:
     )
     parser.add_argument("--loss", type=float, default=0.0, metavar="P", help="loss probability")
     parser.add_argument("--mtu", type=int, default=None, metavar="BYTES", help="link MTU")
+    parser.add_argument("--llr", action=argparse.BooleanOptionalAction, default=None,
+                        help="link-level retry: a link replays a frame lost or damaged on it "
+                        "(every link of a star or leaf-spine; a cluster's scale-up links have "
+                        "it unless --no-llr)")
     parser.add_argument("--name", default=None, help="fabric name (default from the shape)")
     parser.add_argument("--transport", choices=TRANSPORTS, default="ipc", help="default ipc")
     parser.add_argument("--base-port", type=int, default=DEFAULT_BASE_PORT, help="tcp base port")
@@ -1685,6 +1704,8 @@ def gen_main(argv: Sequence[str]) -> int:
             }
             if args.mtu is not None:
                 params["mtu"] = args.mtu
+            if args.llr:
+                params["llr"] = True
             topo = star(
                 args.workers,
                 args.hosts,
@@ -1695,13 +1716,15 @@ def gen_main(argv: Sequence[str]) -> int:
                 **params,
             )
         elif args.cluster is not None:
-            over: dict[str, dict[str, float]] = {c: {} for c in LINK_CLASSES}
+            over: dict[str, dict[str, float | bool]] = {c: {} for c in LINK_CLASSES}
             for cls in LINK_CLASSES:
                 v = getattr(args, f"{cls}_gbps")
                 if v is not None:
                     over[cls]["bandwidth_gbps"] = v
             if args.mtu is not None:
                 over["scaleup"]["mtu"] = over["scaleout"]["mtu"] = args.mtu
+            if args.llr is not None:
+                over["scaleup"]["llr"] = args.llr
             topo = cluster(args.cluster, args.gpus_per_domain,
                            domains_per_leaf=args.domains_per_leaf, spines=args.spines,
                            oversubscription=args.oversubscription, hosts=args.hosts,
@@ -1722,6 +1745,7 @@ def gen_main(argv: Sequence[str]) -> int:
                 spine_latency_us=args.spine_latency_us,
                 loss=args.loss,
                 mtu=args.mtu,
+                llr=bool(args.llr),
                 name=args.name,
                 transport=args.transport,
                 base_port=args.base_port,

@@ -124,6 +124,8 @@ class SimResult:
     #: frames the switches cut to their header ([congestion] trim), and marked CE
     trims: int = 0
     ecn_marks: int = 0
+    #: frames links with link-level retry (``llr``) sent again
+    llr_replays: int = 0
     #: bytes the links of each class carried, both directions (shaped links only:
     #: an unshaped link does not count what it passes)
     bytes_by_class: dict[str, int] = field(default_factory=dict)
@@ -245,8 +247,10 @@ class Simulation:
         except CongestionConfigError as exc:
             raise UsageError(str(exc)) from None
         self._queues = queues
-        lossless = (spec_all is None or spec_all.clean) and not any(
-            lk.params.loss for lk in topo.links) and not queues
+        # nothing is lost where no link loses (a link that retries loses nothing)
+        clean = spec_all is None or spec_all.clean
+        lossless = not queues and all(lk.params.llr or (clean and not lk.params.loss)
+                                      for lk in topo.links)
         self.nodes: dict[str, _Node] = {}
         for n in topo.nodes:
             if not n.is_switch:
@@ -306,6 +310,7 @@ class Simulation:
             queue_peaks=self._queue_peaks(),
             trims=sum(p.trims for p in self.pipes.values()),
             ecn_marks=sum(p.ecn_marks for p in self.pipes.values()),
+            llr_replays=sum(p.llr_replays for p in self.pipes.values()),
             bytes_by_class=self._bytes_by_class())
 
     def _bytes_by_class(self) -> dict[str, int]:
