@@ -161,7 +161,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="MoE dispatch and combine variant")
     c.add_argument("--tp-path", default="ina", choices=("ina", "ina-mem", "host-ps", "host-ring"),
                    help="path of the TP allreduces")
-    c.add_argument("--backend", default="auto", help="kernel backend of the toy decoder")
+    c.add_argument("--backend", default="auto",
+                   help="kernel backend of the toy decoder, and of a --model's attention")
     c.add_argument("--trace", metavar="PATH",
                    help="write a Chrome Trace Event file (open it in the Perfetto UI)")
     c.add_argument("--trace-requests", type=int, default=2,

@@ -79,6 +79,12 @@ class Backend(ABC):
         cheaper call override it."""
         self.multicast_reduce([a, b], [a, b], op)
 
+    def attention_fixed(self, q: Any, kk: Any, vv: Any, held: int, head0: int, group: int,
+                        kv0: int, frac_bits: int) -> Any:
+        """See :func:`kernels.reference.attention_fixed` (host int64 arrays in and
+        out); backends without their own kernel run the reference."""
+        return reference.attention_fixed(q, kk, vv, held, head0, group, kv0, frac_bits)
+
     def reduce_into(self, acc: Any, x: Any, op: str) -> None:
         """``acc = op(acc, x)`` in place; see :func:`kernels.reference.reduce_into`."""
         self.multicast_reduce([acc, x], [acc], op)

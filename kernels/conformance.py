@@ -161,6 +161,16 @@ def check_decoder(
                 raise AssertionError(f"decoder row {r}: token {got_t[r]} vs {want_t[r]}")
 
 
+def check_attention_fixed(b: Backend, q: np.ndarray, kk: np.ndarray, vv: np.ndarray,
+                          held: int, head0: int, group: int, kv0: int,
+                          frac_bits: int = 12) -> None:
+    """Every output element equal to the reference's (int64, bitwise)."""
+    got = b.to_host(np.asarray(b.attention_fixed(q, kk, vv, held, head0, group, kv0,
+                                                 frac_bits)))
+    want = reference.attention_fixed(q, kk, vv, held, head0, group, kv0, frac_bits)
+    assert_same(np.asarray(got), want, "attention_fixed")
+
+
 def _reference_scores(
     weights: reference.ToyDecoder,
     new_hidden: np.ndarray,
@@ -180,6 +190,7 @@ def _reference_scores(
 __all__ = [
     "assert_same",
     "bits",
+    "check_attention_fixed",
     "check_decoder",
     "check_make_tensor",
     "check_moe_topk",

@@ -292,6 +292,82 @@ def _decode(
         next_tok[b] = best
 
 
+@njit(nogil=True)
+def _pairwise_sum(a: Any, lo: int, n: int) -> float:
+    # NumPy's pairwise summation of a contiguous float64 array, step for step
+    # (blocks of 8 partial sums up to 128 elements, halves above), so a softmax
+    # denominator has NumPy's bits
+    if n < 8:
+        res = 0.0
+        for i in range(lo, lo + n):
+            res += a[i]
+        return res
+    if n <= 128:
+        r0, r1, r2, r3 = a[lo], a[lo + 1], a[lo + 2], a[lo + 3]
+        r4, r5, r6, r7 = a[lo + 4], a[lo + 5], a[lo + 6], a[lo + 7]
+        i = 8
+        end = n - n % 8
+        while i < end:
+            r0 += a[lo + i]
+            r1 += a[lo + i + 1]
+            r2 += a[lo + i + 2]
+            r3 += a[lo + i + 3]
+            r4 += a[lo + i + 4]
+            r5 += a[lo + i + 5]
+            r6 += a[lo + i + 6]
+            r7 += a[lo + i + 7]
+            i += 8
+        res = ((r0 + r1) + (r2 + r3)) + ((r4 + r5) + (r6 + r7))
+        while i < n:
+            res += a[lo + i]
+            i += 1
+        return res
+    n2 = n // 2
+    n2 -= n2 % 8
+    return _pairwise_sum(a, lo, n2) + _pairwise_sum(a, lo + n2, n - n2)
+
+
+@njit(nogil=True)
+def _attention(q: Any, kk: Any, vv: Any, held: int, head0: int, group: int, kv0: int,
+               frac: int, out: Any) -> None:
+    # reference.attention_fixed, one (row, head) at a time: the integer dot
+    # products are exact in any order, the float64 steps are the reference's
+    c, nq, d = q.shape
+    one = 1 << frac
+    scale = float(one * one)
+    root = math.sqrt(float(d))
+    half = one >> 1
+    total = kk.shape[1]
+    p = np.empty(total)
+    w = np.empty(total, np.int64)
+    row = np.zeros(d, np.int64)
+    for i in range(c):
+        upto = held + i + 1
+        for j in range(nq):
+            kv = (head0 + j) // group - kv0
+            top = -math.inf
+            for t in range(upto):
+                acc = 0
+                for e in range(d):
+                    acc += kk[kv, t, e] * q[i, j, e]
+                s = float(acc) / scale / root
+                p[t] = s
+                if s > top:
+                    top = s
+            for t in range(upto):
+                p[t] = math.exp(p[t] - top)
+            denom = _pairwise_sum(p, 0, upto)
+            for t in range(upto):
+                w[t] = np.int64(np.rint(p[t] / denom * one))
+            row[:] = 0
+            for t in range(upto):  # along the values' rows: contiguous reads
+                wt = w[t]
+                for e in range(d):
+                    row[e] += wt * vv[kv, t, e]
+            for e in range(d):
+                out[i, j * d + e] = (row[e] + half) >> frac
+
+
 # --------------------------------------------------------------------------
 # Backend
 # --------------------------------------------------------------------------
@@ -425,6 +501,13 @@ class NumbaCpuBackend(Backend):
         w = np.empty((x.shape[0], k), dtype=np.float32)
         _topk(x, k, ids, w)
         return ids, w
+
+    def attention_fixed(self, q: Any, kk: Any, vv: Any, held: int, head0: int, group: int,
+                        kv0: int, frac_bits: int) -> Any:
+        qa, ka, va = reference.check_attention_args(q, kk, vv, held, head0, group, kv0)
+        out = np.zeros((qa.shape[0], qa.shape[1] * qa.shape[2]), np.int64)
+        _attention(qa, ka, va, held, head0, group, kv0, frac_bits, out)
+        return out
 
     def decoder_step(
         self,

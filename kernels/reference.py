@@ -529,3 +529,61 @@ def decoder_step(
     else:
         scores = logits
     return np.argmax(scores, axis=1).astype(np.int32), new_hidden
+
+
+# --------------------------------------------------------------------------
+# Fixed-point attention (the sharded model's, fabric.core.decoder)
+# --------------------------------------------------------------------------
+
+
+def check_attention_args(q: Any, kk: Any, vv: Any, held: int, head0: int, group: int,
+                         kv0: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Validate and convert :func:`attention_fixed`'s arguments (ValueError)."""
+    qa = np.ascontiguousarray(q, dtype=np.int64)
+    ka = np.ascontiguousarray(kk, dtype=np.int64)
+    va = np.ascontiguousarray(vv, dtype=np.int64)
+    if qa.ndim != 3 or ka.ndim != 3 or ka.shape != va.shape or qa.shape[2] != ka.shape[2]:
+        raise ValueError(f"need q [rows, heads, d], kk and vv [kv heads, tokens, d]; got "
+                         f"{qa.shape}, {ka.shape}, {va.shape}")
+    c, nq, _d = qa.shape
+    if held < 0 or held + c != ka.shape[1]:
+        raise ValueError(f"{ka.shape[1]} tokens of keys for {held} held and {c} new rows")
+    if group < 1 or head0 < 0 or kv0 < 0:
+        raise ValueError("group must be >= 1, head0 and kv0 >= 0")
+    if nq and not (0 <= head0 // group - kv0 and (head0 + nq - 1) // group - kv0 < ka.shape[0]):
+        raise ValueError(f"query heads {head0}..{head0 + nq - 1} (group {group}) read kv heads "
+                         f"outside {kv0}..{kv0 + ka.shape[0] - 1}")
+    return qa, ka, va
+
+
+def attention_fixed(q: np.ndarray, kk: np.ndarray, vv: np.ndarray, held: int, head0: int,
+                    group: int, kv0: int, frac_bits: int) -> np.ndarray:
+    """Causal attention of ``c`` new rows of one sequence, in fixed point; returns
+    ``[c, heads * d]`` int64 (``frac_bits`` fractional bits).
+
+    ``q`` is ``[c, heads, d]``: the new rows' queries for query heads ``head0 ..``,
+    ``kk`` and ``vv`` ``[kv heads, held + c, d]``: keys and values of KV heads
+    ``kv0 ..``, the ``held`` cached tokens then the new rows; query head ``h``
+    reads KV head ``h // group``. All in ``frac_bits`` fractional bits. Row ``i``
+    attends to tokens ``0 .. held + i``: scores ``(k . q) / 2**(2 frac) /
+    sqrt(d)`` in float64 (the dot product is exact in int64), softmax weights
+    ``exp(s - max)`` over their sum (NumPy's pairwise order), rounded half to
+    even to ``frac_bits``; the output ``(weights . v) / 2**frac`` rounded half up.
+
+    The weights are rounded to 12 bits or so, so backends whose ``exp`` differs
+    from NumPy's in the last ulp give the same integers unless a weight lies
+    within about 1e-16 of a rounding boundary (about one element in 10**12).
+    """
+    qa, ka, va = check_attention_args(q, kk, vv, held, head0, group, kv0)
+    c, nq, d = qa.shape
+    out = np.zeros((c, nq * d), np.int64)
+    one = 1 << frac_bits
+    for i in range(c):
+        upto = held + i + 1
+        for j in range(nq):
+            kv = (head0 + j) // group - kv0
+            scores = (ka[kv, :upto] @ qa[i, j]).astype(np.float64) / (one * one) / np.sqrt(d)
+            p = np.exp(scores - scores.max())
+            pq = np.round(p / p.sum() * one).astype(np.int64)
+            out[i, j * d:(j + 1) * d] = (pq @ va[kv, :upto] + (one >> 1)) >> frac_bits
+    return out

@@ -173,3 +173,15 @@ def test_continuous_batching_gives_each_sequence_its_unsharded_tokens(tp: int,
     assert sorted(got) == list(range(len(arrivals)))
     for i, (_at, _rep, prompt, n, temp) in enumerate(arrivals):
         assert got[i] == generate_reference(w, [prompt], n, temp, seed=13)[0], i
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_the_numba_attention_kernel_gives_the_same_tokens(temperature: float) -> None:
+    """The unsharded model with the numba-cpu backend's attention and with the NumPy
+    reference's: the same tokens (the kernel's conformance is in test_kernels)."""
+    from kernels import get_backend
+
+    w = TinyWeights(get_model("tiny"), seed=3)
+    kernel = get_backend("numba-cpu").attention_fixed
+    want = generate_reference(w, PROMPTS, 6, temperature, seed=4)
+    assert generate_reference(w, PROMPTS, 6, temperature, seed=4, kernel=kernel) == want

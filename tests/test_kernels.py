@@ -648,3 +648,51 @@ def test_reduce_pair_takes_the_one_pass_kernel_when_small(monkeypatch: pytest.Mo
     bf16 = np_dtype("bfloat16")
     b.reduce_pair(np.ones(8, bf16), np.ones(8, bf16), "sum")  # widened: not the pair kernel
     assert calls == [1]
+
+
+# --------------------------------------------------------------------------
+# Fixed-point attention (the sharded model's)
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_attention_fixed_matches_the_reference(name: str) -> None:
+    """Fresh random keys, values and queries (never zeros), odd head sizes, grouped
+    query heads, a rank's slice of the heads (head0, kv0), prefill and decode rows,
+    contexts past NumPy's 8- and 128-element summation blocks."""
+    b = backend(name)
+    rng = np.random.default_rng(123)
+    for c, held, d, nkv, group, head0 in [(1, 0, 7, 1, 1, 0), (3, 5, 5, 2, 2, 0),
+                                         (1, 130, 9, 1, 3, 4), (6, 0, 16, 2, 1, 2),
+                                         (2, 300, 3, 1, 2, 2), (1, 7, 1, 3, 1, 0)]:
+        nq = nkv * group - (head0 % group)
+        kv0 = head0 // group
+        lim = 1 << 15
+        q = rng.integers(-lim, lim, (c, nq, d))
+        q[q == 0] = 1
+        kk = rng.integers(-lim, lim, (nkv, held + c, d))
+        vv = rng.integers(-lim, lim, (nkv, held + c, d))
+        C.check_attention_fixed(b, q, kk, vv, held, head0, group, kv0)
+
+
+def test_attention_fixed_is_causal_and_refuses_bad_shapes() -> None:
+    rng = np.random.default_rng(7)
+    q = rng.integers(-999, 999, (3, 2, 4))
+    kk = rng.integers(-999, 999, (1, 5, 4))
+    vv = rng.integers(-999, 999, (1, 5, 4))
+    full = R.attention_fixed(q, kk, vv, 2, 0, 2, 0, 12)
+    # row i sees tokens 0 .. 2 + i: changing the last token moves only the last row
+    kk2, vv2 = kk.copy(), vv.copy()
+    kk2[0, 4] += 100
+    vv2[0, 4] += 100
+    moved = R.attention_fixed(q, kk2, vv2, 2, 0, 2, 0, 12)
+    assert (moved[:2] == full[:2]).all() and (moved[2] != full[2]).any()
+    # one token: its value, whatever the scores
+    one = R.attention_fixed(q[:1], kk[:, :1], vv[:, :1], 0, 0, 2, 0, 12)
+    assert (one.reshape(2, 4) == vv[0, 0]).all()
+    for args in [(q, kk[:, :4], vv[:, :4], 2), (q[0], kk, vv, 2), (q, kk, vv[:, :4], 2),
+                 (q, kk, vv, 3)]:
+        with pytest.raises(ValueError):
+            R.attention_fixed(*args, 0, 2, 0, 12)
+    with pytest.raises(ValueError, match="kv heads"):
+        R.attention_fixed(q, kk, vv, 2, 0, 1, 0, 12)  # head 1 reads kv head 1: absent

@@ -38,6 +38,7 @@ import numpy as np
 
 from fabric.core.decoder import (
     W_BITS,
+    AttentionKernel,
     KvCache,
     TinyWeights,
     attention_partial,
@@ -108,7 +109,8 @@ class DecodeShard:
     def __init__(self, ctx: Any, m: ModelConfig, tp: int, ep: int, pp: int, rank: int, *,
                  base: int = 0, spread: int = 1, data: bool = True, weights_seed: int = 0,
                  variant: str = "flat", path: str = "ina", gpu: str | None = None,
-                 payloads: bool = False, seed: int = 0) -> None:
+                 payloads: bool = False, seed: int = 0,
+                 attention: AttentionKernel | None = None) -> None:
         Layout(tp=tp, ep=ep, pp=pp).check(m)
         if data and m.params() > RUNNABLE_PARAMS:
             raise UsageError(f"{m.name} is too large to compute here; run it timing-only "
@@ -119,6 +121,7 @@ class DecodeShard:
         self.s, rest = divmod(rank, tp * ep)
         self.e, self.r = divmod(rest, tp)
         self.variant, self.path, self.payloads, self.seed = variant, path, payloads, seed
+        self.attention = attention  # None: kernels.reference.attention_fixed
         self.w = TinyWeights(m, weights_seed) if data else None
         self.cache = KvCache()
         self.clock = _Timer(ctx)
@@ -247,7 +250,8 @@ class DecodeShard:
                                       self.r)
         yield from self._compute("attention")
         part = attention_partial(w, layer, rms_norm(x), self.cache, self.tp, r, slots,
-                                 counts.tolist()) if w is not None else None
+                                 counts.tolist(), kernel=self.attention) \
+            if w is not None else None
         part = yield from self._tp_sum(part, nrows * m.hidden)
         if w is not None:
             x = x + rescale(part, W_BITS)

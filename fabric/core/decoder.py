@@ -19,17 +19,29 @@ fabric; :func:`generate_reference` runs it unsharded.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from fabric.core.model import ModelConfig
-from kernels.reference import derive_key, gumbel_noise, mix64, moe_topk, uniform_pm1
+from kernels.reference import (
+    attention_fixed,
+    derive_key,
+    gumbel_noise,
+    mix64,
+    moe_topk,
+    uniform_pm1,
+)
 
-__all__ = ["ACT_BITS", "W_BITS", "GATE_BITS", "KvCache", "TinyWeights", "attention_partial",
-           "expert_partial", "generate_reference", "lm_logits", "next_tokens", "rms_norm",
-           "rescale", "route", "sample_tokens"]
+#: The attention of one sequence's new rows (:func:`kernels.reference.attention_fixed`'s
+#: signature: q, kk, vv, held, head0, group, kv0, frac_bits).
+AttentionKernel = Callable[[np.ndarray, np.ndarray, np.ndarray, int, int, int, int, int],
+                           np.ndarray]
+
+__all__ = ["ACT_BITS", "W_BITS", "GATE_BITS", "AttentionKernel", "KvCache", "TinyWeights",
+           "attention_partial", "expert_partial", "generate_reference", "lm_logits",
+           "next_tokens", "rms_norm", "rescale", "route", "sample_tokens"]
 
 #: Fractional bits of activations (int64): 2**-12 resolution, values up to ~2**18.
 ACT_BITS = 12
@@ -138,7 +150,8 @@ def _heads(m: ModelConfig, tp: int, r: int) -> tuple[range, range]:
 
 def attention_partial(w: TinyWeights, layer: int, xn: np.ndarray, cache: KvCache,
                       tp: int = 1, r: int = 0, slots: Sequence[int] | None = None,
-                      counts: Sequence[int] | None = None) -> np.ndarray:
+                      counts: Sequence[int] | None = None,
+                      kernel: AttentionKernel | None = None) -> np.ndarray:
     """TP rank ``r``'s share of the attention output of normed rows ``xn``
     (rows, hidden): the output projection of this rank's heads, unrescaled
     (scale ACT + W bits), to be summed over the TP ranks.
@@ -146,7 +159,11 @@ def attention_partial(w: TinyWeights, layer: int, xn: np.ndarray, cache: KvCache
     The rows are ``counts[i]`` consecutive new tokens of sequence ``slots[i]``
     (default: one row per sequence, slots 0, 1, ...); each row attends over its
     sequence's cache and its own sequence's rows up to itself (causal), so a
-    prompt fed in one call gives bit for bit what it gives a token per call."""
+    prompt fed in one call gives bit for bit what it gives a token per call.
+
+    ``kernel`` computes each sequence's attention
+    (:func:`kernels.reference.attention_fixed`, the default, or a backend's
+    ``attention_fixed``: a driver passes the one its ``--backend`` names)."""
     m = w.model
     L = w.layers[layer]
     d = m.head_dim
@@ -168,6 +185,7 @@ def attention_partial(w: TinyWeights, layer: int, xn: np.ndarray, cache: KvCache
         cache.values.append({})
     ks, vs = cache.keys[layer], cache.values[layer]
     group = m.heads // m.kv_heads
+    attend = kernel if kernel is not None else attention_fixed
     out = np.zeros((n, len(qh) * d), np.int64)
     row = 0
     for slot, c in zip(slots, counts, strict=True):
@@ -176,14 +194,8 @@ def attention_partial(w: TinyWeights, layer: int, xn: np.ndarray, cache: KvCache
         vv = np.concatenate([vs.get(slot, empty), v[row:row + c].transpose(1, 0, 2)], axis=1)
         ks[slot], vs[slot] = kk, vv
         held = kk.shape[1] - c  # tokens before this call's
-        for i in range(c):
-            upto = held + i + 1
-            for j, head in enumerate(qh):
-                kv = head // group - kvh.start
-                scores = _flt(kk[kv, :upto] @ q[row + i, j], 2 * ACT_BITS) / np.sqrt(d)
-                p = np.exp(scores - scores.max())
-                pq = _fix(p / p.sum())
-                out[row + i, j * d:(j + 1) * d] = rescale(pq @ vv[kv, :upto], ACT_BITS)
+        out[row:row + c] = attend(q[row:row + c], kk, vv, held, qh.start, group, kvh.start,
+                                  ACT_BITS)
         row += c
     return out @ L["wo"][qcols, :]
 
@@ -246,9 +258,11 @@ def sample_tokens(logits: np.ndarray, keys: np.ndarray, positions: np.ndarray,
 
 
 def generate_reference(w: TinyWeights, prompts: list[list[int]], max_tokens: int,
-                       temperature: float = 0.0, seed: int = 0) -> list[list[int]]:
+                       temperature: float = 0.0, seed: int = 0,
+                       kernel: AttentionKernel | None = None) -> list[list[int]]:
     """The unsharded model: each sequence's ``max_tokens`` new tokens. One token of
-    every sequence per step (its prompt first, then what it generated)."""
+    every sequence per step (its prompt first, then what it generated); ``kernel``
+    as in :func:`attention_partial`."""
     m = w.model
     cache = KvCache()
     seqs = np.arange(len(prompts))
@@ -260,7 +274,8 @@ def generate_reference(w: TinyWeights, prompts: list[list[int]], max_tokens: int
                         for i, f in enumerate(feed)], np.int64)
         x = w.embed[tok % m.vocab]
         for layer in range(m.layers):
-            x = x + rescale(attention_partial(w, layer, rms_norm(x), cache), W_BITS)
+            x = x + rescale(attention_partial(w, layer, rms_norm(x), cache, kernel=kernel),
+                            W_BITS)
             xn = rms_norm(x)
             ids, gates = route(w, layer, xn)
             moe = np.zeros_like(x)

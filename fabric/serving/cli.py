@@ -36,7 +36,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-ms", type=float, default=None,
                    help="time of a step that admits new requests (toy decoder: 20)")
     p.add_argument("--max-batch", type=int, default=64, help="sequences per worker")
-    p.add_argument("--backend", default="auto", help="kernel backend of the toy decoder")
+    p.add_argument("--backend", default="auto",
+                   help="kernel backend of the toy decoder, and of a --model's attention")
     p.add_argument("--temperature", type=float, default=1.0,
                    help="default sampling temperature")
     p.add_argument("--model", default="semfab-toy",

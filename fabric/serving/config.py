@@ -51,7 +51,7 @@ class ServeConfig:
     prefill_ms: float = 20.0  # a step that admits new requests takes this long...
     prefill_ms_per_token: float = 0.0  # ...plus this per prompt token
     max_batch: int = 64  # sequences per worker
-    backend: str = "auto"  # kernels backend of the toy decoder
+    backend: str = "auto"  # kernels backend of the toy decoder and a model's attention
     kernel_threads: int = 1  # numba threads per worker (one "GPU" per process)
     toy_vocab: int = 512
     toy_dim: int = 64

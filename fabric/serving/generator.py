@@ -174,18 +174,25 @@ class Generator:
 
     def _load_model(self) -> str:
         """Load the toy decoder and its kernel backend; the backend's name."""
-        from kernels import ToyDecoder, get_backend
+        from kernels import ToyDecoder
 
         cfg = self.cfg
-        self.backend = get_backend(cfg.backend)
-        if self.backend.name == "numba-cpu":
+        self.backend = self._kernels()
+        self.weights = ToyDecoder(cfg.toy_vocab, cfg.toy_dim, cfg.seed)
+        return str(self.backend.name)
+
+    def _kernels(self) -> Any:
+        """The kernel backend ``--backend`` names, its threads limited."""
+        from kernels import get_backend
+
+        backend = get_backend(self.cfg.backend)
+        if backend.name == "numba-cpu":
             import numba
 
             # one "GPU" per process: leave the other cores to the rest of the chain
             limit = int(getattr(numba.config, "NUMBA_NUM_THREADS", 1))
-            numba.set_num_threads(max(1, min(cfg.kernel_threads, limit)))
-        self.weights = ToyDecoder(cfg.toy_vocab, cfg.toy_dim, cfg.seed)
-        return str(self.backend.name)
+            numba.set_num_threads(max(1, min(self.cfg.kernel_threads, limit)))
+        return backend
 
     def _ours(self, f: fr.Frame) -> bool:
         """A frame of the chain: host0's control message, or its NACK of a token frame."""

@@ -69,9 +69,11 @@ class ShardedGenerator(Generator):
         self.model = get_model(cfg.model)
         self.gbase = ep.rank - ep.rank % size  # the group's first world rank
         self.lrank = ep.rank - self.gbase
+        kernels = self._kernels()  # the attention's (the rest of the model is NumPy)
         self.shard = DecodeShard(Context(ep.rank, ep.world, ep.name), self.model, cfg.tp,
                                  cfg.ep, cfg.pp, self.lrank, base=self.gbase,
-                                 weights_seed=cfg.seed, variant=cfg.moe, path=cfg.tp_path)
+                                 weights_seed=cfg.seed, variant=cfg.moe, path=cfg.tp_path,
+                                 attention=kernels.attention_fixed)
         self.leader = self.lrank == 0
         self.leader_id = int(ep.worker_ids[self.gbase])
         self.followers = list(range(self.gbase + 1, self.gbase + size))
@@ -85,7 +87,7 @@ class ShardedGenerator(Generator):
         self.abort_next: list[int] = []
         self._probed = 0.0
         self._due = 0  # ns: when the leader may start the next step
-        return "numpy"
+        return str(kernels.name)
 
     def __init__(self, ep: Any, cfg: ServeConfig) -> None:
         from fabric.serving.assets import local_assets, model_vocab
