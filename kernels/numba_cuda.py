@@ -194,6 +194,43 @@ def _k_argmax(scores: Any, out: Any) -> None:
         out[b] = best
 
 
+@cuda.jit
+def _k_attention(q: Any, kk: Any, vv: Any, held: int, head0: int, group: int, kv0: int,
+                 frac: int, p: Any, w: Any, out: Any) -> None:
+    # One thread per (new row, query head): reference.attention_fixed's steps, the
+    # softmax's denominator summed in order (the reference sums pairwise: the two
+    # differ by ulps, which a 12-bit weight shows about once in 1e11 elements)
+    c, nq, d = q.shape
+    one = 1 << frac
+    scale = float(one * one)
+    root = math.sqrt(float(d))
+    for j in range(cuda.grid(1), c * nq, cuda.gridsize(1)):
+        i = j // nq
+        h = j - i * nq
+        upto = held + i + 1
+        kv = (head0 + h) // group - kv0
+        top = -math.inf
+        for t in range(upto):
+            acc = 0
+            for e in range(d):
+                acc += kk[kv, t, e] * q[i, h, e]
+            sc = float(acc) / scale / root
+            p[j, t] = sc
+            if sc > top:
+                top = sc
+        denom = 0.0
+        for t in range(upto):
+            p[j, t] = math.exp(p[j, t] - top)
+            denom += p[j, t]
+        for t in range(upto):
+            w[j, t] = np.int64(round(p[j, t] / denom * one))
+        for e in range(d):
+            acc = 0
+            for t in range(upto):
+                acc += w[j, t] * vv[kv, t, e]
+            out[i, h * d + e] = (acc + (one >> 1)) >> frac
+
+
 # --------------------------------------------------------------------------
 # Backend
 # --------------------------------------------------------------------------
@@ -345,6 +382,23 @@ class NumbaCudaBackend(Backend):
             with _quiet():
                 _k_topk[_grid(dl.shape[0])](dl, k, ids, w)
         return ids, w
+
+    def attention_fixed(self, q: Any, kk: Any, vv: Any, held: int, head0: int, group: int,
+                        kv0: int, frac_bits: int) -> Any:
+        qa, ka, va = reference.check_attention_args(q, kk, vv, held, head0, group, kv0)
+        c, nq, d = qa.shape
+        out = np.zeros((c, nq * d), np.int64)
+        if c and nq and d:
+            total = ka.shape[1]
+            dout = cuda.to_device(out)
+            p = cuda.device_array((c * nq, total), dtype=np.float64)
+            w = cuda.device_array((c * nq, total), dtype=np.int64)
+            with _quiet():
+                _k_attention[_grid(c * nq)](cuda.to_device(qa), cuda.to_device(ka),
+                                            cuda.to_device(va), held, head0, group, kv0,
+                                            frac_bits, p, w, dout)
+            dout.copy_to_host(out)
+        return out
 
     def _weights_on_device(self, weights: ToyDecoder) -> tuple[Any, Any]:
         if weights not in self._weights:

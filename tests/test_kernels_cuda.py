@@ -113,3 +113,15 @@ def test_simulator_is_labelled() -> None:
 
     if SIMULATED:
         assert "simulator" in b.device
+
+
+def test_attention_fixed(gpu: Backend) -> None:
+    """The sharded model's attention (small here: the simulator runs it in Python)."""
+    rng = np.random.default_rng(6)
+    for c, held, d, nkv, group, head0 in [(1, 0, 3, 1, 1, 0), (2, 5, 4, 2, 2, 0),
+                                         (1, 9, 5, 1, 3, 4)]:
+        nq = nkv * group - (head0 % group)
+        q = rng.integers(-(1 << 15), 1 << 15, (c, nq, d))
+        kk = rng.integers(-(1 << 15), 1 << 15, (nkv, held + c, d))
+        vv = rng.integers(-(1 << 15), 1 << 15, (nkv, held + c, d))
+        C.check_attention_fixed(gpu, q, kk, vv, held, head0, group, head0 // group)
