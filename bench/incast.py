@@ -85,7 +85,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="... every frame above this (default 0.8 BDP)")
     p.add_argument("--pmax", type=float, default=None, metavar="P",
                    help="marking probability at Kmax (default 1)")
-    p.add_argument("--pfc", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--pfc", action="store_true",
+                   help="a lossless buffer: PFC pauses the senders' links instead of dropping "
+                   "(XOFF at 1/8 of the free buffer; not with --trim)")
     p.add_argument("--spray", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("-w", "--warmup", type=int, default=1, help="untimed iterations")
     p.add_argument("-n", "--iters", type=int, default=3, help="timed iterations")
@@ -128,6 +130,7 @@ class Settings:
     seed: int
     sim: bool
     packet_level: bool = False
+    pfc: bool = False
 
 
 def settings_from(args: argparse.Namespace) -> Settings:
@@ -136,10 +139,8 @@ def settings_from(args: argparse.Namespace) -> Settings:
     from fabric.core.topology import LinkParams, TopologyError
     from fabric.emulation.launch_cli import check_output_file
 
-    if args.pfc:
-        raise UsageError("--pfc: the emulator's switch computes each frame's departure, so "
-                         "it has no dequeue at which to pause a port; PFC runs in "
-                         "`semfab sim incast --pfc` and `semfab sim pfc`")
+    if args.pfc and args.trim:
+        raise UsageError("--pfc with --trim: a lossless class is never trimmed; choose one")
     if args.spray:
         raise UsageError("--spray: an incast crosses one switch, so there is no second path "
                          "to spray over; try `semfab sim permutation --spray`")
@@ -183,7 +184,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
             check_output_file(f"--{flag}", getattr(args, flag))
     return Settings(args.senders, size, float(args.link_gbps), float(args.latency_us), args.mtu,
                     policies, buffer, args.trim, args.kmin, args.kmax, args.pmax, args.warmup,
-                    args.iters, args.seed, not args.no_sim, args.packet_level)
+                    args.iters, args.seed, not args.no_sim, args.packet_level, args.pfc)
 
 
 def _bytes(flag: str, text: str, minimum: int) -> int:
@@ -281,7 +282,7 @@ def congestion(s: Settings, cc: str, base_rtt_s: float) -> Any:
     kmax = s.kmax if s.kmax is not None else max(int(HTSIM_ECN_KMAX_BDP * bdp), kmin)
     return CongestionSettings(buffer_bytes=buffer, trim=s.trim, ecn_kmin_bytes=kmin,
                               ecn_kmax_bytes=kmax, ecn_pmax=s.pmax if s.pmax else 1.0,
-                              cc=cc, base_rtt_us=base_rtt_s * 1e6)
+                              cc=cc, base_rtt_us=base_rtt_s * 1e6, pfc=s.pfc)
 
 
 def ideal_s(s: Settings) -> tuple[float, float]:
@@ -305,7 +306,7 @@ def _last_window(s: Settings, per: list[list[dict[str, Any]]],
 
 
 def _row(s: Settings, world: str, cc: str, per: list[list[dict[str, Any]]],
-         counters: dict[str, int]) -> dict[str, Any]:
+         counters: dict[str, Any]) -> dict[str, Any]:
     from fabric.sim.figures import jain, slowdowns
 
     timed = range(s.warmup, s.warmup + s.iters)
@@ -322,7 +323,8 @@ def _row(s: Settings, world: str, cc: str, per: list[list[dict[str, Any]]],
         "jain": statistics.median(jain([s.size / per[k][i]["seconds"]
                                         for k in range(s.senders)]) for i in timed),
         "drops": counters.get("overflow_drops", 0), "trims": counters.get("trims", 0),
-        "ecn_marks": counters.get("ecn_marks", 0), "pauses": 0, "paused_s": 0.0,
+        "ecn_marks": counters.get("ecn_marks", 0), "pauses": counters.get("pauses", 0),
+        "paused_s": counters.get("paused_s", 0.0),
         "retransmits": sum(per[k][i]["retransmits"] for k in range(s.senders) for i in timed),
         "timeouts": sum(per[k][i]["timeouts"] for k in range(s.senders) for i in timed),
         "wrong": sum(rx[i]["wrong"] for i in timed),
@@ -330,11 +332,15 @@ def _row(s: Settings, world: str, cc: str, per: list[list[dict[str, Any]]],
     }
 
 
-def _queue_counters(stats: dict[str, Any], port: str) -> dict[str, int]:
+def _queue_counters(stats: dict[str, Any], port: str) -> dict[str, Any]:
     for sw in stats.values():
         q = (sw.get("queues") or {}).get(port) if isinstance(sw, dict) else None
         if q is not None:
-            return {k: int(v) for k, v in q.items()}
+            out: dict[str, Any] = {k: int(v) for k, v in q.items()}
+            pfc = sw.get("pfc") or {}
+            out.update(pauses=int(pfc.get("pauses", 0)),
+                       paused_s=float(pfc.get("paused_s", 0.0)))
+            return out
     return {}
 
 
@@ -388,21 +394,36 @@ def _simulate(s: Settings, cc: str, base_rtt_s: float, timeout_s: float,
     if record is not None:
         record[f"{cc} simulation {port}"] = _last_window(s, res.results, hot.depth)
     counters = {"overflow_drops": res.overflow_drops, "trims": res.trims,
-                "ecn_marks": res.ecn_marks, "peak_queue_bytes": res.queue_peaks.get(port, 0)}
+                "ecn_marks": res.ecn_marks, "peak_queue_bytes": res.queue_peaks.get(port, 0),
+                "pauses": res.pauses, "paused_s": res.paused_s}
     return _row(s, "simulation", cc, res.results, counters)
+
+
+def _packet_settings(s: Settings, cc: str, base_rtt_s: float) -> Any:
+    """The packet-level model's settings for these flags (UsageError, one line, for
+    what it refuses: a PFC buffer without room for its headroom)."""
+    from fabric.core import frame as fr
+    from fabric.core.congestion.config import CongestionConfigError
+    from fabric.sim.incast import IncastSettings
+
+    c = congestion(s, cc, base_rtt_s)
+    settings = IncastSettings(
+        senders=s.senders, size=s.size, link_gbps=s.link_gbps, mtu=s.mtu + fr.HEADER_SIZE,
+        base_rtt_us=base_rtt_s * 1e6, cc=cc, buffer=c.buffer_bytes, trim=s.trim, pfc=s.pfc,
+        kmin=c.ecn_kmin_bytes, kmax=c.ecn_kmax_bytes, pmax=c.ecn_pmax, seed=s.seed)
+    try:
+        settings.resolved()
+    except CongestionConfigError as exc:
+        raise UsageError(f"--packet-level: {exc}") from None
+    return settings
 
 
 def _packet_level(s: Settings, cc: str, base_rtt_s: float) -> dict[str, Any]:
     """The same incast in the packet-level model (fabric.sim.incast), with the same
     links, base round trip, buffer, marking and policy (one run: its flows once)."""
-    from fabric.core import frame as fr
-    from fabric.sim.incast import IncastSettings, run_incast
+    from fabric.sim.incast import run_incast
 
-    c = congestion(s, cc, base_rtt_s)
-    r = run_incast(IncastSettings(
-        senders=s.senders, size=s.size, link_gbps=s.link_gbps, mtu=s.mtu + fr.HEADER_SIZE,
-        base_rtt_us=base_rtt_s * 1e6, cc=cc, buffer=c.buffer_bytes, trim=s.trim,
-        kmin=c.ecn_kmin_bytes, kmax=c.ecn_kmax_bytes, pmax=c.ecn_pmax, seed=s.seed))
+    r = run_incast(_packet_settings(s, cc, base_rtt_s))
     ideal, _alone = ideal_s(s)
     return {
         "world": "packet-level", "cc": cc, "completion_s": r["completion_s"],
@@ -453,9 +474,10 @@ def _print_row(r: dict[str, Any]) -> None:
 
 def _header(s: Settings, base_rtt_s: float | None) -> str:
     ideal, _alone = ideal_s(s)
+    overflow = "trimming" if s.trim else "PFC (lossless)" if s.pfc else "tail drop"
     text = (f"# semfab bench incast: {s.senders} -> 1 of {report.format_size(s.size)} each; "
             f"links {s.link_gbps:g} Gb/s, {s.latency_us:g} us, mtu {s.mtu}; "
-            f"{'trimming' if s.trim else 'tail drop'}; ideal {ideal * 1e3:.2f} ms; "
+            f"{overflow}; ideal {ideal * 1e3:.2f} ms; "
             f"warmup {s.warmup}, iters {s.iters}, seed {s.seed}")
     if base_rtt_s is not None:
         text += (f"\n# base RTT: {links_rtt_s(s) * 1e6:.0f} us of links, "
@@ -505,6 +527,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"semfab bench incast: the base-RTT probe failed: {exc}", file=sys.stderr)
         return 1
     print(_header(s, base_rtt).split("\n")[1], flush=True)
+    if s.packet_level:  # its own rules on buffers (PFC headroom): before any run
+        _packet_settings(s, s.policies[0], base_rtt)
     print("#" + "".join(f"{name:>{w}}" for name, w in _COLS)[1:], flush=True)
     rows: list[dict[str, Any]] = []
     queues: dict[str, Any] | None = {} if (args.plot or args.trace) else None

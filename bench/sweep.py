@@ -367,6 +367,8 @@ def queue_figures(results: list[Any]) -> dict[str, Any]:
     return {"overflow_drops": sum(r.overflow_drops for r in results),
             "trims": sum(r.trims for r in results),
             "ecn_marks": sum(r.ecn_marks for r in results),
+            "pauses": sum(r.pauses for r in results),
+            "paused_s": sum(r.paused_s for r in results),
             "peak_queue": [port, peaks[port]]}
 
 
@@ -382,8 +384,10 @@ def queue_note(q: dict[str, Any]) -> str:
     if not q:
         return ""
     port, peak = q["peak_queue"]
+    pfc = (f", {q['pauses']} PFC pauses ({q['paused_s'] * 1e3:.2f} ms of links paused)"
+           if q.get("pauses") else "")
     return (f"; queues: {q['overflow_drops']} drops, {q['trims']} trims, {q['ecn_marks']} "
-            f"ECN marks, fullest {port} at {peak} B")
+            f"ECN marks{pfc}, fullest {port} at {peak} B")
 
 
 def congestion_text(topo: Any) -> str:

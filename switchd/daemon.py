@@ -113,6 +113,7 @@ class SwitchDaemon:
                     self.ctx, topo.endpoint_address(other.name, sock_dir), name)
         # one pipeline per link direction we drive (inactive links get none)
         self._ingress: dict[bytes, LinkPipeline] = {}
+        self._ids = {n.name.encode(): n.id for n in topo.nodes}  # port -> node id
         self._egress: dict[bytes, LinkPipeline] = {}
         # this switch's buffer and ECN marker ([congestion]), shared by its egress ports
         queues = switch_queues(topo, seed).get(name)
@@ -298,7 +299,8 @@ class SwitchDaemon:
             pipe.push((header, payload), now)
             self._deliver(port, pipe, now)
         else:
-            self._emit(self.core.handle(port, header, payload, now), now)
+            self._emit(self.core.handle(port, header, payload, now), now, None,
+                       self._ids.get(port, -1))
 
     def _drain_dealer(self, peer: bytes, up: zmq.Socket) -> None:
         for _ in range(BATCH):
@@ -310,21 +312,31 @@ class SwitchDaemon:
                 self.frame_log.add("rx", parts[0].buffer, peer.decode(errors="replace"))
             now = time.monotonic()
             self._emit(self.core.handle(peer, parts[0].buffer,
-                                        parts[1].buffer if len(parts) > 1 else None, now), now)
+                                        parts[1].buffer if len(parts) > 1 else None, now), now,
+                       None, self._ids.get(peer, -1))
 
     def _deliver(self, port: bytes, pipe: LinkPipeline, now: float) -> None:
         """Hand what arrived over a node->switch link to the core."""
         for header, payload in pipe.pop_due(now):
-            self._emit(self.core.handle(port, header, payload, now), now)
+            self._emit(self.core.handle(port, header, payload, now), now, pipe,
+                       self._ids.get(port, -1))
 
-    def _emit(self, outputs: list[tuple[bytes, Any, Any]], now: float) -> None:
+    def _emit(self, outputs: list[tuple[bytes, Any, Any]], now: float,
+              came_on: LinkPipeline | None = None, came_from: int = -1) -> None:
         egress = self._egress
         for port, header, payload in outputs:
             pipe = egress.get(port)
             if pipe is None:
                 self._send_now(port, header, payload)
             else:
-                pipe.push((header, payload), now)
+                pipe.push((header, payload), now, None, came_from)
+                # a frame's copies and results count once for the port it came on
+                came_from = -1
+                req = pipe.take_pause()
+                if req is not None and came_on is not None:
+                    # a lossless port above XOFF: PFC pauses the node's link the frame
+                    # came on (a neighbour switch's link is its daemon's: not paused)
+                    came_on.pause(now, req[1])
                 for h, p in pipe.pop_due(now):
                     self._send_now(port, h, p)
 
@@ -407,6 +419,11 @@ class SwitchDaemon:
             "held_frames": sum(len(pipe) for _, pipe in self._pipes),
             # frames links with link-level retry sent again, ingress and egress
             "llr_replays": sum(pipe.llr_replays for _, pipe in self._pipes),
+            # [congestion] pfc: PAUSEs this switch's ports sent and the nodes' links
+            # took (the links it drives: the nodes' own, not its neighbour switches')
+            "pfc": {"pauses_sent": sum(p.pauses_sent for p in self._egress.values()),
+                    "pauses": sum(p.pauses for p in self._ingress.values()),
+                    "paused_s": sum(p.paused_s for p in self._ingress.values())},
             # [congestion]: what the egress queues did, per port ("switch>peer")
             "queues": {f"{self.name}>{peer.decode()}": {
                 "overflow_drops": st.overflow_drops, "trims": st.trims,

@@ -86,3 +86,26 @@ def test_an_unshaped_retrying_link_replays_at_once() -> None:
     assert [psn for _t, psn in got] == list(range(100))
     assert all(t == pytest.approx(i * 1e-6) for i, (t, _psn) in enumerate(got))
     assert pipe.llr_replays > 10
+
+
+def test_a_pause_moves_the_frames_not_yet_begun_in_order() -> None:
+    """PFC's PAUSE at the sending end: the frame on the wire goes on, the rest start
+    after the pause, back to back, in order, and the time paused is counted."""
+    frames = _frames(5)
+    pipe = LinkPipeline(PARAMS)
+    for item in frames:
+        pipe.push(item, 0.0)  # 1 us each on the wire: starts at 0, 1, 2, 3, 4 us
+    pipe.pause(1.5e-6, 20e-6)  # frames 0 and 1 have begun
+    got = []
+    while len(pipe):
+        t = pipe.get_timer()
+        assert t is not None
+        got += [(t, fr.decode(h, p).psn) for h, p in pipe.pop_due(t)]
+    assert [psn for _t, psn in got] == list(range(5))
+    want = [11e-6, 12e-6, 31e-6, 32e-6, 33e-6]  # + 10 us of flight
+    assert [t for t, _psn in got] == pytest.approx(want)
+    st = pipe.statistics()
+    assert st.pauses == 1 and st.paused_s == pytest.approx(18.5e-6)
+    pipe.pause(40e-6, 41e-6)  # nothing left to move: the link just waits
+    pipe.push(frames[0], 40e-6)
+    assert pipe.get_timer() == pytest.approx(52e-6)

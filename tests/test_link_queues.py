@@ -125,3 +125,26 @@ def test_masked_multicast_rows_are_trimmed_and_other_multicast_is_not() -> None:
     every = fr.encode_header(fr.Op.WRITE, src=1, dst=3, flow=fr.MASKED_FLOW, key=0,
                              payload=body, flags=fr.Flag.MCAST)
     assert fr.trimmable(row) and not fr.trimmable(every)
+
+
+def test_a_lossless_buffer_pauses_an_ingress_until_it_drains_to_xon() -> None:
+    """PFC accounting by ingress port (TimedBuffer with PfcIngress): above XOFF the
+    ingress is paused until the frames it holds are scheduled to have left down to
+    XON; a frame postponed leaves later and holds its bytes until then."""
+    from fabric.core.congestion.pfc import PfcIngress
+
+    pfc = PfcIngress(mtu=1000, headroom_bytes=2000, xoff_bytes=2500, resume_offset_bytes=1000)
+    tb = TimedBuffer(SharedBuffer(10_000), pfc)
+    for i in range(4):  # 1000 B each from ingress 7, leaving at 1, 2, 3, 4 s
+        tb.admit_lossless(port=1, nbytes=1000, now=0.0)
+        hold = tb.hold(1, 1000, float(i + 1), ingress=7)
+    assert pfc.is_paused(7, 0) and pfc.held(7, 0) == 4000
+    # XON = 2500 - 1000 = 1500: after the frames leaving at 1, 2 and 3 s
+    assert tb.pause_until(7, 0.5) == 3.0
+    assert tb.pause_until(8, 0.5) is None  # another ingress: not paused
+    tb.postpone(hold, 9.0)  # the last frame leaves at 9 s instead of 4
+    tb.advance(5.0)
+    assert tb.buffer.used == 1000 and pfc.held(7, 0) == 1000
+    assert tb.next_departure() == 9.0
+    tb.advance(9.0)
+    assert tb.buffer.used == 0 and not pfc.is_paused(7, 0)

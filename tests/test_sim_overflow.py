@@ -199,3 +199,36 @@ def test_in_network_dispatch_rows_are_trimmed_and_asked_for_at_once() -> None:
             assert res.trims > 0
             assert res.switch_stats["spine0"].trimmed_forwarded > 0
     assert took[True] < 0.1 * took[False]
+
+
+@pytest.mark.parametrize("path", ["host-ps", "host-p2p"])
+def test_pfc_pauses_senders_instead_of_dropping(path: str) -> None:
+    """The same fan-in behind a lossless buffer (``pfc``): nothing dropped, nothing
+    resent, every element exact; the senders' links were paused instead, and no
+    ingress port went past its headroom. (Unicast, the buffer's use above its pool
+    is within the ports' headrooms; a multicast's or an aggregation's further
+    copies are charged to no ingress port, so PFC does not bound them.)"""
+    import dataclasses
+
+    def run(pfc: bool) -> Any:
+        t = _topo("leaf_spine")
+        t = t.with_congestion(dataclasses.replace(t.congestion, pfc=pfc))
+        sim = Simulation(t, timeout_s=30)
+        if path == "host-ps":
+            res = sim.run(_allreduce, 1 << 16, path)
+            assert res.results == [0] * 8
+        else:
+            res = sim.run(_collectives, 1 << 13, "ina")
+            assert res.results == [0] * 8
+        return sim, res
+
+    sim, lossless = run(True)
+    assert lossless.overflow_drops == 0 and lossless.retransmits == 0
+    assert lossless.pauses > 0 and lossless.paused_s > 0
+    for q in sim._queues.values():
+        pfc = q.buffer.pfc
+        assert pfc is not None and pfc.headroom_overflows == 0
+        if path == "host-ps":  # unicast: at most each ingress port's headroom
+            assert q.buffer.buffer.headroom_peak <= pfc.headroom * 9
+    _sim, lossy = run(False)
+    assert lossy.overflow_drops > 0 and lossy.pauses == 0

@@ -16,7 +16,13 @@ A frame pushed into the pipeline goes through, in this order:
    buffer that trims, cut to its header (``trims``), which is sent ahead of the
    queued data so the receiver asks for the frame at once; an admitted frame is
    marked congestion experienced (``Flag.ECN``, ``ecn_marks``) by the switch's
-   RED marker on the data its port holds;
+   RED marker on the data its port holds. A lossless buffer (``[congestion]
+   pfc``) drops nothing: it counts what each ingress port holds
+   (:class:`~fabric.core.congestion.pfc.PfcIngress`), and above XOFF it asks
+   for that port's sender to be paused until what it holds drains to XON
+   (:meth:`LinkPipeline.take_pause`; the driver calls :meth:`pause` on the
+   link the frame came on, which moves that link's frames not yet begun);
+   frames already on their way land in the headroom;
 3. **shaping** (:class:`LinkShaper`): it waits for the link to be free, occupies
    it for its serialisation time at the link's bandwidth, then travels
    ``latency_us``; a memory-plane frame is charged the bytes it names (the load
@@ -161,6 +167,9 @@ class PipelineStats:
     ecn_marks: int = 0  # frames marked congestion experienced
     peak_queue_bytes: int = 0  # the most data bytes this port's queue held
     llr_replays: int = 0  # frames the link sent again (link-level retry)
+    pauses_sent: int = 0  # PAUSEs this (lossless) port asked for its frames' senders
+    pauses: int = 0  # PAUSEs this link received from its far end
+    paused_s: float = 0.0  # time this link was paused, in total
 
 
 def _split(blob: bytes) -> tuple[bytes, memoryview | None]:
@@ -205,6 +214,16 @@ class LinkPipeline:
         # link-level retry: damaged frames are replayed here, not lost
         self.llr = params is not None and params.llr
         self.llr_replays = 0
+        # a lossless queue (PFC): it pauses senders instead of dropping
+        self.lossless = self.queues is not None and self.queues.lossless
+        self._pause_request: tuple[int, float] | None = None
+        self.pauses_sent = 0
+        self.pauses = 0
+        self.paused_s = 0.0
+        self._paused_until = 0.0
+        # frames scheduled and not yet delivered: seq -> (start, bytes, buffer hold),
+        # so a pause can move those not yet begun (not with cut-through)
+        self._sched: dict[int, tuple[float, int, int]] = {}
         self._held: list[tuple[float, int, Item, float]] = []
         self._seq = itertools.count()
         # Without corruption the injector decides on an 8-byte token that stands
@@ -218,18 +237,20 @@ class LinkPipeline:
         """False when frames pass straight through (no shaping, no faults)."""
         return self.shaper is not None or self.injector is not None
 
-    def push(self, item: Item, now: float, tail: float | None = None) -> None:
+    def push(self, item: Item, now: float, tail: float | None = None,
+             ingress: int = -1) -> None:
         """A frame ``(header, payload)`` enters the link at ``now`` (cut-through:
-        its last byte has entered by ``tail``)."""
+        its last byte has entered by ``tail``); ``ingress``: the node id of the
+        port it came into this switch on (a lossless buffer accounts by it)."""
         inj = self.injector
         if inj is None:
-            self._shape(item, now, tail)
+            self._shape(item, now, tail, ingress)
             return
         if self.llr:
-            self._shape(item, self._replayed(inj, item, now), tail)
+            self._shape(item, self._replayed(inj, item, now), tail, ingress)
             return
         for at, arrived in self._inject(inj, item, now):
-            self._shape(arrived, max(at, now), tail)
+            self._shape(arrived, max(at, now), tail, ingress)
 
     def pop_due(self, now: float) -> list[Item]:
         """Every frame whose arrival time has come, in arrival order."""
@@ -242,10 +263,56 @@ class LinkPipeline:
                 self._shape(arrived, max(at, now), None)
         out: list[tuple[Item, float]] = []
         held = self._held
+        sched = self._sched
         while held and held[0][0] <= now:
-            _due, _seq, item, tail = heapq.heappop(held)
+            _due, seq, item, tail = heapq.heappop(held)
+            if sched:
+                sched.pop(seq, None)
             out.append((item, tail))
         return out
+
+    def take_pause(self) -> tuple[int, float] | None:
+        """``(ingress, until)`` when the last frame pushed took its ingress port
+        above XOFF: pause the link it came on until then (the driver does, with
+        :meth:`pause` on that link); None otherwise. Asked once per push."""
+        req, self._pause_request = self._pause_request, None
+        return req
+
+    def pause(self, now: float, until: float) -> None:
+        """The far end's port is full (PFC's PAUSE, or no credit): begin sending no
+        frame before ``until``. A frame already on the wire at ``now`` goes on (it
+        lands in the far end's headroom); those scheduled to begin later move, in
+        order, and stay that much longer in this end's buffer, which may fill and
+        pause the link before it in turn. An unshaped link holds nothing back, so
+        has nothing to pause."""
+        sh = self.shaper
+        if sh is None or until <= now:
+            return
+        if now >= self._paused_until:
+            self.pauses += 1
+        if until > self._paused_until:
+            self.paused_s += until - max(now, self._paused_until)
+            self._paused_until = until
+        later = sorted(seq for seq, (start, _n, _h) in self._sched.items() if start >= now)
+        if not later or self._sched[later[0]][0] >= until:
+            sh.hold_until(until)
+            return
+        moved = set(later)
+        items = {e[1]: e[2] for e in self._held if e[1] in moved}
+        self._held = [e for e in self._held if e[1] not in moved]
+        heapq.heapify(self._held)
+        buf = self.queues.buffer if self.queues is not None else None
+        latency = sh.params.latency_us * 1e-6
+        t = until
+        for seq in later:
+            start, nbytes, hold = self._sched[seq]
+            begin = max(t, start)
+            t = begin + sh.params.serialization_us(nbytes) * 1e-6
+            if buf is not None and hold >= 0:
+                hold = buf.postpone(hold, t)
+            self._sched[seq] = (begin, nbytes, hold)
+            heapq.heappush(self._held, (t + latency, seq, items[seq], t + latency))
+        sh.hold_until(t)
 
     def get_timer(self) -> float | None:
         """When :meth:`pop_due` next has something, or None."""
@@ -268,10 +335,11 @@ class LinkPipeline:
             lost_by_op=dict(self._lost_by_op),
             faults=self.injector.statistics() if self.injector is not None else None,
             overflow_drops=self.overflow_drops, trims=self.trims, ecn_marks=self.ecn_marks,
-            peak_queue_bytes=self.peak_queue, llr_replays=self.llr_replays)
+            peak_queue_bytes=self.peak_queue, llr_replays=self.llr_replays,
+            pauses_sent=self.pauses_sent, pauses=self.pauses, paused_s=self.paused_s)
 
     # ------------------------------------------------------------------ internals
-    def _shape(self, item: Item, now: float, tail: float | None) -> None:
+    def _shape(self, item: Item, now: float, tail: float | None, ingress: int = -1) -> None:
         if self.shaper is None:
             due = end = now if tail is None else max(now, tail)
         else:
@@ -288,8 +356,9 @@ class LinkPipeline:
                     depth.append((now, queued))  # replaced below if the frame joins
                 # a frame of a header alone goes ahead whole; a stream's is cut to its
                 # header; any other is dropped (its receiver could not ask for it)
-                admitted = buf.admit(self.port, nbytes, now,
-                                     trimmable=item[1] is None or fr.trimmable(item[0]))
+                admitted = buf.admit_lossless(self.port, nbytes, now) if self.lossless else \
+                    buf.admit(self.port, nbytes, now,
+                              trimmable=item[1] is None or fr.trimmable(item[0]))
                 if admitted is Admission.DROP:
                     self.overflow_drops += 1
                     self._count_lost(item[0])
@@ -310,8 +379,19 @@ class LinkPipeline:
                 due = head if self.to_switch else end
             else:
                 due = end = self.shaper.schedule(nbytes, now)
-            if buf is not None:
-                buf.hold(self.port, nbytes, self.shaper.free_at)
+            hold = buf.hold(self.port, nbytes, self.shaper.free_at, ingress=ingress) \
+                if buf is not None else -1
+            if self.lossless and ingress >= 0 and buf is not None:
+                until = buf.pause_until(ingress, now)
+                if until is not None:
+                    self.pauses_sent += 1
+                    self._pause_request = (ingress, until)
+            if not self.cut_through:
+                seq = next(self._seq)
+                ser = self.shaper.params.serialization_us(nbytes) * 1e-6
+                self._sched[seq] = (self.shaper.free_at - ser, nbytes, hold)
+                heapq.heappush(self._held, (due, seq, item, end))
+                return
         heapq.heappush(self._held, (due, next(self._seq), item, end))
 
     def _replayed(self, inj: FaultInjector, item: Item, now: float) -> float:

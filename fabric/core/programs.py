@@ -335,6 +335,15 @@ class NodeState:
             est = self.estimators[role] = self._new_estimator(role, rto_min)
         return est
 
+    def overflow_drops(self) -> bool:
+        """Whether the switches' buffers drop (or trim) what does not fit: bounded
+        (``[congestion] buffer_bytes``) and not lossless (``pfc``, which pauses
+        senders instead). Only then are the retransmit timers cut short: behind
+        a lossless queue a frame is late, not lost, and a short timer would only
+        send it again."""
+        cong = self.topo.congestion
+        return cong.buffer_bytes is not None and not cong.pfc
+
     def _new_estimator(self, role: str, rto_min: float) -> RttEstimator:
         """An estimator with the fabric's defaults; its backoff stops at ``[congestion]
         rto_max_us`` when given, else, where switch buffers are bounded, at
@@ -345,7 +354,7 @@ class NodeState:
         from fabric.core.reliability import DEFAULT_RTO_INITIAL, RTO_JITTER
 
         cong = self.topo.congestion
-        bounded = cong.buffer_bytes is not None
+        bounded = self.overflow_drops()
         if not bounded and cong.rto_max_us is None:
             return RttEstimator(rto_min=rto_min)
         ceiling = cong.rto_max_us * 1e-6 if cong.rto_max_us is not None \
@@ -468,7 +477,7 @@ class NodeState:
         ceiling = STREAM_RTO_MAX_S
         if cong.rto_max_us is not None:
             ceiling = cong.rto_max_us * 1e-6
-        elif cong.buffer_bytes is not None:
+        elif self.overflow_drops():
             ceiling = min(STREAM_BOUNDED_RTO_FLOORS * floor, STREAM_RTO_MAX_S)
         floor = min(floor, ceiling)
         first = min(max(DEFAULT_RTO_INITIAL, STREAMS_IN_FLIGHT * wire), ceiling)
@@ -488,7 +497,7 @@ class NodeState:
         from fabric.core.reliability import RTO_JITTER, Sender
 
         first, floor, ceiling = self.stream_rto(window_frames * frame_bytes, dst)
-        bounded = self.topo.congestion.buffer_bytes is not None
+        bounded = self.overflow_drops()
         short = ceiling < STREAM_RTO_MAX_S
         peer = self.topo.by_id(dst).name
         return Sender(

@@ -126,6 +126,9 @@ class SimResult:
     ecn_marks: int = 0
     #: frames links with link-level retry (``llr``) sent again
     llr_replays: int = 0
+    #: PFC (``[congestion] pfc``): PAUSEs the links received, and their time paused
+    pauses: int = 0
+    paused_s: float = 0.0
     #: bytes the links of each class carried, both directions (shaped links only:
     #: an unshaped link does not count what it passes)
     bytes_by_class: dict[str, int] = field(default_factory=dict)
@@ -258,6 +261,7 @@ class Simulation:
                                                      crc=corrupting, lossless=lossless))
         # one pipeline per link direction: (from, to) -> pipeline
         self.pipes: dict[tuple[str, str], LinkPipeline] = {}
+        self._ids = {n.name: n.id for n in topo.nodes}
         self._pipe_at: dict[tuple[str, str], float] = {}
         for link in topo.links:
             a, b = link.endpoints
@@ -311,6 +315,8 @@ class Simulation:
             trims=sum(p.trims for p in self.pipes.values()),
             ecn_marks=sum(p.ecn_marks for p in self.pipes.values()),
             llr_replays=sum(p.llr_replays for p in self.pipes.values()),
+            pauses=sum(p.pauses for p in self.pipes.values()),
+            paused_s=sum(p.paused_s for p in self.pipes.values()),
             bytes_by_class=self._bytes_by_class())
 
     def _bytes_by_class(self) -> dict[str, int]:
@@ -344,7 +350,7 @@ class Simulation:
             elif kind == _SWITCH_IN:
                 sw, port, header, payload, tail = obj
                 self._switch_out(sw, self.switches[sw].handle(port, header, payload, t), t,
-                                 max(tail, t))
+                                 max(tail, t), port.decode())
             elif kind == _NODE_TIMER:
                 self._on_node_timer(obj, t)
             elif kind == _RESUME:
@@ -361,9 +367,18 @@ class Simulation:
 
     # ------------------------------------------------------------------ links
     def _send(self, src: str, dst: str, header: Any, payload: Any, t: float,
-              tail: float | None = None) -> None:
+              tail: float | None = None, came_from: str | None = None) -> None:
         key = (src, dst)
-        self.pipes[key].push((header, payload), t, tail)
+        pipe = self.pipes[key]
+        if came_from is None:
+            pipe.push((header, payload), t, tail)
+        else:
+            pipe.push((header, payload), t, tail, self._ids[came_from])
+            req = pipe.take_pause()
+            if req is not None:  # a lossless port above XOFF: PFC pauses the sender
+                up = (came_from, src)
+                self.pipes[up].pause(t, req[1])
+                self._schedule_pipe(up)
         self._schedule_pipe(key)
 
     def _schedule_pipe(self, key: tuple[str, str]) -> None:
@@ -395,15 +410,18 @@ class Simulation:
                 self._sw_busy[dst] = done
                 self._push(done, _SWITCH_IN, (dst, src.encode(), header, payload, tail))
                 return
-            self._switch_out(dst, core.handle(src.encode(), header, payload, t), t, tail)
+            self._switch_out(dst, core.handle(src.encode(), header, payload, t), t, tail, src)
             return
         self._node_frame(self.nodes[dst], header, payload, t)
 
     def _switch_out(self, sw: str, outputs: list[tuple[bytes, Any, Any]], t: float,
-                    tail: float | None = None) -> None:
+                    tail: float | None = None, came_from: str | None = None) -> None:
         # what a frame causes streams out behind it: its tail bounds theirs
         for port, header, payload in outputs:
-            self._send(sw, port.decode(), header, payload, t, tail)
+            self._send(sw, port.decode(), header, payload, t, tail, came_from)
+            # a frame's copies (multicast) and results (aggregation) are its bytes
+            # in the buffer once, for the port it came in on (PFC's accounting)
+            came_from = None
         if outputs:
             self._schedule_switch_timer(sw)
 

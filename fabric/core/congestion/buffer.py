@@ -76,6 +76,7 @@ class SharedBuffer:
         self.accepted = 0
         self.trims = 0
         self.drops = 0
+        self.headroom_peak = 0
         self._queues: dict[Key, int] = {}
         self._peaks: dict[Key, int] = {}
 
@@ -128,6 +129,17 @@ class SharedBuffer:
             return Admission.ACCEPT
         self.drops += 1
         return Admission.DROP
+
+    def admit_lossless(self, port: int, tc: int, nbytes: int) -> Admission:
+        """Admit a frame of a lossless class whose senders PFC pauses: always; beyond
+        the pool it takes the headroom (``headroom_peak``: the most bytes above
+        the pool at once)."""
+        self._charge((port, tc), nbytes)
+        self.accepted += 1
+        over = self.used - self.size
+        if over > self.headroom_peak:
+            self.headroom_peak = over
+        return Admission.ACCEPT
 
     def release(self, port: int, tc: int, nbytes: int) -> None:
         """``nbytes`` of ``(port, tc)`` left the switch."""

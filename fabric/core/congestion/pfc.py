@@ -104,6 +104,13 @@ class PfcIngress:
             return PfcEvent(port, tc, True)
         return None
 
+    def renew(self, port: int, tc: int) -> None:
+        """A new PAUSE goes out for ``(port, tc)`` while still above XON (the last
+        one has run out): its headroom counts from what the port holds now."""
+        key = (port, tc)
+        if key in self._paused:
+            self._paused[key] = self._held.get(key, 0)
+
     def on_dequeue(self, port: int, tc: int, nbytes: int, free_bytes: int) -> PfcEvent | None:
         """A frame of ``nbytes`` that came from ``port`` left the buffer."""
         key = (port, tc)

@@ -9,9 +9,14 @@ ECN (RED on the port's data queue) when the table names a policy (``cc``) or an
 ``ecn_*`` key; thresholds it does not name keep htsim's proportions: its buffer
 is 5 BDP (1 with trimming) and it marks from 0.2 to 0.8 BDP, every frame above.
 
-PFC (``pfc``) is modelled in the packet-level scenarios only
-(:mod:`fabric.sim.network`); these pipelines compute departures, so they have no
-dequeue at which an upstream port could be paused.
+With ``pfc`` the buffer is lossless: it drops nothing, and counts what each
+ingress port holds (:class:`~fabric.core.congestion.pfc.PfcIngress`: XOFF at
+1/8 of the free buffer, HPCC's dynamic threshold; XON two frames lower; a
+headroom of three times the fastest link's rate x delay, at least two
+frames). Above XOFF the link the frame came on is paused until that port's
+frames drain to XON (:mod:`fabric.core.link`; the drivers apply the pause).
+One lossless class carries every frame. ``credit`` (credit-based links) is
+modelled in the packet-level scenarios only (:mod:`fabric.sim.network`).
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ from typing import TYPE_CHECKING
 
 from fabric.core.congestion.buffer import SharedBuffer
 from fabric.core.congestion.config import (
+    HPCC_HEADROOM_LINK_DELAYS,
+    HPCC_PFC_ALPHA,
     HTSIM_ECN_KMAX_BDP,
     HTSIM_ECN_KMIN_BDP,
     HTSIM_QUEUE_BDP_DROP,
@@ -29,6 +36,7 @@ from fabric.core.congestion.config import (
     TRIM_HEADER_BYTES,
 )
 from fabric.core.congestion.ecn import RedMarker
+from fabric.core.congestion.pfc import PfcIngress
 from fabric.core.congestion.timed import TimedBuffer
 
 if TYPE_CHECKING:
@@ -39,10 +47,12 @@ __all__ = ["SwitchQueues", "switch_queues"]
 
 @dataclass
 class SwitchQueues:
-    """One switch's buffer and ECN marker (None: it never marks)."""
+    """One switch's buffer and ECN marker (None: it never marks); ``lossless``: a
+    frame that does not fit waits (PFC or credits) instead of being dropped."""
 
     buffer: TimedBuffer
     marker: RedMarker | None
+    lossless: bool = False  # PFC: pause senders instead of dropping
 
 
 def switch_queues(topo: Topology, seed: int = 0) -> dict[str, SwitchQueues]:
@@ -77,5 +87,13 @@ def switch_queues(topo: Topology, seed: int = 0) -> dict[str, SwitchQueues]:
                            trim_reserve_bytes=reserve, what="[congestion] buffer_bytes")
         marker = RedMarker(kmin, kmax, pmax, random.Random(f"{seed}/{s.name}/ecn")) \
             if marks else None
-        out[s.name] = SwitchQueues(TimedBuffer(buf), marker)
+        pfc = None
+        if c.pfc:
+            links = [lk.params for lk in topo.links if s.name in lk.endpoints]
+            rate_delay = max((p.bandwidth_gbps * 1e9 / 8 * p.latency_us * 1e-6 for p in links),
+                             default=0.0)
+            headroom = max(int(HPCC_HEADROOM_LINK_DELAYS * rate_delay), 2 * largest)
+            pfc = PfcIngress(mtu=largest, headroom_bytes=headroom, alpha=HPCC_PFC_ALPHA,
+                             resume_offset_bytes=2 * largest)
+        out[s.name] = SwitchQueues(TimedBuffer(buf, pfc), marker, lossless=c.pfc)
     return out

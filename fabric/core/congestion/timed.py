@@ -4,8 +4,14 @@ than by dequeue events.
 
 A frame is charged when it is queued and released when its last byte has left
 (``leaves_at``); :meth:`TimedBuffer.advance` releases every frame gone by
-``now``, so the pool's occupancy is exact at each admission. Pure: times are
-passed in.
+``now``, so the pool's occupancy is exact at each admission. A frame whose
+port is paused before it began leaves later (:meth:`TimedBuffer.postpone`).
+
+A lossless buffer (PFC) also counts the bytes each ingress port holds
+(:class:`~fabric.core.congestion.pfc.PfcIngress`): above XOFF, the frames that
+port holds are known to leave at known times, so the time they drain to XON is
+known too, and that is how long the port's sender is paused
+(:meth:`TimedBuffer.pause_until`). Pure: times are passed in.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from __future__ import annotations
 import heapq
 
 from fabric.core.congestion.buffer import Admission, SharedBuffer
+from fabric.core.congestion.pfc import PfcIngress
 
 __all__ = ["DATA_CLASS", "HEADER_CLASS", "TimedBuffer"]
 
@@ -21,20 +28,38 @@ DATA_CLASS, HEADER_CLASS = 0, 1
 
 
 class TimedBuffer:
-    """A :class:`SharedBuffer` plus the departure time of everything it holds."""
+    """A :class:`SharedBuffer` plus the departure time of everything it holds; with
+    ``pfc``, its ingress accounting."""
 
-    def __init__(self, buffer: SharedBuffer) -> None:
+    def __init__(self, buffer: SharedBuffer, pfc: PfcIngress | None = None) -> None:
         self.buffer = buffer
-        # (time, seq, port, class, bytes)
-        self._leaving: list[tuple[float, int, int, int, int]] = []
+        self.pfc = pfc
+        # (time, seq, port, class, bytes, ingress port or -1)
+        self._leaving: list[tuple[float, int, int, int, int, int]] = []
         self._seq = 0
+        self._moved: set[int] = set()  # entries postponed: a later one stands for each
+        self._entries: dict[int, tuple[int, int, int, int]] = {}  # seq -> port, tc, B, ingress
+        self._pause_end: dict[int, float] = {}  # ingress -> when its last PAUSE runs out
 
     def advance(self, now: float) -> None:
         """Release every frame whose last byte left by ``now``."""
         heap = self._leaving
         while heap and heap[0][0] <= now:
-            _t, _s, port, tc, nbytes = heapq.heappop(heap)
+            _t, seq, port, tc, nbytes, ingress = heapq.heappop(heap)
+            if seq in self._moved:
+                self._moved.discard(seq)
+                continue
+            del self._entries[seq]
             self.buffer.release(port, tc, nbytes)
+            if self.pfc is not None and ingress >= 0:
+                self.pfc.on_dequeue(ingress, DATA_CLASS, nbytes, self.buffer.free)
+
+    def next_departure(self) -> float | None:
+        """When the next frame held leaves (and frees its bytes), or None."""
+        heap = self._leaving
+        while heap and heap[0][1] in self._moved:
+            self._moved.discard(heapq.heappop(heap)[1])
+        return heap[0][0] if heap else None
 
     def queued(self, port: int, now: float) -> int:
         """Data bytes waiting in ``port``'s queue at ``now``."""
@@ -51,7 +76,54 @@ class TimedBuffer:
         return self.buffer.offer(port, DATA_CLASS, nbytes,
                                  trim_tc=HEADER_CLASS if trim else None)
 
-    def hold(self, port: int, nbytes: int, leaves_at: float, tc: int = DATA_CLASS) -> None:
-        """The admitted frame leaves ``port`` at ``leaves_at`` (its last byte on the wire)."""
+    def admit_lossless(self, port: int, nbytes: int, now: float) -> Admission:
+        """Admit a frame of a lossless class: always (beyond the shared pool it is in
+        the headroom PFC keeps for frames on their way when a pause goes out)."""
+        self.advance(now)
+        return self.buffer.admit_lossless(port, DATA_CLASS, nbytes)
+
+    def hold(self, port: int, nbytes: int, leaves_at: float, tc: int = DATA_CLASS,
+             ingress: int = -1) -> int:
+        """The admitted frame leaves ``port`` at ``leaves_at`` (its last byte on the
+        wire); it came in on ``ingress`` (-1: not counted by ingress). A handle for
+        :meth:`postpone`."""
         self._seq += 1
-        heapq.heappush(self._leaving, (leaves_at, self._seq, port, tc, nbytes))
+        heapq.heappush(self._leaving, (leaves_at, self._seq, port, tc, nbytes, ingress))
+        self._entries[self._seq] = (port, tc, nbytes, ingress)
+        if self.pfc is not None and ingress >= 0:
+            self.pfc.on_enqueue(ingress, DATA_CLASS, nbytes, self.buffer.free)
+        return self._seq
+
+    def postpone(self, hold: int, leaves_at: float) -> int:
+        """A frame held (``hold``: what :meth:`hold` returned) leaves later, at
+        ``leaves_at`` (its port was paused before it began); its new handle."""
+        port, tc, nbytes, ingress = self._entries.pop(hold)
+        self._moved.add(hold)
+        self._seq += 1
+        heapq.heappush(self._leaving, (leaves_at, self._seq, port, tc, nbytes, ingress))
+        self._entries[self._seq] = (port, tc, nbytes, ingress)
+        return self._seq
+
+    def pause_until(self, ingress: int, now: float) -> float | None:
+        """With PFC: when ``ingress`` holds more than XOFF, the time the frames it
+        holds will have drained to XON (its sender is paused until then); else
+        None. XON is XOFF less the resume offset, at the free buffer of now."""
+        pfc = self.pfc
+        if pfc is None or not pfc.is_paused(ingress, DATA_CLASS):
+            return None
+        held = pfc.held(ingress, DATA_CLASS)
+        xon = max(pfc.threshold(self.buffer.free) - pfc.resume_offset, 0.0)
+        for t, seq, _port, _tc, nbytes, ing in sorted(self._leaving):
+            if held <= xon:
+                break
+            if ing == ingress and seq not in self._moved:
+                held -= nbytes
+                if held <= xon:
+                    if now >= self._pause_end.get(ingress, -1.0):
+                        # the last PAUSE ran out above XON (the free buffer shrank
+                        # meanwhile): this is a new one, with its own headroom
+                        pfc.renew(ingress, DATA_CLASS)
+                    until = max(t, now)
+                    self._pause_end[ingress] = max(until, self._pause_end.get(ingress, until))
+                    return until
+        return None
