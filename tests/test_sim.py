@@ -217,3 +217,18 @@ def test_links_that_retry_hide_their_losses_from_the_protocol(path: str) -> None
     assert e2e[1] > 0 and e2e[2] == 0
     assert llr[1] == 0 and llr[2] > 5
     assert clean[0] < llr[0] < 1.5 * clean[0] < e2e[0]
+
+
+def test_a_workload_that_is_no_generator_is_refused_in_one_line() -> None:
+    """A plain function is refused before it runs; a callable without code to look at
+    (as a compiled generator function is) when what it returns is no generator."""
+    def plain(ctx):
+        return 1
+
+    class Opaque:
+        def __call__(self, ctx):
+            return 1
+
+    for fn in (plain, Opaque()):
+        with pytest.raises(UsageError, match="must be a generator function"):
+            Simulation(star(2)).run(fn)

@@ -29,6 +29,7 @@ from fabric.core.workload import (
     Together,
     check_workload,
     program_of,
+    start_workload,
     stream_program,
 )
 from fabric.errors import SemfabError, UsageError
@@ -40,7 +41,7 @@ def run_in_emulation(ep: Any, fn: Callable[..., Generator[Any, Any, Any]], *args
                      **kwargs: Any) -> Any:
     """Run a workload on an emulated worker's endpoint; returns its return value."""
     check_workload(fn)
-    return drive(ep, fn(Context(ep.rank, ep.world, ep.name), *args, **kwargs))
+    return drive(ep, start_workload(fn, Context(ep.rank, ep.world, ep.name), *args, **kwargs))
 
 
 def drive(ep: Any, gen: Generator[Any, Any, Any]) -> Any:

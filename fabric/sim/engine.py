@@ -65,6 +65,7 @@ from fabric.core.workload import (
     Together,
     check_workload,
     program_of,
+    start_workload,
     stream_program,
 )
 from fabric.errors import FabricTimeout, SemfabError, UsageError
@@ -288,7 +289,7 @@ class Simulation:
         self._drain(lambda: all(c.ready for c in self.switches.values()), None)
         start = self.now
         for node in self._workers:
-            node.gen = workload(node.ctx, *args, **kwargs)
+            node.gen = start_workload(workload, node.ctx, *args, **kwargs)
             node.done = False
             self._resume(node, None)
         self._drain(lambda: all(n.done for n in self._workers), until)
