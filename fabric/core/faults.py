@@ -354,28 +354,13 @@ class FaultInjector:
         # Every enabled fault kind draws for every frame, in a fixed order (see the
         # class doc); a kind that is off draws nothing (its stream is its own, so
         # the others' decisions are the same either way).
-        u_loss = self._r_loss.random() if spec.loss else 1.0
-        ge = spec.gilbert_elliott
-        u_ge_move, u_ge_loss = ((self._r_ge.random(), self._r_ge.random()) if ge is not None
-                                else (1.0, 1.0))
+        lost = self._draw_loss()
         u_dup = self._r_dup.random() if spec.duplicate else 1.0
         u_reorder, u_disp = ((self._r_reorder.random(), self._r_reorder.random())
                              if spec.reorder else (1.0, 0.0))
         u_corrupt = self._r_corrupt.random() if spec.corrupt else 1.0
         u_jitter = self._r_delay.random() if spec.jitter_us else 0.5
-
-        lost = u_loss < spec.loss
-        if ge is not None:
-            if self._bad:
-                self._bad = u_ge_move >= ge.p_bad_to_good
-            else:
-                self._bad = u_ge_move < ge.p_good_to_bad
-            if u_ge_loss < (ge.loss_in_bad if self._bad else ge.loss_in_good):
-                if not lost:
-                    self._lost_burst += 1
-                lost = True
         if lost:
-            self._lost += 1
             return []  # a lost frame overtakes nothing
 
         data = bytes(frame)
@@ -419,28 +404,35 @@ class FaultInjector:
         link replays a damaged frame rather than passing it on."""
         spec = self.spec
         self._frames += 1
-        u_loss = self._r_loss.random() if spec.loss else 1.0
-        ge = spec.gilbert_elliott
-        u_ge_move, u_ge_loss = ((self._r_ge.random(), self._r_ge.random()) if ge is not None
-                                else (1.0, 1.0))
+        lost = self._draw_loss()
         u_corrupt = self._r_corrupt.random() if spec.corrupt else 1.0
-        lost = u_loss < spec.loss
-        if ge is not None:
-            if self._bad:
-                self._bad = u_ge_move >= ge.p_bad_to_good
-            else:
-                self._bad = u_ge_move < ge.p_good_to_bad
-            if u_ge_loss < (ge.loss_in_bad if self._bad else ge.loss_in_good):
-                if not lost:
-                    self._lost_burst += 1
-                lost = True
         if lost:
-            self._lost += 1
             return True
         if u_corrupt < spec.corrupt:
             self._corrupted += 1
             return True
         return False
+
+    def _draw_loss(self) -> bool:
+        """Whether this frame is lost (Bernoulli, then the Gilbert-Elliott chain's
+        move and loss), each from its own stream; counted."""
+        spec = self.spec
+        u_loss = self._r_loss.random() if spec.loss else 1.0
+        ge = spec.gilbert_elliott
+        lost = u_loss < spec.loss
+        if ge is not None:
+            u_move, u_lose = self._r_ge.random(), self._r_ge.random()
+            if self._bad:
+                self._bad = u_move >= ge.p_bad_to_good
+            else:
+                self._bad = u_move < ge.p_good_to_bad
+            if u_lose < (ge.loss_in_bad if self._bad else ge.loss_in_good):
+                if not lost:
+                    self._lost_burst += 1
+                lost = True
+        if lost:
+            self._lost += 1
+        return lost
 
     def poll(self, now: float) -> list[tuple[float, bytes]]:
         """Release held frames whose timeout has passed."""
