@@ -127,7 +127,8 @@ class SwitchDaemon:
             if out.active:
                 self._egress[peer] = out
             if not topo.node(peer_name).is_switch:
-                inp = LinkPipeline(link.params, spec, seed=seed, stream=f"{peer_name}>{name}")
+                inp = LinkPipeline(link.params, spec, seed=seed, stream=f"{peer_name}>{name}",
+                                   pausable=queues is not None and queues.lossless)
                 if inp.active:
                     self._ingress[peer] = inp
         self._pipes = [*self._ingress.items(), *self._egress.items()]

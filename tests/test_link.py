@@ -92,7 +92,7 @@ def test_a_pause_moves_the_frames_not_yet_begun_in_order() -> None:
     """PFC's PAUSE at the sending end: the frame on the wire goes on, the rest start
     after the pause, back to back, in order, and the time paused is counted."""
     frames = _frames(5)
-    pipe = LinkPipeline(PARAMS)
+    pipe = LinkPipeline(PARAMS, pausable=True)
     for item in frames:
         pipe.push(item, 0.0)  # 1 us each on the wire: starts at 0, 1, 2, 3, 4 us
     pipe.pause(1.5e-6, 20e-6)  # frames 0 and 1 have begun

@@ -114,7 +114,7 @@ class LinkShaper:
         return start + pkt + self._latency_s, end + self._latency_s
 
     def hold_until(self, t: float) -> None:
-        """Send nothing before ``t`` (a link waiting to replay a frame)."""
+        """Send nothing before ``t`` (a link replaying a frame, or paused)."""
         if t > self._free_at:
             self._free_at = t
 
@@ -187,7 +187,8 @@ class LinkPipeline:
     def __init__(self, params: LinkParams | None = None, faults: FaultSpec | None = None,
                  *, seed: int = 0, stream: str = "", cut_through: int = 0,
                  to_switch: bool = False, injector: FaultInjector | None = None,
-                 queues: SwitchQueues | None = None, port: int = 0) -> None:
+                 queues: SwitchQueues | None = None, port: int = 0,
+                 pausable: bool = False) -> None:
         self.shaper = LinkShaper(params) if params is not None else None
         if self.shaper is not None and not self.shaper.active:
             self.shaper = None
@@ -222,8 +223,10 @@ class LinkPipeline:
         self.paused_s = 0.0
         self._paused_until = 0.0
         # frames scheduled and not yet delivered: seq -> (start, bytes, buffer hold),
-        # so a pause can move those not yet begun (not with cut-through)
+        # so a pause can move those not yet begun (``pausable``: the far end may
+        # send PAUSEs; not with cut-through). Kept only then: it costs every frame
         self._sched: dict[int, tuple[float, int, int]] = {}
+        self.pausable = pausable and self.shaper is not None and not self.cut_through
         self._held: list[tuple[float, int, Item, float]] = []
         self._seq = itertools.count()
         # Without corruption the injector decides on an 8-byte token that stands
@@ -386,7 +389,7 @@ class LinkPipeline:
                 if until is not None:
                     self.pauses_sent += 1
                     self._pause_request = (ingress, until)
-            if not self.cut_through:
+            if self.pausable:
                 seq = next(self._seq)
                 ser = self.shaper.params.serialization_us(nbytes) * 1e-6
                 self._sched[seq] = (self.shaper.free_at - ser, nbytes, hold)

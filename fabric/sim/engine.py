@@ -273,7 +273,7 @@ class Simulation:
                     link.params, spec, seed=seed, stream=f"{x}>{y}",
                     cut_through=self.timing.cut_through_bytes,
                     to_switch=topo.node(y).is_switch, queues=queues.get(x),
-                    port=topo.node(y).id)
+                    port=topo.node(y).id, pausable=topo.congestion.pfc and bool(queues))
         for node in self.nodes.values():
             node.uplink = self.pipes[(node.name, node.state.switch_name)]
         self._workers = [self.nodes[w.name] for w in topo.workers]
