@@ -21,6 +21,7 @@ import math
 import os
 import random
 import signal
+import struct
 import time
 from collections.abc import Sequence
 from dataclasses import asdict
@@ -47,6 +48,11 @@ log = logging.getLogger("semfab.switchd")
 
 #: Frames drained from one socket per wake-up before polling again.
 BATCH = 256
+#: A PFC PAUSE from one switch daemon to a neighbour's: this part, then the pause's
+#: length in seconds (``<d``). Not a frame (no frame header is this long), so it is
+#: told apart by its length first; the link layer's, never the protocol core's.
+PAUSE_MAGIC = b"semfab-pfc-pause/1"
+_PAUSE_FOR = struct.Struct("<d")
 
 
 def _sum_faults(pipes: dict[bytes, LinkPipeline]) -> dict[str, int]:
@@ -114,6 +120,8 @@ class SwitchDaemon:
         # one pipeline per link direction we drive (inactive links get none)
         self._ingress: dict[bytes, LinkPipeline] = {}
         self._ids = {n.name.encode(): n.id for n in topo.nodes}  # port -> node id
+        self._ports = {n.id: n.name.encode() for n in topo.nodes}
+        self._switch_ports = {n.name.encode() for n in topo.switches}
         self._egress: dict[bytes, LinkPipeline] = {}
         # this switch's buffer and ECN marker ([congestion]), shared by its egress ports
         queues = switch_queues(topo, seed).get(name)
@@ -122,13 +130,15 @@ class SwitchDaemon:
             peer = peer_name.encode()
             spec = parse_faults(faults) if faults is not None else (
                 FaultSpec(loss=link.params.loss) if link.params.loss else None)
+            lossless = queues is not None and queues.lossless
             out = LinkPipeline(link.params, spec, seed=seed, stream=f"{name}>{peer_name}",
-                               queues=queues, port=topo.node(peer_name).id)
+                               queues=queues, port=topo.node(peer_name).id,
+                               pausable=lossless and topo.node(peer_name).is_switch)
             if out.active:
                 self._egress[peer] = out
             if not topo.node(peer_name).is_switch:
                 inp = LinkPipeline(link.params, spec, seed=seed, stream=f"{peer_name}>{name}",
-                                   pausable=queues is not None and queues.lossless)
+                                   pausable=lossless)
                 if inp.active:
                     self._ingress[peer] = inp
         self._pipes = [*self._ingress.items(), *self._egress.items()]
@@ -140,6 +150,7 @@ class SwitchDaemon:
                     pipe.depth = []
         self.frames_out = 0
         self.bytes_out = 0
+        self.pauses_sent_to_switches = 0
         self.unroutable = 0
         self._ready_sent = False
         self._running = True
@@ -292,6 +303,8 @@ class SwitchDaemon:
     def _arrived(self, port: bytes, header: Any, payload: Any) -> None:
         """A frame from a node's port (socket or doorbell): through its link's
         ingress pipeline when it has one, else straight to the core."""
+        if len(header) == len(PAUSE_MAGIC) and self._paused_by(port, header, payload):
+            return
         if self.frame_log is not None:
             self.frame_log.add("rx", header, port.decode(errors="replace"))
         now = time.monotonic()
@@ -309,6 +322,9 @@ class SwitchDaemon:
                 parts = up.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
+            if len(parts[0].buffer) == len(PAUSE_MAGIC) and self._paused_by(
+                    peer, parts[0].buffer, parts[1].buffer if len(parts) > 1 else None):
+                continue
             if self.frame_log is not None:
                 self.frame_log.add("rx", parts[0].buffer, peer.decode(errors="replace"))
             now = time.monotonic()
@@ -334,10 +350,13 @@ class SwitchDaemon:
                 # a frame's copies and results count once for the port it came on
                 came_from = -1
                 req = pipe.take_pause()
-                if req is not None and came_on is not None:
-                    # a lossless port above XOFF: PFC pauses the node's link the frame
-                    # came on (a neighbour switch's link is its daemon's: not paused)
-                    came_on.pause(now, req[1])
+                if req is not None:
+                    # a lossless port above XOFF: PFC pauses the link the frame came on,
+                    # a node's here, a neighbour switch's by a PAUSE to its daemon
+                    if came_on is not None:
+                        came_on.pause(now, req[1])
+                    else:
+                        self._send_pause(self._ports.get(req[0], b""), req[1] - now)
                 for h, p in pipe.pop_due(now):
                     self._send_now(port, h, p)
 
@@ -351,6 +370,25 @@ class SwitchDaemon:
                 self._send_now(port, h, p)
         due = [t for _, pipe in self._pipes if (t := pipe.get_timer()) is not None]
         return max(min(due) - time.monotonic(), 0.0) if due else 1.0
+
+    def _send_pause(self, port: bytes, seconds: float) -> None:
+        """PFC: ask the neighbour switch on ``port`` to send us nothing for ``seconds``."""
+        if port in self._switch_ports and seconds > 0:
+            self.pauses_sent_to_switches += 1
+            self._send_now(port, PAUSE_MAGIC, _PAUSE_FOR.pack(seconds))
+
+    def _paused_by(self, port: bytes, header: Any, payload: Any) -> bool:
+        """Whether this message is a neighbour's PFC PAUSE (then applied: our link
+        to it sends nothing for as long as it asks)."""
+        if bytes(header) != PAUSE_MAGIC or payload is None:
+            return False
+        pipe = self._egress.get(port)
+        if pipe is not None and memoryview(payload).nbytes == _PAUSE_FOR.size:
+            (seconds,) = _PAUSE_FOR.unpack(bytes(payload))
+            if math.isfinite(seconds) and 0 < seconds < 60:
+                now = time.monotonic()
+                pipe.pause(now, now + seconds)
+        return True
 
     def _send_now(self, port: bytes, header: Any, payload: Any = None) -> None:
         if self.frame_log is not None:
@@ -420,11 +458,14 @@ class SwitchDaemon:
             "held_frames": sum(len(pipe) for _, pipe in self._pipes),
             # frames links with link-level retry sent again, ingress and egress
             "llr_replays": sum(pipe.llr_replays for _, pipe in self._pipes),
-            # [congestion] pfc: PAUSEs this switch's ports sent and the nodes' links
-            # took (the links it drives: the nodes' own, not its neighbour switches')
+            # [congestion] pfc: PAUSEs this switch's ports asked for (to its nodes' links,
+            # which it drives, and by message to neighbour switches), and those it took
             "pfc": {"pauses_sent": sum(p.pauses_sent for p in self._egress.values()),
+                    "pauses_sent_to_switches": self.pauses_sent_to_switches,
                     "pauses": sum(p.pauses for p in self._ingress.values()),
-                    "paused_s": sum(p.paused_s for p in self._ingress.values())},
+                    "paused_s": sum(p.paused_s for p in self._ingress.values()),
+                    "switch_link_pauses": sum(p.pauses for p in self._egress.values()),
+                    "switch_link_paused_s": sum(p.paused_s for p in self._egress.values())},
             # [congestion]: what the egress queues did, per port ("switch>peer")
             "queues": {f"{self.name}>{peer.decode()}": {
                 "overflow_drops": st.overflow_drops, "trims": st.trims,
