@@ -47,8 +47,9 @@ __all__ = ["SwitchQueues", "switch_queues"]
 
 @dataclass
 class SwitchQueues:
-    """One switch's buffer and ECN marker (None: it never marks); ``lossless``: a
-    frame that does not fit waits (PFC or credits) instead of being dropped."""
+    """One switch's buffer and ECN marker (None: it never marks); ``lossless``
+    (PFC): every frame is admitted, and senders are paused instead of frames
+    dropped."""
 
     buffer: TimedBuffer
     marker: RedMarker | None

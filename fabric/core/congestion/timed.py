@@ -38,7 +38,8 @@ class TimedBuffer:
         self._leaving: list[tuple[float, int, int, int, int, int]] = []
         self._seq = 0
         self._moved: set[int] = set()  # entries postponed: a later one stands for each
-        self._entries: dict[int, tuple[int, int, int, int]] = {}  # seq -> port, tc, B, ingress
+        # seq -> port, class, bytes, ingress: what postpone needs (kept with PFC only)
+        self._entries: dict[int, tuple[int, int, int, int]] = {}
         self._pause_end: dict[int, float] = {}  # ingress -> when its last PAUSE runs out
 
     def advance(self, now: float) -> None:
@@ -46,20 +47,14 @@ class TimedBuffer:
         heap = self._leaving
         while heap and heap[0][0] <= now:
             _t, seq, port, tc, nbytes, ingress = heapq.heappop(heap)
-            if seq in self._moved:
+            if self._moved and seq in self._moved:
                 self._moved.discard(seq)
                 continue
-            del self._entries[seq]
             self.buffer.release(port, tc, nbytes)
-            if self.pfc is not None and ingress >= 0:
-                self.pfc.on_dequeue(ingress, DATA_CLASS, nbytes, self.buffer.free)
-
-    def next_departure(self) -> float | None:
-        """When the next frame held leaves (and frees its bytes), or None."""
-        heap = self._leaving
-        while heap and heap[0][1] in self._moved:
-            self._moved.discard(heapq.heappop(heap)[1])
-        return heap[0][0] if heap else None
+            if self.pfc is not None:
+                del self._entries[seq]
+                if ingress >= 0:
+                    self.pfc.on_dequeue(ingress, DATA_CLASS, nbytes, self.buffer.free)
 
     def queued(self, port: int, now: float) -> int:
         """Data bytes waiting in ``port``'s queue at ``now``."""
@@ -89,14 +84,16 @@ class TimedBuffer:
         :meth:`postpone`."""
         self._seq += 1
         heapq.heappush(self._leaving, (leaves_at, self._seq, port, tc, nbytes, ingress))
-        self._entries[self._seq] = (port, tc, nbytes, ingress)
-        if self.pfc is not None and ingress >= 0:
-            self.pfc.on_enqueue(ingress, DATA_CLASS, nbytes, self.buffer.free)
+        if self.pfc is not None:
+            self._entries[self._seq] = (port, tc, nbytes, ingress)
+            if ingress >= 0:
+                self.pfc.on_enqueue(ingress, DATA_CLASS, nbytes, self.buffer.free)
         return self._seq
 
     def postpone(self, hold: int, leaves_at: float) -> int:
         """A frame held (``hold``: what :meth:`hold` returned) leaves later, at
-        ``leaves_at`` (its port was paused before it began); its new handle."""
+        ``leaves_at`` (its port was paused before it began); its new handle. Only
+        with PFC, which is what pauses ports."""
         port, tc, nbytes, ingress = self._entries.pop(hold)
         self._moved.add(hold)
         self._seq += 1
