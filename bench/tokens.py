@@ -151,7 +151,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="time of a step that admits new requests (toy decoder: 20)")
     c.add_argument("--workers", type=int, default=None,
                    help="generator workers (GPUs); default 1, or one group of tp x ep x pp "
-                   "with --model tiny")
+                   "with --model; a multiple of that makes data-parallel generators "
+                   "(emulated or --sim)")
     c.add_argument("--tp", type=int, default=1,
                    help="--model tiny: tensor-parallel degree (TP allreduces per layer)")
     c.add_argument("--ep", type=int, default=1,
