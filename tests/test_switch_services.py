@@ -140,3 +140,26 @@ def test_two_services_cannot_answer_one_control_type() -> None:
 
     with pytest.raises(ValueError, match="'barrier' of service 'clash' is taken by barriers"):
         SwitchCore(star(2), "sw0", services=[Clash])
+
+
+def test_barriers_remember_the_last_ones_done_and_forget_the_oldest() -> None:
+    """A barrier arrival repeated after it completed is answered at once (its reply
+    was lost); the service keeps the last BARRIERS_KEPT such barriers only."""
+    from switchd.core.barriers import BARRIERS_KEPT
+
+    topo = star(2)
+    sw = topo.switches[0]
+    core = SwitchCore(topo, sw.name)
+    core.handle_timer(0.0)
+
+    def arrive(worker: str, bid: int) -> list[Any]:
+        node = topo.node(worker)
+        frame = fr.encode(Op.CTRL, src=node.id, dst=sw.id,
+                          payload=control.pack("barrier", id=bid, n=2))
+        return core.handle(worker.encode(), frame, None, 1.0)
+
+    for bid in range(1, BARRIERS_KEPT + 6):
+        assert arrive("w0", bid) == []
+        assert len(arrive("w1", bid)) == 2  # both answered
+    assert len(arrive("w0", BARRIERS_KEPT + 5)) == 1  # done: answered again at once
+    assert arrive("w0", 5) == []  # forgotten: it waits for the others again

@@ -13,7 +13,7 @@ answers its barriers with the reason (``error``), so every member raises it.
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, ClassVar, Final
 
@@ -49,7 +49,9 @@ class Barriers(Service):
         super().__init__(ctx)
         self._multicast = multicast
         self._waiting: dict[tuple[int, int], dict[int, bytes]] = {}
-        self._done: deque[tuple[int, int]] = deque(maxlen=BARRIERS_KEPT)
+        # the last BARRIERS_KEPT barriers done, oldest first: looked up on every
+        # arrival, so a dict (a deque's `in` compared up to 1024 keys each time)
+        self._done: OrderedDict[tuple[int, int], None] = OrderedDict()
         # groups that failed as they were made: (gid, incarnation) -> why
         self._failed: OrderedDict[tuple[int, int], str] = OrderedDict()
         multicast.on_release.append(self._wipe)
@@ -88,7 +90,9 @@ class Barriers(Service):
         if len(waiting) >= n:
             for src, who in self._waiting.pop(key).items():
                 ctx.ctrl(who, src, "barrier_done", id=bid)
-            self._done.append(key)
+            self._done[key] = None
+            if len(self._done) > BARRIERS_KEPT:
+                self._done.popitem(last=False)
 
     def _wipe(self, gid: int) -> None:
         """Group ``gid`` was released: its waiting barriers end with it."""
