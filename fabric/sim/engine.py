@@ -263,6 +263,7 @@ class Simulation:
         # one pipeline per link direction: (from, to) -> pipeline
         self.pipes: dict[tuple[str, str], LinkPipeline] = {}
         self._ids = {n.name: n.id for n in topo.nodes}
+        self._pfc = topo.congestion.pfc and bool(queues)  # ingress accounting, pauses
         self._pipe_at: dict[tuple[str, str], float] = {}
         for link in topo.links:
             a, b = link.endpoints
@@ -273,7 +274,7 @@ class Simulation:
                     link.params, spec, seed=seed, stream=f"{x}>{y}",
                     cut_through=self.timing.cut_through_bytes,
                     to_switch=topo.node(y).is_switch, queues=queues.get(x),
-                    port=topo.node(y).id, pausable=topo.congestion.pfc and bool(queues))
+                    port=topo.node(y).id, pausable=self._pfc)
         for node in self.nodes.values():
             node.uplink = self.pipes[(node.name, node.state.switch_name)]
         self._workers = [self.nodes[w.name] for w in topo.workers]
@@ -371,7 +372,7 @@ class Simulation:
               tail: float | None = None, came_from: str | None = None) -> None:
         key = (src, dst)
         pipe = self.pipes[key]
-        if came_from is None:
+        if came_from is None or not self._pfc:
             pipe.push((header, payload), t, tail)
         else:
             pipe.push((header, payload), t, tail, self._ids[came_from])
