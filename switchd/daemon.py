@@ -151,6 +151,7 @@ class SwitchDaemon:
         self.frames_out = 0
         self.bytes_out = 0
         self.pauses_sent_to_switches = 0
+        self.pauses_refused = 0
         self.unroutable = 0
         self._ready_sent = False
         self._running = True
@@ -378,16 +379,20 @@ class SwitchDaemon:
             self._send_now(port, PAUSE_MAGIC, _PAUSE_FOR.pack(seconds))
 
     def _paused_by(self, port: bytes, header: Any, payload: Any) -> bool:
-        """Whether this message is a neighbour's PFC PAUSE (then applied: our link
-        to it sends nothing for as long as it asks)."""
-        if bytes(header) != PAUSE_MAGIC or payload is None:
+        """Whether this message is a neighbour switch's PFC PAUSE (then applied: our
+        link to it sends nothing for as long as it asks). From a node's port it is
+        not one: the core refuses it as any malformed frame is (counted, NACKed)."""
+        if port not in self._switch_ports or bytes(header) != PAUSE_MAGIC:
             return False
         pipe = self._egress.get(port)
-        if pipe is not None and memoryview(payload).nbytes == _PAUSE_FOR.size:
+        seconds = math.nan
+        if payload is not None and memoryview(payload).nbytes == _PAUSE_FOR.size:
             (seconds,) = _PAUSE_FOR.unpack(bytes(payload))
-            if math.isfinite(seconds) and 0 < seconds < 60:
-                now = time.monotonic()
-                pipe.pause(now, now + seconds)
+        if not (math.isfinite(seconds) and 0 < seconds < 60):
+            self.pauses_refused += 1  # not a length we would send: ignored, counted
+        elif pipe is not None:  # (an unshaped link holds nothing back: nothing to pause)
+            now = time.monotonic()
+            pipe.pause(now, now + seconds)
         return True
 
     def _send_now(self, port: bytes, header: Any, payload: Any = None) -> None:
@@ -462,6 +467,7 @@ class SwitchDaemon:
             # which it drives, and by message to neighbour switches), and those it took
             "pfc": {"pauses_sent": sum(p.pauses_sent for p in self._egress.values()),
                     "pauses_sent_to_switches": self.pauses_sent_to_switches,
+                    "pauses_refused": self.pauses_refused,
                     "pauses": sum(p.pauses for p in self._ingress.values()),
                     "paused_s": sum(p.paused_s for p in self._ingress.values()),
                     "switch_link_pauses": sum(p.pauses for p in self._egress.values()),
