@@ -23,7 +23,9 @@ timed iterations: the receiver's time from its barrier to its last byte),
 ``ideal_s`` (every byte back to back at the bottleneck, plus the first frame's
 way there), ``fct_slowdown`` (each flow's time over its time alone),
 ``goodput_gbps``, ``jain``, ``drops``, ``trims``, ``ecn_marks``, ``pauses``
-and ``paused_s`` (0: these queues have no PFC), ``retransmits``, ``wrong``;
+and ``paused_s`` (0: these queues have no PFC), ``credit_stalls`` and
+``credit_stalled_s`` (``--credit``: frames that waited for credit, and the time
+links stood idle for it), ``retransmits``, ``wrong``;
 emulation rows add ``vs_sim`` (their completion over the simulated one).
 
 ``--packet-level`` adds a third row per policy: the same incast in the packet-level
@@ -88,6 +90,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pfc", action="store_true",
                    help="a lossless buffer: PFC pauses the senders' links instead of dropping "
                    "(XOFF at 1/8 of the free buffer; not with --trim)")
+    p.add_argument("--credit", action="store_true",
+                   help="credit-based flow control on every link (the scale-up way): a link "
+                   "sends only into buffer its far end granted, so nothing queues past it "
+                   "or drops (not with --trim or --pfc)")
     p.add_argument("--spray", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("-w", "--warmup", type=int, default=1, help="untimed iterations")
     p.add_argument("-n", "--iters", type=int, default=3, help="timed iterations")
@@ -131,6 +137,7 @@ class Settings:
     sim: bool
     packet_level: bool = False
     pfc: bool = False
+    credit: bool = False
 
 
 def settings_from(args: argparse.Namespace) -> Settings:
@@ -141,6 +148,9 @@ def settings_from(args: argparse.Namespace) -> Settings:
 
     if args.pfc and args.trim:
         raise UsageError("--pfc with --trim: a lossless class is never trimmed; choose one")
+    if args.credit and (args.pfc or args.trim):
+        raise UsageError("--credit with --pfc or --trim: credit-based links are lossless by "
+                         "themselves; choose one")
     if args.spray:
         raise UsageError("--spray: an incast crosses one switch, so there is no second path "
                          "to spray over; try `semfab sim permutation --spray`")
@@ -184,7 +194,8 @@ def settings_from(args: argparse.Namespace) -> Settings:
             check_output_file(f"--{flag}", getattr(args, flag))
     return Settings(args.senders, size, float(args.link_gbps), float(args.latency_us), args.mtu,
                     policies, buffer, args.trim, args.kmin, args.kmax, args.pmax, args.warmup,
-                    args.iters, args.seed, not args.no_sim, args.packet_level, args.pfc)
+                    args.iters, args.seed, not args.no_sim, args.packet_level, args.pfc,
+                    args.credit)
 
 
 def _bytes(flag: str, text: str, minimum: int) -> int:
@@ -282,7 +293,7 @@ def congestion(s: Settings, cc: str, base_rtt_s: float) -> Any:
     kmax = s.kmax if s.kmax is not None else max(int(HTSIM_ECN_KMAX_BDP * bdp), kmin)
     return CongestionSettings(buffer_bytes=buffer, trim=s.trim, ecn_kmin_bytes=kmin,
                               ecn_kmax_bytes=kmax, ecn_pmax=s.pmax if s.pmax else 1.0,
-                              cc=cc, base_rtt_us=base_rtt_s * 1e6, pfc=s.pfc)
+                              cc=cc, base_rtt_us=base_rtt_s * 1e6, pfc=s.pfc, credit=s.credit)
 
 
 def ideal_s(s: Settings) -> tuple[float, float]:
@@ -325,6 +336,8 @@ def _row(s: Settings, world: str, cc: str, per: list[list[dict[str, Any]]],
         "drops": counters.get("overflow_drops", 0), "trims": counters.get("trims", 0),
         "ecn_marks": counters.get("ecn_marks", 0), "pauses": counters.get("pauses", 0),
         "paused_s": counters.get("paused_s", 0.0),
+        "credit_stalls": counters.get("credit_stalls", 0),
+        "credit_stalled_s": counters.get("credit_stalled_s", 0.0),
         "retransmits": sum(per[k][i]["retransmits"] for k in range(s.senders) for i in timed),
         "timeouts": sum(per[k][i]["timeouts"] for k in range(s.senders) for i in timed),
         "wrong": sum(rx[i]["wrong"] for i in timed),
@@ -333,15 +346,21 @@ def _row(s: Settings, world: str, cc: str, per: list[list[dict[str, Any]]],
 
 
 def _queue_counters(stats: dict[str, Any], port: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
     for sw in stats.values():
-        q = (sw.get("queues") or {}).get(port) if isinstance(sw, dict) else None
+        if not isinstance(sw, dict):
+            continue
+        credit = sw.get("credit") or {}
+        out["credit_stalls"] = out.get("credit_stalls", 0) + int(credit.get("stalls", 0))
+        out["credit_stalled_s"] = out.get("credit_stalled_s", 0.0) + float(
+            credit.get("stalled_s", 0.0))
+        q = (sw.get("queues") or {}).get(port)
         if q is not None:
-            out: dict[str, Any] = {k: int(v) for k, v in q.items()}
+            out.update({k: int(v) for k, v in q.items()})
             pfc = sw.get("pfc") or {}
             out.update(pauses=int(pfc.get("pauses", 0)),
                        paused_s=float(pfc.get("paused_s", 0.0)))
-            return out
-    return {}
+    return out
 
 
 def _emulate(s: Settings, cc: str, base_rtt_s: float, args: argparse.Namespace,
@@ -395,7 +414,8 @@ def _simulate(s: Settings, cc: str, base_rtt_s: float, timeout_s: float,
         record[f"{cc} simulation {port}"] = _last_window(s, res.results, hot.depth)
     counters = {"overflow_drops": res.overflow_drops, "trims": res.trims,
                 "ecn_marks": res.ecn_marks, "peak_queue_bytes": res.queue_peaks.get(port, 0),
-                "pauses": res.pauses, "paused_s": res.paused_s}
+                "pauses": res.pauses, "paused_s": res.paused_s,
+                "credit_stalls": res.credit_stalls, "credit_stalled_s": res.credit_stalled_s}
     return _row(s, "simulation", cc, res.results, counters)
 
 
@@ -410,6 +430,7 @@ def _packet_settings(s: Settings, cc: str, base_rtt_s: float) -> Any:
     settings = IncastSettings(
         senders=s.senders, size=s.size, link_gbps=s.link_gbps, mtu=s.mtu + fr.HEADER_SIZE,
         base_rtt_us=base_rtt_s * 1e6, cc=cc, buffer=c.buffer_bytes, trim=s.trim, pfc=s.pfc,
+        credit=s.credit,
         kmin=c.ecn_kmin_bytes, kmax=c.ecn_kmax_bytes, pmax=c.ecn_pmax, seed=s.seed)
     try:
         settings.resolved()
@@ -431,7 +452,8 @@ def _packet_level(s: Settings, cc: str, base_rtt_s: float) -> dict[str, Any]:
         "of_ideal": r["completion_s"] / ideal, "fct_slowdown": r["fct_slowdown"],
         "goodput_gbps": r["goodput_gbps"], "jain": r["jain"], "drops": r["drops"],
         "trims": r["trims"], "ecn_marks": r["ecn_marks"], "pauses": r["pauses"],
-        "paused_s": r["paused_s"], "retransmits": r["retransmits"],
+        "paused_s": r["paused_s"], "credit_stalls": r.get("credit_stalls", 0),
+        "credit_stalled_s": r.get("credit_stalled_s", 0.0), "retransmits": r["retransmits"],
         "timeouts": r["timeouts"], "wrong": r["wrong"],
         "peak_queue_bytes": r["peak_queue_bytes"], "samples": 1,
         "finished": r["finished"]}
@@ -474,7 +496,8 @@ def _print_row(r: dict[str, Any]) -> None:
 
 def _header(s: Settings, base_rtt_s: float | None) -> str:
     ideal, _alone = ideal_s(s)
-    overflow = "trimming" if s.trim else "PFC (lossless)" if s.pfc else "tail drop"
+    overflow = "trimming" if s.trim else "PFC (lossless)" if s.pfc else \
+        "credit-based links (lossless)" if s.credit else "tail drop"
     text = (f"# semfab bench incast: {s.senders} -> 1 of {report.format_size(s.size)} each; "
             f"links {s.link_gbps:g} Gb/s, {s.latency_us:g} us, mtu {s.mtu}; "
             f"{overflow}; ideal {ideal * 1e3:.2f} ms; "

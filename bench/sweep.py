@@ -356,20 +356,27 @@ def topology(args: argparse.Namespace, workers: int) -> Any:
 
 def queue_figures(results: list[Any]) -> dict[str, Any]:
     """What the switches' queues did over simulations (``SimResult``s): drops, trims,
-    ECN marks and the fullest egress queue; empty without ``[congestion]`` buffers."""
+    ECN marks and the fullest egress queue, and what credit-controlled links waited;
+    empty without ``[congestion]`` buffers or credit waits."""
     peaks: dict[str, int] = {}
     for r in results:
         for port, b in r.queue_peaks.items():
             peaks[port] = max(peaks.get(port, 0), b)
-    if not peaks:
+    stalls = sum(r.credit_stalls for r in results)
+    if not peaks and not stalls:
         return {}
-    port = max(peaks, key=lambda k: peaks[k])
-    return {"overflow_drops": sum(r.overflow_drops for r in results),
-            "trims": sum(r.trims for r in results),
-            "ecn_marks": sum(r.ecn_marks for r in results),
-            "pauses": sum(r.pauses for r in results),
-            "paused_s": sum(r.paused_s for r in results),
-            "peak_queue": [port, peaks[port]]}
+    out: dict[str, Any] = {
+        "overflow_drops": sum(r.overflow_drops for r in results),
+        "trims": sum(r.trims for r in results),
+        "ecn_marks": sum(r.ecn_marks for r in results),
+        "pauses": sum(r.pauses for r in results),
+        "paused_s": sum(r.paused_s for r in results),
+        "credit_stalls": stalls,
+        "credit_stalled_s": sum(r.credit_stalled_s for r in results)}
+    if peaks:
+        port = max(peaks, key=lambda k: peaks[k])
+        out["peak_queue"] = [port, peaks[port]]
+    return out
 
 
 def recovery_note(retransmits: int, replays: int) -> str:
@@ -383,11 +390,15 @@ def queue_note(q: dict[str, Any]) -> str:
     """:func:`queue_figures` in words, for a row's note ("" without buffers)."""
     if not q:
         return ""
+    credit = (f"; credit: {q['credit_stalls']} frames waited for it, links idle "
+              f"{q['credit_stalled_s'] * 1e3:.2f} ms in all" if q.get("credit_stalls") else "")
+    if "peak_queue" not in q:
+        return credit
     port, peak = q["peak_queue"]
     pfc = (f", {q['pauses']} PFC pauses ({q['paused_s'] * 1e3:.2f} ms of links paused)"
            if q.get("pauses") else "")
     return (f"; queues: {q['overflow_drops']} drops, {q['trims']} trims, {q['ecn_marks']} "
-            f"ECN marks{pfc}, fullest {port} at {peak} B")
+            f"ECN marks{pfc}, fullest {port} at {peak} B{credit}")
 
 
 def congestion_text(topo: Any) -> str:

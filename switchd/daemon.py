@@ -31,9 +31,10 @@ from typing import Any
 import zmq
 
 from fabric.core import control
+from fabric.core.congestion.credit import link_grant
 from fabric.core.congestion.switchq import switch_queues
 from fabric.core.faults import FaultSpec, FaultStats, parse_faults
-from fabric.core.link import LinkPipeline
+from fabric.core.link import CreditBack, LinkPipeline, wire_bytes
 from fabric.core.topology import Topology
 from fabric.emulation import doorbell as db
 from fabric.emulation import transport
@@ -53,6 +54,12 @@ BATCH = 256
 #: told apart by its length first; the link layer's, never the protocol core's.
 PAUSE_MAGIC = b"semfab-pfc-pause/1"
 _PAUSE_FOR = struct.Struct("<d")
+#: A credit return from one switch daemon to a neighbour's, on a credit-controlled
+#: link: this part (as long as PAUSE_MAGIC), then how many seconds from now the
+#: frames it stands for have left this switch, and their bytes (``<dq``).
+CREDIT_MAGIC = b"semfab-link-credit"
+_CREDIT_FOR = struct.Struct("<dq")
+assert len(CREDIT_MAGIC) == len(PAUSE_MAGIC)
 
 
 def _sum_faults(pipes: dict[bytes, LinkPipeline]) -> dict[str, int]:
@@ -119,6 +126,7 @@ class SwitchDaemon:
                     self.ctx, topo.endpoint_address(other.name, sock_dir), name)
         # one pipeline per link direction we drive (inactive links get none)
         self._ingress: dict[bytes, LinkPipeline] = {}
+        self._credit_from: set[bytes] = set()  # neighbour switches whose links need credit
         self._ids = {n.name.encode(): n.id for n in topo.nodes}  # port -> node id
         self._ports = {n.id: n.name.encode() for n in topo.nodes}
         self._switch_ports = {n.name.encode() for n in topo.switches}
@@ -131,16 +139,21 @@ class SwitchDaemon:
             spec = parse_faults(faults) if faults is not None else (
                 FaultSpec(loss=link.params.loss) if link.params.loss else None)
             lossless = queues is not None and queues.lossless
+            to_switch = topo.node(peer_name).is_switch
+            grant = link_grant(link.params, topo.congestion.credit)
             out = LinkPipeline(link.params, spec, seed=seed, stream=f"{name}>{peer_name}",
                                queues=queues, port=topo.node(peer_name).id,
-                               pausable=lossless and topo.node(peer_name).is_switch)
+                               pausable=lossless and to_switch, credit_bytes=grant,
+                               frees_on_arrival=not to_switch)
             if out.active:
                 self._egress[peer] = out
-            if not topo.node(peer_name).is_switch:
+            if not to_switch:
                 inp = LinkPipeline(link.params, spec, seed=seed, stream=f"{peer_name}>{name}",
-                                   pausable=lossless)
+                                   pausable=lossless, credit_bytes=grant)
                 if inp.active:
                     self._ingress[peer] = inp
+            elif grant:  # the neighbour's link into us: its credit goes back by message
+                self._credit_from.add(peer)
         self._pipes = [*self._ingress.items(), *self._egress.items()]
         # SEMFAB_QUEUE_TRACE=1: record each bounded egress queue's depth (monotonic
         # seconds), reported in statistics() as "queue_depth"
@@ -152,6 +165,8 @@ class SwitchDaemon:
         self.bytes_out = 0
         self.pauses_sent_to_switches = 0
         self.pauses_refused = 0
+        self.credits_sent_to_switches = 0
+        self.credits_refused = 0
         self.unroutable = 0
         self._ready_sent = False
         self._running = True
@@ -304,7 +319,7 @@ class SwitchDaemon:
     def _arrived(self, port: bytes, header: Any, payload: Any) -> None:
         """A frame from a node's port (socket or doorbell): through its link's
         ingress pipeline when it has one, else straight to the core."""
-        if len(header) == len(PAUSE_MAGIC) and self._paused_by(port, header, payload):
+        if len(header) == len(PAUSE_MAGIC) and self._link_control(port, header, payload):
             return
         if self.frame_log is not None:
             self.frame_log.add("rx", header, port.decode(errors="replace"))
@@ -314,8 +329,9 @@ class SwitchDaemon:
             pipe.push((header, payload), now)
             self._deliver(port, pipe, now)
         else:
+            back = (port, wire_bytes(header, payload)) if port in self._credit_from else None
             self._emit(self.core.handle(port, header, payload, now), now, None,
-                       self._ids.get(port, -1))
+                       self._ids.get(port, -1), back)
 
     def _drain_dealer(self, peer: bytes, up: zmq.Socket) -> None:
         for _ in range(BATCH):
@@ -323,33 +339,41 @@ class SwitchDaemon:
                 parts = up.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            if len(parts[0].buffer) == len(PAUSE_MAGIC) and self._paused_by(
-                    peer, parts[0].buffer, parts[1].buffer if len(parts) > 1 else None):
+            header = parts[0].buffer
+            payload = parts[1].buffer if len(parts) > 1 else None
+            if len(header) == len(PAUSE_MAGIC) and self._link_control(peer, header, payload):
                 continue
             if self.frame_log is not None:
-                self.frame_log.add("rx", parts[0].buffer, peer.decode(errors="replace"))
+                self.frame_log.add("rx", header, peer.decode(errors="replace"))
             now = time.monotonic()
-            self._emit(self.core.handle(peer, parts[0].buffer,
-                                        parts[1].buffer if len(parts) > 1 else None, now), now,
-                       None, self._ids.get(peer, -1))
+            back = (peer, wire_bytes(header, payload)) if peer in self._credit_from else None
+            self._emit(self.core.handle(peer, header, payload, now), now, None,
+                       self._ids.get(peer, -1), back)
 
     def _deliver(self, port: bytes, pipe: LinkPipeline, now: float) -> None:
         """Hand what arrived over a node->switch link to the core."""
+        credit = pipe.credit is not None
         for header, payload in pipe.pop_due(now):
+            # over a credit-controlled link, the frame's credit goes back once we are
+            # done with it
+            back = (pipe, wire_bytes(header, payload)) if credit else None
             self._emit(self.core.handle(port, header, payload, now), now, pipe,
-                       self._ids.get(port, -1))
+                       self._ids.get(port, -1), back)
 
     def _emit(self, outputs: list[tuple[bytes, Any, Any]], now: float,
-              came_on: LinkPipeline | None = None, came_from: int = -1) -> None:
+              came_on: LinkPipeline | None = None, came_from: int = -1,
+              back: CreditBack | None = None) -> None:
         egress = self._egress
         for port, header, payload in outputs:
             pipe = egress.get(port)
             if pipe is None:
                 self._send_now(port, header, payload)
             else:
-                pipe.push((header, payload), now, None, came_from)
+                pipe.push((header, payload), now, None, came_from, back)
                 # a frame's copies and results count once for the port it came on
                 came_from = -1
+                if back is not None:
+                    self._credit_returns(pipe, now)
                 req = pipe.take_pause()
                 if req is not None:
                     # a lossless port above XOFF: PFC pauses the link the frame came on,
@@ -360,6 +384,24 @@ class SwitchDaemon:
                         self._send_pause(self._ports.get(req[0], b""), req[1] - now)
                 for h, p in pipe.pop_due(now):
                     self._send_now(port, h, p)
+            if back is not None:  # its credit goes with the first frame it caused
+                if pipe is None:  # sent on an unshaped link: freed now
+                    self._credit_freed(back[0], back[1], now, now)
+                back = None
+        if back is not None:  # consumed here: freed now
+            self._credit_freed(back[0], back[1], now, now)
+
+    def _credit_returns(self, pipe: LinkPipeline, now: float) -> None:
+        """Hand the credit of frames ``pipe`` has sent on to the links they came on."""
+        for token, nbytes, at in pipe.take_credit_returns():
+            self._credit_freed(token, nbytes, at, now)
+
+    def _credit_freed(self, token: Any, nbytes: int, at: float, now: float) -> None:
+        if isinstance(token, LinkPipeline):  # a node's link, which we drive
+            token.credit_freed(at, nbytes)
+        elif token in self._switch_ports:  # a neighbour's: its daemon drives it
+            self.credits_sent_to_switches += 1
+            self._send_now(token, CREDIT_MAGIC, _CREDIT_FOR.pack(max(at - now, 0.0), nbytes))
 
     def _release_due(self) -> float:
         """Move every frame whose time has come; seconds until the next one."""
@@ -369,6 +411,8 @@ class SwitchDaemon:
         for port, pipe in self._egress.items():
             for h, p in pipe.pop_due(now):
                 self._send_now(port, h, p)
+            if pipe.credit is not None:  # frames that waited for credit, now sent
+                self._credit_returns(pipe, now)
         due = [t for _, pipe in self._pipes if (t := pipe.get_timer()) is not None]
         return max(min(due) - time.monotonic(), 0.0) if due else 1.0
 
@@ -378,11 +422,17 @@ class SwitchDaemon:
             self.pauses_sent_to_switches += 1
             self._send_now(port, PAUSE_MAGIC, _PAUSE_FOR.pack(seconds))
 
-    def _paused_by(self, port: bytes, header: Any, payload: Any) -> bool:
-        """Whether this message is a neighbour switch's PFC PAUSE (then applied: our
-        link to it sends nothing for as long as it asks). From a node's port it is
-        not one: the core refuses it as any malformed frame is (counted, NACKed)."""
-        if port not in self._switch_ports or bytes(header) != PAUSE_MAGIC:
+    def _link_control(self, port: bytes, header: Any, payload: Any) -> bool:
+        """Whether this message is a neighbour switch's PFC PAUSE or credit return
+        (then applied to our link to it). From a node's port it is neither: the
+        core refuses it as any malformed frame is (counted, NACKed)."""
+        if port not in self._switch_ports:
+            return False
+        kind = bytes(header)
+        if kind == CREDIT_MAGIC:
+            self._credited_by(port, payload)
+            return True
+        if kind != PAUSE_MAGIC:
             return False
         pipe = self._egress.get(port)
         seconds = math.nan
@@ -394,6 +444,18 @@ class SwitchDaemon:
             now = time.monotonic()
             pipe.pause(now, now + seconds)
         return True
+
+    def _credited_by(self, port: bytes, payload: Any) -> None:
+        """A neighbour switch freed frames our link sent it: the credit is ours again
+        (a malformed return is counted and ignored)."""
+        pipe = self._egress.get(port)
+        seconds, nbytes = math.nan, 0
+        if payload is not None and memoryview(payload).nbytes == _CREDIT_FOR.size:
+            seconds, nbytes = _CREDIT_FOR.unpack(bytes(payload))
+        if not (math.isfinite(seconds) and 0 <= seconds < 60 and 0 < nbytes < 2**40):
+            self.credits_refused += 1
+        elif pipe is not None and pipe.credit is not None:
+            pipe.credit_freed(time.monotonic() + seconds, nbytes)
 
     def _send_now(self, port: bytes, header: Any, payload: Any = None) -> None:
         if self.frame_log is not None:
@@ -472,6 +534,12 @@ class SwitchDaemon:
                     "paused_s": sum(p.paused_s for p in self._ingress.values()),
                     "switch_link_pauses": sum(p.pauses for p in self._egress.values()),
                     "switch_link_paused_s": sum(p.paused_s for p in self._egress.values())},
+            # credit-controlled links: frames that waited for credit, and the time the
+            # links stood idle for it (ingress: our nodes' links; egress: ours)
+            "credit": {"stalls": sum(p.credit_stalls for _, p in self._pipes),
+                       "stalled_s": sum(p.credit_stalled_s for _, p in self._pipes),
+                       "returns_sent_to_switches": self.credits_sent_to_switches,
+                       "returns_refused": self.credits_refused},
             # [congestion]: what the egress queues did, per port ("switch>peer")
             "queues": {f"{self.name}>{peer.decode()}": {
                 "overflow_drops": st.overflow_drops, "trims": st.trims,

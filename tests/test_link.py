@@ -14,6 +14,7 @@ from fabric.core.topology import LinkParams
 #: 8 Gb/s (1 byte per ns), 10 us of flight.
 PARAMS = LinkParams(bandwidth_gbps=8.0, latency_us=10.0)
 SIZE = 968  # + the 32-byte header: 1 us on the wire
+EPS = 1e-12  # past a time computed in floating point
 
 
 def _frames(n: int) -> list[tuple[bytes, np.ndarray]]:
@@ -109,3 +110,62 @@ def test_a_pause_moves_the_frames_not_yet_begun_in_order() -> None:
     pipe.pause(40e-6, 41e-6)  # nothing left to move: the link just waits
     pipe.push(frames[0], 40e-6)
     assert pipe.get_timer() == pytest.approx(52e-6)
+
+
+def test_a_credit_link_waits_for_credit_and_sends_in_order() -> None:
+    """Credit for two frames: the third waits until the far end frees the first
+    (the credit takes the link's latency back); the link's idle time is counted."""
+    frames = _frames(4)
+    pipe = LinkPipeline(PARAMS, credit_bytes=2 * (SIZE + fr.HEADER_SIZE))
+    for i, item in enumerate(frames):
+        pipe.push(item, 0.0, credit_back=("in", 100 + i))
+    got = [(t, fr.decode(h, p).psn) for t in (11e-6 + EPS, 12e-6 + EPS)
+           for h, p in pipe.pop_due(t)]
+    assert got == [(11e-6 + EPS, 0), (12e-6 + EPS, 1)]
+    assert len(pipe) == 2 and pipe.get_timer() is None  # no credit: nothing to do
+    # each frame's cause is freed once that frame has left (its last byte at 1, 2 us)
+    assert pipe.take_credit_returns() == [("in", 100, pytest.approx(1e-6)),
+                                          ("in", 101, pytest.approx(2e-6))]
+    pipe.credit_freed(15e-6, SIZE + fr.HEADER_SIZE)  # frame 0 left the far end
+    assert pipe.get_timer() == pytest.approx(25e-6)  # + 10 us back
+    assert pipe.pop_due(25e-6 + EPS) == []
+    assert pipe.take_credit_returns() == [("in", 102, pytest.approx(26e-6))]
+    assert pipe.get_timer() == pytest.approx(36e-6)  # frame 2: 25 + 1 + 10 us
+    assert [fr.decode(h, p).psn for h, p in pipe.pop_due(36e-6 + EPS)] == [2]
+    st = pipe.statistics()
+    assert st.credit_stalls == 1 and st.credit_stalled_s == pytest.approx(23e-6)  # 2..25 us
+    pipe.credit_freed(40e-6, 2 * (SIZE + fr.HEADER_SIZE))
+    pipe.pop_due(50e-6 + EPS)
+    assert [fr.decode(h, p).psn for h, p in pipe.pop_due(61e-6 + EPS)] == [3]
+
+
+def test_a_credit_link_into_a_node_frees_each_frame_as_it_arrives() -> None:
+    """A node takes frames as they come: with credit for one round trip of the link
+    (and one frame more), a steady stream never waits for it."""
+    from fabric.core.congestion.credit import link_grant
+
+    grant = link_grant(PARAMS.replace(credit=True, mtu=SIZE))
+    assert grant > 0 and link_grant(PARAMS) == 0  # credit is a link's own setting
+    frames = _frames(200)
+    alone = _run(LinkPipeline(PARAMS), frames, 0.0)
+    credited = LinkPipeline(PARAMS, credit_bytes=grant, frees_on_arrival=True)
+    assert _run(credited, frames, 0.0) == alone
+    assert credited.statistics().credit_stalls == 0
+    # half the credit: the same frames, in order, later
+    short = LinkPipeline(PARAMS, credit_bytes=grant // 2, frees_on_arrival=True)
+    slow = _run(short, frames, 0.0)
+    assert [psn for _t, psn in slow] == list(range(200)) and slow[-1][0] > alone[-1][0]
+    assert short.statistics().credit_stalls > 0
+
+
+def test_a_frame_larger_than_the_grant_goes_once_every_credit_is_back() -> None:
+    frames = _frames(2)
+    pipe = LinkPipeline(PARAMS, credit_bytes=SIZE // 2)
+    for item in frames:
+        pipe.push(item, 0.0)
+    assert [fr.decode(h, p).psn for h, p in pipe.pop_due(11e-6 + EPS)] == [0]
+    assert pipe.pop_due(1.0) == []  # the second waits for the first's credit
+    pipe.credit_freed(11e-6, SIZE + fr.HEADER_SIZE)  # (more than the grant: capped)
+    assert pipe.credit is not None and pipe.get_timer() == pytest.approx(21e-6)
+    pipe.pop_due(21e-6 + EPS)
+    assert [fr.decode(h, p).psn for h, p in pipe.pop_due(32e-6 + EPS)] == [1]

@@ -232,3 +232,36 @@ def test_pfc_pauses_senders_instead_of_dropping(path: str) -> None:
             assert q.buffer.buffer.headroom_peak <= pfc.headroom * 9
     _sim, lossy = run(False)
     assert lossy.overflow_drops > 0 and lossy.pauses == 0
+
+
+@pytest.mark.parametrize("kind", ["star", "leaf_spine"])
+def test_credit_links_lose_nothing_and_hold_senders_back(kind: str) -> None:
+    """Credit-based links ([congestion] credit): fan-in makes senders wait for
+    credit instead of queueing at the switch; nothing is dropped or resent, every
+    element exact; a self-clocked path (ina) never waits, and its time is the
+    unbounded fabric's (the grant covers a link's round trip)."""
+    base = _topo(kind).with_congestion(CongestionSettings())
+    credit = base.with_congestion(CongestionSettings(credit=True))
+    for path in ("host-ps", "ina"):
+        r = Simulation(credit, timeout_s=30).run(_allreduce, 1 << 16, path)
+        free = Simulation(base, timeout_s=30).run(_allreduce, 1 << 16, path)
+        assert r.results == [0] * 8
+        assert r.overflow_drops == 0 and r.retransmits == 0
+        if path == "host-ps":  # eight workers into one host port
+            assert r.credit_stalls > 0 and r.credit_stalled_s > 0
+            assert r.end_s == pytest.approx(free.end_s, rel=0.05)  # the host link decides
+        else:
+            assert r.credit_stalls == 0 and r.end_s == pytest.approx(free.end_s)
+    r = Simulation(credit, timeout_s=30).run(_collectives, 1 << 13, "ina")
+    assert r.results == [0] * 8 and r.credit_stalls > 0
+
+
+def test_credit_holds_a_cluster_scale_up_switch_back_per_link() -> None:
+    """A cluster's scale-up links are credit-controlled by default; an alltoall
+    through its domains stays exact whichever way the switches hold it back."""
+    from fabric.core.topology import cluster
+
+    t = cluster(2, 4, scaleup={"bandwidth_gbps": 10.0}, scaleout={"bandwidth_gbps": 5.0})
+    assert all(lk.params.credit for lk in t.links if lk.cls == "scaleup")
+    r = Simulation(t, timeout_s=30).run(_collectives, 1 << 13, "ina")
+    assert r.results == [0] * 8 and r.retransmits == 0

@@ -633,3 +633,20 @@ def test_gen_main_turns_link_level_retry_on_and_off(capsys: pytest.CaptureFixtur
     assert all(lk.params.llr for lk in ls.links if lk.cls != "frontend")
     assert gen_main(["--cluster", "2", "--gpus-per-domain", "2", "--no-llr"]) == 0
     assert not any(lk.params.llr for lk in loads(capsys.readouterr().out).links)
+
+
+def test_credit_flow_control_is_a_link_parameter(capsys: pytest.CaptureFixture[str]) -> None:
+    """``credit``: false by default, per class or per link, round-trips; a cluster's
+    scale-up links have it unless ``--no-credit``; ``--credit`` puts it on every
+    link ([congestion] credit)."""
+    assert not LinkParams().credit
+    c = cluster(2, 2)
+    assert {lk.cls: lk.params.credit for lk in c.links} == {
+        "scaleup": True, "scaleout": False, "frontend": False}
+    assert loads(c.to_toml()) == c
+    with pytest.raises(TopologyError, match="credit must be true or false"):
+        loads(c.to_toml().replace("credit = true", "credit = \"yes\""))
+    assert gen_main(["--cluster", "2", "--gpus-per-domain", "2", "--no-credit"]) == 0
+    assert not any(lk.params.credit for lk in loads(capsys.readouterr().out).links)
+    assert gen_main(["--workers", "2", "--bandwidth-gbps", "10", "--credit"]) == 0
+    assert loads(capsys.readouterr().out).congestion.credit

@@ -23,6 +23,16 @@ A frame pushed into the pipeline goes through, in this order:
    (:meth:`LinkPipeline.take_pause`; the driver calls :meth:`pause` on the
    link the frame came on, which moves that link's frames not yet begun);
    frames already on their way land in the headroom;
+   A credit-controlled link (``credit``, :mod:`fabric.core.congestion.credit`)
+   has no such queue: it sends a frame only while it holds credit for it (the far
+   end's input buffer, granted up front) and otherwise keeps it, in order, with
+   those behind it, until credit comes back (:meth:`LinkPipeline.credit_freed`:
+   the far end freed that many bytes at a time, and the credit takes the link's
+   latency to return). A node frees a frame as it arrives; a switch when the
+   frame has left through its egress port, or when it consumed it (an
+   aggregation's contribution): the driver passes the frame's ``credit_back``
+   along with the first frame it caused, and hands each
+   :meth:`LinkPipeline.take_credit_returns` to the link it came on;
 3. **shaping** (:class:`LinkShaper`): it waits for the link to be free, occupies
    it for its serialisation time at the link's bandwidth, then travels
    ``latency_us``; a memory-plane frame is charged the bytes it names (the load
@@ -45,11 +55,13 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Final
 
 from fabric.core import frame as fr
 from fabric.core.congestion.buffer import Admission
+from fabric.core.congestion.credit import CreditLink
 from fabric.core.congestion.switchq import SwitchQueues
 from fabric.core.congestion.timed import HEADER_CLASS
 from fabric.core.faults import FaultInjector, FaultSpec, FaultStats
@@ -63,6 +75,9 @@ DEPTH_POINTS: Final = 200_000
 _F_REF: Final = int(Flag.REF)
 
 Item = tuple[Any, Any]
+#: What a frame's credit goes back to, and how many bytes: the driver's token for
+#: the link it came on (opaque here), and its size on that link.
+CreditBack = tuple[Any, int]
 
 
 class LinkShaper:
@@ -170,6 +185,8 @@ class PipelineStats:
     pauses_sent: int = 0  # PAUSEs this (lossless) port asked for its frames' senders
     pauses: int = 0  # PAUSEs this link received from its far end
     paused_s: float = 0.0  # time this link was paused, in total
+    credit_stalls: int = 0  # times this (credit-controlled) link waited for credit
+    credit_stalled_s: float = 0.0  # time it spent waiting, in total
 
 
 def _split(blob: bytes) -> tuple[bytes, memoryview | None]:
@@ -188,14 +205,28 @@ class LinkPipeline:
                  *, seed: int = 0, stream: str = "", cut_through: int = 0,
                  to_switch: bool = False, injector: FaultInjector | None = None,
                  queues: SwitchQueues | None = None, port: int = 0,
-                 pausable: bool = False) -> None:
+                 pausable: bool = False, credit_bytes: int = 0,
+                 frees_on_arrival: bool = False) -> None:
         self.shaper = LinkShaper(params) if params is not None else None
         if self.shaper is not None and not self.shaper.active:
             self.shaper = None
         # a bounded queue: the switch's buffer, this link its port ``port`` (an
         # unshaped link never holds a frame back, so never queues)
         shaped = self.shaper is not None and self.shaper.params.shaped
-        self.queues = queues if shaped else None
+        # credit-based flow control (``credit_bytes`` granted by the far end, which
+        # frees each frame as it arrives when ``frees_on_arrival``: a node); such a
+        # link waits instead of overflowing, so it has no switch queue to drop from
+        self.credit = CreditLink(credit_bytes, mtu=1) if credit_bytes and shaped else None
+        self.frees_on_arrival = frees_on_arrival
+        self._blocked: deque[tuple[Item, float | None, int, CreditBack | None, int, float]] = \
+            deque()
+        # frames that left later than the link could have sent them, and the time
+        # the link stood idle for want of credit
+        self.credit_stalls = 0
+        self.credit_stalled_s = 0.0
+        self._refills: list[tuple[float, int]] = []  # (when credit arrives, bytes)
+        self._returns: list[tuple[Any, int, float]] = []  # (token, bytes, freed at)
+        self.queues = queues if shaped and self.credit is None else None
         self.port = port
         self.overflow_drops = 0
         self.trims = 0
@@ -241,19 +272,39 @@ class LinkPipeline:
         return self.shaper is not None or self.injector is not None
 
     def push(self, item: Item, now: float, tail: float | None = None,
-             ingress: int = -1) -> None:
+             ingress: int = -1, credit_back: CreditBack | None = None) -> None:
         """A frame ``(header, payload)`` enters the link at ``now`` (cut-through:
         its last byte has entered by ``tail``); ``ingress``: the node id of the
-        port it came into this switch on (a lossless buffer accounts by it)."""
+        port it came into this switch on (a lossless buffer accounts by it);
+        ``credit_back``: the credit of the frame that caused it, freed once it has
+        left (:meth:`take_credit_returns`)."""
         inj = self.injector
         if inj is None:
-            self._shape(item, now, tail, ingress)
+            self._gate(item, now, tail, ingress, credit_back)
             return
         if self.llr:
-            self._shape(item, self._replayed(inj, item, now), tail, ingress)
+            self._gate(item, self._replayed(inj, item, now), tail, ingress, credit_back)
             return
+        if credit_back is not None:  # what a lossy link does to it frees the buffer now
+            self._returns.append((credit_back[0], credit_back[1], now))
         for at, arrived in self._inject(inj, item, now):
-            self._shape(arrived, max(at, now), tail, ingress)
+            self._gate(arrived, max(at, now), tail, ingress, None)
+
+    def credit_freed(self, at: float, nbytes: int) -> None:
+        """The far end freed ``nbytes`` of this link's frames at ``at`` (a frame left
+        it, or was consumed there): the credit is back one link latency later, and
+        frames waiting for it go then (:meth:`pop_due`, :meth:`get_timer`)."""
+        if self.credit is None or nbytes <= 0:
+            return
+        back = at + (self.shaper.params.latency_us * 1e-6 if self.shaper is not None else 0.0)
+        heapq.heappush(self._refills, (back, nbytes))
+
+    def take_credit_returns(self) -> list[tuple[Any, int, float]]:
+        """``(token, bytes, freed_at)`` for each frame whose ``credit_back`` is due
+        since the last call: the frame it stood for left the far end's buffer at
+        ``freed_at`` (the driver calls :meth:`credit_freed` on the token's link)."""
+        out, self._returns = self._returns, []
+        return out
 
     def pop_due(self, now: float) -> list[Item]:
         """Every frame whose arrival time has come, in arrival order."""
@@ -263,14 +314,19 @@ class LinkPipeline:
         """Like :meth:`pop_due`, with each frame's tail arrival time (cut-through)."""
         if self.injector is not None and self.injector.next_deadline() is not None:
             for at, arrived in self._resolve(self.injector.poll(now)):
-                self._shape(arrived, max(at, now), None)
+                self._gate(arrived, max(at, now), None)
+        if self._refills and self._refills[0][0] <= now:
+            self._refill(now)
         out: list[tuple[Item, float]] = []
         held = self._held
         sched = self._sched
+        frees = self.credit is not None and self.frees_on_arrival
         while held and held[0][0] <= now:
-            _due, seq, item, tail = heapq.heappop(held)
+            due, seq, item, tail = heapq.heappop(held)
             if sched:
                 sched.pop(seq, None)
+            if frees:  # a node takes the frame as it comes: its credit heads back
+                self.credit_freed(due, wire_bytes(item[0], item[1]))
             out.append((item, tail))
         return out
 
@@ -320,6 +376,8 @@ class LinkPipeline:
     def get_timer(self) -> float | None:
         """When :meth:`pop_due` next has something, or None."""
         due = self._held[0][0] if self._held else None
+        if self._refills and (due is None or self._refills[0][0] < due):
+            due = self._refills[0][0]
         if self.injector is not None:
             d = self.injector.next_deadline()
             if d is not None and (due is None or d < due):
@@ -327,7 +385,7 @@ class LinkPipeline:
         return due
 
     def __len__(self) -> int:
-        return len(self._held)
+        return len(self._held) + len(self._blocked)
 
     def statistics(self) -> PipelineStats:
         """A frozen snapshot."""
@@ -339,17 +397,59 @@ class LinkPipeline:
             faults=self.injector.statistics() if self.injector is not None else None,
             overflow_drops=self.overflow_drops, trims=self.trims, ecn_marks=self.ecn_marks,
             peak_queue_bytes=self.peak_queue, llr_replays=self.llr_replays,
-            pauses_sent=self.pauses_sent, pauses=self.pauses, paused_s=self.paused_s)
+            pauses_sent=self.pauses_sent, pauses=self.pauses, paused_s=self.paused_s,
+            credit_stalls=self.credit_stalls, credit_stalled_s=self.credit_stalled_s)
 
     # ------------------------------------------------------------------ internals
-    def _shape(self, item: Item, now: float, tail: float | None, ingress: int = -1) -> None:
+    def _gate(self, item: Item, now: float, tail: float | None, ingress: int = -1,
+              back: CreditBack | None = None) -> None:
+        """Credit flow control before shaping: a frame goes when the link holds
+        credit for it and none waits before it; else it waits its turn."""
+        cr = self.credit
+        if cr is not None:
+            # a frame larger than the whole grant goes once every credit is back
+            nbytes = min(wire_bytes(item[0], item[1]), cr.granted)
+            if self._blocked or nbytes > cr.credits:
+                self._blocked.append((item, tail, ingress, back, nbytes, now))
+                return
+            cr.spend(nbytes, now)
+        self._shape(item, now, tail, ingress, back)
+
+    def _refill(self, now: float) -> None:
+        """Credit that has come back by ``now``, each return at its own time: the
+        frames waiting for it go then, in order."""
+        cr = self.credit
+        assert cr is not None
+        refills = self._refills
+        blocked = self._blocked
+        sh = self.shaper
+        while refills and refills[0][0] <= now:
+            t, nbytes = heapq.heappop(refills)
+            cr.refill(min(nbytes, cr.granted - cr.credits))
+            while blocked and blocked[0][4] <= cr.credits:
+                item, tail, ingress, back, n, since = blocked.popleft()
+                cr.spend(n, t)
+                # idle for want of credit: from when the link could have sent it
+                idle = t - max(since, sh.free_at if sh is not None else since)
+                if idle > 0:
+                    self.credit_stalls += 1
+                    self.credit_stalled_s += idle
+                self._shape(item, t, tail, ingress, back)
+
+    def _shape(self, item: Item, now: float, tail: float | None, ingress: int = -1,
+               back: CreditBack | None = None) -> None:
         if self.shaper is None:
             due = end = now if tail is None else max(now, tail)
+            if back is not None:
+                self._returns.append((back[0], back[1], now))
         else:
             nbytes = wire_bytes(item[0], item[1])
             q = self.queues
             buf = q.buffer if q is not None else None
             if q is not None and buf is not None:
+                if back is not None:  # the frame leaves (or is dropped) as decided below
+                    self._returns.append((back[0], back[1], now))
+                    back = None
                 if item[1] is None and fr.is_trimmed(item[0]):
                     self._trim(item, now, again=True)  # cut upstream: a header already
                     return
@@ -384,6 +484,8 @@ class LinkPipeline:
                 due = end = self.shaper.schedule(nbytes, now)
             hold = buf.hold(self.port, nbytes, self.shaper.free_at, ingress=ingress) \
                 if buf is not None else -1
+            if back is not None:  # its cause's buffer is free once it has left
+                self._returns.append((back[0], back[1], self.shaper.free_at))
             if self.lossless and ingress >= 0 and buf is not None:
                 until = buf.pause_until(ingress, now)
                 if until is not None:

@@ -72,7 +72,8 @@ NODE_KINDS: tuple[NodeKind, ...] = ("worker", "host", "switch")
 #: The three networks of DESIGN.md 1.6.
 LINK_CLASSES: tuple[LinkClass, ...] = ("scaleup", "scaleout", "frontend")
 #: Link parameters a ``[[link]]`` or ``[defaults.<class>]`` table may set.
-LINK_PARAM_KEYS: tuple[str, ...] = ("latency_us", "bandwidth_gbps", "loss", "mtu", "llr")
+LINK_PARAM_KEYS: tuple[str, ...] = ("latency_us", "bandwidth_gbps", "loss", "mtu", "llr",
+                                     "credit")
 TRANSPORTS: tuple[str, ...] = ("ipc", "tcp")
 
 MIN_MTU = 256
@@ -161,9 +162,10 @@ class Node:
 
 def _param_problem(key: str, value: object) -> str | None:
     """Return why ``value`` is not valid for link parameter ``key``, or None."""
-    if key == "llr":
+    if key in ("llr", "credit"):
         if not isinstance(value, bool):
-            return f"llr must be true or false (link-level retry), got {value!r}"
+            what = "link-level retry" if key == "llr" else "credit-based flow control"
+            return f"{key} must be true or false ({what}), got {value!r}"
         return None
     if key == "mtu":
         if isinstance(value, bool) or not isinstance(value, int):
@@ -211,6 +213,10 @@ class LinkParams:
     #: not at all, so it delivers every frame once and in order, later
     #: (fabric.core.link; UALink's and NVLink's links do this).
     llr: bool = False
+    #: Credit-based flow control: the link sends a frame only into buffer its far
+    #: end granted, and waits for the credit back once it is full, so it never
+    #: overflows (fabric.core.congestion.credit; UALink's and NVLink's links do this).
+    credit: bool = False
 
     def __post_init__(self) -> None:
         for key in LINK_PARAM_KEYS:
@@ -1415,9 +1421,12 @@ def leaf_spine(
 #: jumbo frames, a few microseconds per hop through host stacks. Scale-up links
 #: retry at the link layer (``llr``): a flit that arrives damaged or not at all is
 #: replayed by the link, as UALink's link-level retry and NVLink's CRC-checked
-#: replay do, so no loss there reaches the protocol's end-to-end recovery.
+#: replay do, so no loss there reaches the protocol's end-to-end recovery; and
+#: they are credit-controlled (``credit``): a link sends only into buffer its far
+#: end granted, as UALink's and NVLink's link layers do, so they never overflow.
 CLUSTER_DEFAULTS: dict[str, dict[str, float | bool]] = {
-    "scaleup": {"bandwidth_gbps": 3600.0, "latency_us": 0.5, "mtu": 4096, "llr": True},
+    "scaleup": {"bandwidth_gbps": 3600.0, "latency_us": 0.5, "mtu": 4096, "llr": True,
+                "credit": True},
     "scaleout": {"bandwidth_gbps": 400.0, "latency_us": 1.0, "mtu": 4096},
     "frontend": {"bandwidth_gbps": 100.0, "latency_us": 5.0, "mtu": 9000},
 }
@@ -1569,7 +1578,7 @@ def _run_parser(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argpars
 def _gen_congestion(args: argparse.Namespace) -> CongestionSettings:
     """`semfab topo gen`'s congestion flags as settings (a refusal as a TopologyError)."""
     fields: dict[str, Any] = {"buffer_bytes": args.buffer_bytes, "buffer_alpha": args.buffer_alpha,
-                              "trim": args.trim, "pfc": args.pfc, "credit": args.credit,
+                              "trim": args.trim, "pfc": args.pfc, "credit": bool(args.credit),
                               "ecn_kmin_bytes": args.ecn_kmin_bytes,
                               "ecn_kmax_bytes": args.ecn_kmax_bytes, "ecn_pmax": args.ecn_pmax,
                               "rto_max_us": args.rto_max_us}
@@ -1679,8 +1688,10 @@ def gen_main(argv: Sequence[str]) -> int:
                       help="dynamic threshold: a queue may hold A x the free buffer")
     cong.add_argument("--trim", action="store_true", help="trim payloads instead of dropping")
     cong.add_argument("--pfc", action="store_true", help="lossless data class (PFC)")
-    cong.add_argument("--credit", action="store_true",
-                      help="credit-based link flow control (the scale-up way)")
+    cong.add_argument("--credit", action=argparse.BooleanOptionalAction, default=None,
+                      help="credit-based flow control on every link (the scale-up way: a "
+                      "link sends only into buffer its far end granted); a cluster's "
+                      "scale-up links have it unless --no-credit")
     cong.add_argument("--ecn-kmin-bytes", type=int, default=None, metavar="B",
                       help="ECN: no mark at or below")
     cong.add_argument("--ecn-kmax-bytes", type=int, default=None, metavar="B",
@@ -1725,6 +1736,8 @@ def gen_main(argv: Sequence[str]) -> int:
                 over["scaleup"]["mtu"] = over["scaleout"]["mtu"] = args.mtu
             if args.llr is not None:
                 over["scaleup"]["llr"] = args.llr
+            if args.credit is False:
+                over["scaleup"]["credit"] = False
             topo = cluster(args.cluster, args.gpus_per_domain,
                            domains_per_leaf=args.domains_per_leaf, spines=args.spines,
                            oversubscription=args.oversubscription, hosts=args.hosts,

@@ -29,6 +29,7 @@ import numpy as np
 from fabric.core import frame as fr
 from fabric.core.calls import GroupCall
 from fabric.core.congestion.config import CongestionConfigError
+from fabric.core.congestion.credit import link_grant
 from fabric.core.congestion.switchq import switch_queues
 from fabric.core.faults import FaultSpec, parse_faults
 from fabric.core.frame import Flag, FrameError, Op
@@ -130,6 +131,10 @@ class SimResult:
     #: PFC (``[congestion] pfc``): PAUSEs the links received, and their time paused
     pauses: int = 0
     paused_s: float = 0.0
+    #: credit-controlled links (``credit``): times a link waited for credit, and how
+    #: long in all
+    credit_stalls: int = 0
+    credit_stalled_s: float = 0.0
     #: bytes the links of each class carried, both directions (shaped links only:
     #: an unshaped link does not count what it passes)
     bytes_by_class: dict[str, int] = field(default_factory=dict)
@@ -274,7 +279,14 @@ class Simulation:
                     link.params, spec, seed=seed, stream=f"{x}>{y}",
                     cut_through=self.timing.cut_through_bytes,
                     to_switch=topo.node(y).is_switch, queues=queues.get(x),
-                    port=topo.node(y).id, pausable=self._pfc)
+                    port=topo.node(y).id, pausable=self._pfc,
+                    credit_bytes=link_grant(link.params, topo.congestion.credit),
+                    frees_on_arrival=not topo.node(y).is_switch)
+        # credit-controlled links into switches: each frame's credit goes back once
+        # the switch is done with it
+        self._credit = {key for key, p in self.pipes.items()
+                        if p.credit is not None and not p.frees_on_arrival}
+        self._credit_any = any(p.credit is not None for p in self.pipes.values())
         for node in self.nodes.values():
             node.uplink = self.pipes[(node.name, node.state.switch_name)]
         self._workers = [self.nodes[w.name] for w in topo.workers]
@@ -319,6 +331,10 @@ class Simulation:
             llr_replays=sum(p.llr_replays for p in self.pipes.values()),
             pauses=sum(p.pauses for p in self.pipes.values()),
             paused_s=sum(p.paused_s for p in self.pipes.values()),
+            credit_stalls=sum(p.statistics().credit_stalls for p in self.pipes.values()
+                              if p.credit is not None),
+            credit_stalled_s=sum(p.statistics().credit_stalled_s for p in self.pipes.values()
+                                 if p.credit is not None),
             bytes_by_class=self._bytes_by_class())
 
     def _bytes_by_class(self) -> dict[str, int]:
@@ -350,9 +366,9 @@ class Simulation:
             if kind == _PIPE:
                 self._on_pipe(obj, t)
             elif kind == _SWITCH_IN:
-                sw, port, header, payload, tail = obj
+                sw, port, header, payload, tail, back = obj
                 self._switch_out(sw, self.switches[sw].handle(port, header, payload, t), t,
-                                 max(tail, t), port.decode())
+                                 max(tail, t), port.decode(), back)
             elif kind == _NODE_TIMER:
                 self._on_node_timer(obj, t)
             elif kind == _RESUME:
@@ -369,19 +385,30 @@ class Simulation:
 
     # ------------------------------------------------------------------ links
     def _send(self, src: str, dst: str, header: Any, payload: Any, t: float,
-              tail: float | None = None, came_from: str | None = None) -> None:
+              tail: float | None = None, came_from: str | None = None,
+              back: tuple[Any, int] | None = None) -> None:
         key = (src, dst)
         pipe = self.pipes[key]
-        if came_from is None or not self._pfc:
+        if back is None and (came_from is None or not self._pfc):
             pipe.push((header, payload), t, tail)
         else:
-            pipe.push((header, payload), t, tail, self._ids[came_from])
-            req = pipe.take_pause()
-            if req is not None:  # a lossless port above XOFF: PFC pauses the sender
+            ingress = self._ids[came_from] if came_from is not None and self._pfc else -1
+            pipe.push((header, payload), t, tail, ingress, back)
+            if back is not None:
+                self._credit_returns(pipe)
+            req = pipe.take_pause() if ingress >= 0 else None
+            if req is not None and came_from is not None:
+                # a lossless port above XOFF: PFC pauses the sender
                 up = (came_from, src)
                 self.pipes[up].pause(t, req[1])
                 self._schedule_pipe(up)
         self._schedule_pipe(key)
+
+    def _credit_returns(self, pipe: LinkPipeline) -> None:
+        """Hand the credit of frames ``pipe`` has sent on to the links they came on."""
+        for key, nbytes, at in pipe.take_credit_returns():
+            self.pipes[key].credit_freed(at, nbytes)
+            self._schedule_pipe(key)
 
     def _schedule_pipe(self, key: tuple[str, str]) -> None:
         """One pending event per link direction, at its earliest delivery."""
@@ -396,34 +423,48 @@ class Simulation:
         if self._pipe_at.get(key) == t:
             del self._pipe_at[key]
         src, dst = key
-        for (header, payload), tail in self.pipes[key].pop_due_timed(t):
+        pipe = self.pipes[key]
+        for (header, payload), tail in pipe.pop_due_timed(t):
             self.frames += 1
             self._arrive(src, dst, header, payload, t, tail)
+        if self._credit_any:
+            self._credit_returns(pipe)  # frames that waited for credit, now sent
         self._schedule_pipe(key)
 
     def _arrive(self, src: str, dst: str, header: Any, payload: Any, t: float,
                 tail: float) -> None:
         core = self.switches.get(dst)
         if core is not None:
+            # over a credit-controlled link, the frame's credit goes back once the
+            # switch is done with it
+            back = ((src, dst), wire_bytes(header, payload)) \
+                if self._credit and (src, dst) in self._credit else None
             tm = self.timing
             if tm.switch_frame_s or tm.switch_byte_s:
                 start = max(t, self._sw_busy[dst])
                 done = start + tm.switch_frame_s + tm.switch_byte_s * wire_bytes(header, payload)
                 self._sw_busy[dst] = done
-                self._push(done, _SWITCH_IN, (dst, src.encode(), header, payload, tail))
+                self._push(done, _SWITCH_IN, (dst, src.encode(), header, payload, tail, back))
                 return
-            self._switch_out(dst, core.handle(src.encode(), header, payload, t), t, tail, src)
+            self._switch_out(dst, core.handle(src.encode(), header, payload, t), t, tail, src,
+                             back)
             return
         self._node_frame(self.nodes[dst], header, payload, t)
 
     def _switch_out(self, sw: str, outputs: list[tuple[bytes, Any, Any]], t: float,
-                    tail: float | None = None, came_from: str | None = None) -> None:
+                    tail: float | None = None, came_from: str | None = None,
+                    back: tuple[Any, int] | None = None) -> None:
         # what a frame causes streams out behind it: its tail bounds theirs
         for port, header, payload in outputs:
-            self._send(sw, port.decode(), header, payload, t, tail, came_from)
+            self._send(sw, port.decode(), header, payload, t, tail, came_from, back)
             # a frame's copies (multicast) and results (aggregation) are its bytes
-            # in the buffer once, for the port it came in on (PFC's accounting)
+            # in the buffer once, for the port it came in on (PFC's accounting; its
+            # credit goes back when the first has left)
             came_from = None
+            back = None
+        if back is not None:  # consumed here (an aggregation's contribution): freed now
+            self.pipes[back[0]].credit_freed(t, back[1])
+            self._schedule_pipe(back[0])
         if outputs:
             self._schedule_switch_timer(sw)
 

@@ -20,10 +20,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+from fabric.core import frame as fr
 from fabric.core.congestion.config import CongestionConfigError, check_bytes
 
-__all__ = ["CreditLink", "CreditStats", "link_credit_bytes"]
+if TYPE_CHECKING:
+    from fabric.core.topology import LinkParams
+
+__all__ = ["CreditLink", "CreditStats", "link_credit_bytes", "link_grant"]
 
 
 @dataclass(frozen=True)
@@ -100,3 +105,16 @@ def link_credit_bytes(rate_gbps: float, latency_s: float, mtu: int,
     rate = rate_gbps * 1e9 / 8
     round_trip = (mtu + control_bytes) / rate + 2 * latency_s
     return (math.ceil(round_trip * rate / mtu) + 1) * mtu
+
+
+def link_grant(params: LinkParams, everywhere: bool = False) -> int:
+    """The credits the far end of a link grants its sender, in bytes; 0: the link
+    is not credit-controlled (``credit`` unset on it and not ``everywhere``, the
+    ``[congestion] credit`` of the whole fabric), or unshaped (it never queues,
+    so never waits). Sized by :func:`link_credit_bytes` for frames of the
+    link's MTU with their header, a credit return being one header."""
+    if not (params.credit or everywhere) or not params.shaped:
+        return 0
+    head = fr.HEADER_SIZE + fr.CRC_SIZE
+    return link_credit_bytes(params.bandwidth_gbps, params.latency_us * 1e-6,
+                             params.mtu + head, head)
