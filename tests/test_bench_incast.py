@@ -69,24 +69,31 @@ def test_bench_incast_emulated_and_simulated(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(240)
-def test_bench_incast_with_pfc_pauses_in_both_worlds(tmp_path: Path) -> None:
-    """--pfc: a lossless buffer in the switch daemon and in the simulator alike; the
-    senders' links are paused instead of frames dropped, every byte exact."""
-    out = tmp_path / "pfc.json"
+@pytest.mark.parametrize("mode", ["pfc", "credit"])
+def test_bench_incast_lossless_in_both_worlds(mode: str, tmp_path: Path) -> None:
+    """--pfc: a lossless buffer in the switch daemon and in the simulator alike, the
+    senders' links paused instead of frames dropped; --credit: the links wait for
+    credit instead. Every byte exact, nothing dropped."""
+    out = tmp_path / f"{mode}.json"
+    flags = ["--pfc", "--buffer", "40K"] if mode == "pfc" else ["--credit"]
     rc = main(["bench", "incast", "--senders", "3", "--size", "300K", "--mtu", "8192",
-               "--link-gbps", "0.2", "--cc", "none", "--pfc", "--buffer", "40K", "-w", "0",
+               "--link-gbps", "0.2", "--cc", "none", *flags, "-w", "0",
                "-n", "1", "--run-dir", str(tmp_path / "runs"), "--json", str(out)])
     assert rc == 0
     rows = json.loads(out.read_text())["results"]
     assert [r["world"] for r in rows] == ["emulation", "simulation"]
     for r in rows:
         assert r["wrong"] == 0 and r["drops"] == 0 and r["trims"] == 0
-        assert r["pauses"] > 0 and r["paused_s"] > 0, r["world"]
-    assert json.loads(out.read_text())["settings"]["pfc"] is True
+        if mode == "pfc":
+            assert r["pauses"] > 0 and r["paused_s"] > 0, r["world"]
+        else:
+            assert r["pauses"] == 0 and r["credit_stalls"] > 0, r["world"]
+    assert json.loads(out.read_text())["settings"][mode] is True
 
 
 @pytest.mark.parametrize("argv,message", [
     (["--pfc", "--trim"], "never trimmed"),
+    (["--credit", "--pfc"], "lossless by themselves"),
     (["--senders", "9"], "must be 1..5"),
     (["--cc", "eqds"], "grants credit"),
     (["--cc", "reno"], "unknown policy"),

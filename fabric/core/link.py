@@ -299,6 +299,16 @@ class LinkPipeline:
         back = at + (self.shaper.params.latency_us * 1e-6 if self.shaper is not None else 0.0)
         heapq.heappush(self._refills, (back, nbytes))
 
+    @property
+    def waiting(self) -> int:
+        """Frames waiting for credit."""
+        return len(self._blocked)
+
+    @property
+    def returning(self) -> bool:
+        """Whether :meth:`take_credit_returns` has something."""
+        return bool(self._returns)
+
     def take_credit_returns(self) -> list[tuple[Any, int, float]]:
         """``(token, bytes, freed_at)`` for each frame whose ``credit_back`` is due
         since the last call: the frame it stood for left the far end's buffer at
@@ -320,13 +330,10 @@ class LinkPipeline:
         out: list[tuple[Item, float]] = []
         held = self._held
         sched = self._sched
-        frees = self.credit is not None and self.frees_on_arrival
         while held and held[0][0] <= now:
-            due, seq, item, tail = heapq.heappop(held)
+            _due, seq, item, tail = heapq.heappop(held)
             if sched:
                 sched.pop(seq, None)
-            if frees:  # a node takes the frame as it comes: its credit heads back
-                self.credit_freed(due, wire_bytes(item[0], item[1]))
             out.append((item, tail))
         return out
 
@@ -376,7 +383,9 @@ class LinkPipeline:
     def get_timer(self) -> float | None:
         """When :meth:`pop_due` next has something, or None."""
         due = self._held[0][0] if self._held else None
-        if self._refills and (due is None or self._refills[0][0] < due):
+        # credit coming back matters only to frames waiting for it (else it is
+        # counted when the next frame asks)
+        if self._blocked and self._refills and (due is None or self._refills[0][0] < due):
             due = self._refills[0][0]
         if self.injector is not None:
             d = self.injector.next_deadline()
@@ -407,12 +416,17 @@ class LinkPipeline:
         credit for it and none waits before it; else it waits its turn."""
         cr = self.credit
         if cr is not None:
+            if self._refills and self._refills[0][0] <= now:
+                self._refill(now)
             # a frame larger than the whole grant goes once every credit is back
-            nbytes = min(wire_bytes(item[0], item[1]), cr.granted)
+            size = wire_bytes(item[0], item[1])
+            nbytes = min(size, cr.granted)
             if self._blocked or nbytes > cr.credits:
                 self._blocked.append((item, tail, ingress, back, nbytes, now))
                 return
             cr.spend(nbytes, now)
+            self._shape(item, now, tail, ingress, back, size)
+            return
         self._shape(item, now, tail, ingress, back)
 
     def _refill(self, now: float) -> None:
@@ -437,13 +451,13 @@ class LinkPipeline:
                 self._shape(item, t, tail, ingress, back)
 
     def _shape(self, item: Item, now: float, tail: float | None, ingress: int = -1,
-               back: CreditBack | None = None) -> None:
+               back: CreditBack | None = None, size: int = -1) -> None:
         if self.shaper is None:
             due = end = now if tail is None else max(now, tail)
             if back is not None:
                 self._returns.append((back[0], back[1], now))
         else:
-            nbytes = wire_bytes(item[0], item[1])
+            nbytes = size if size >= 0 else wire_bytes(item[0], item[1])
             q = self.queues
             buf = q.buffer if q is not None else None
             if q is not None and buf is not None:
@@ -486,6 +500,9 @@ class LinkPipeline:
                 if buf is not None else -1
             if back is not None:  # its cause's buffer is free once it has left
                 self._returns.append((back[0], back[1], self.shaper.free_at))
+            if self.frees_on_arrival and self.credit is not None:
+                # a node takes the frame as it comes: its credit heads back then
+                self.credit_freed(due, min(nbytes, self.credit.granted))
             if self.lossless and ingress >= 0 and buf is not None:
                 until = buf.pause_until(ingress, now)
                 if until is not None:

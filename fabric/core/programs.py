@@ -338,11 +338,11 @@ class NodeState:
     def overflow_drops(self) -> bool:
         """Whether the switches' buffers drop (or trim) what does not fit: bounded
         (``[congestion] buffer_bytes``) and not lossless (``pfc``, which pauses
-        senders instead). Only then are the retransmit timers cut short: behind
-        a lossless queue a frame is late, not lost, and a short timer would only
-        send it again."""
+        senders instead, or ``credit`` on every link, which holds them back).
+        Only then are the retransmit timers cut short: behind a lossless queue a
+        frame is late, not lost, and a short timer would only send it again."""
         cong = self.topo.congestion
-        return cong.buffer_bytes is not None and not cong.pfc
+        return cong.buffer_bytes is not None and not cong.pfc and not cong.credit
 
     def _new_estimator(self, role: str, rto_min: float) -> RttEstimator:
         """An estimator with the fabric's defaults; its backoff stops at ``[congestion]

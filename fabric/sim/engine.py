@@ -406,9 +406,13 @@ class Simulation:
 
     def _credit_returns(self, pipe: LinkPipeline) -> None:
         """Hand the credit of frames ``pipe`` has sent on to the links they came on."""
+        if not pipe.returning:
+            return
         for key, nbytes, at in pipe.take_credit_returns():
-            self.pipes[key].credit_freed(at, nbytes)
-            self._schedule_pipe(key)
+            up = self.pipes[key]
+            up.credit_freed(at, nbytes)
+            if up.waiting:  # (else the credit counts when its next frame asks)
+                self._schedule_pipe(key)
 
     def _schedule_pipe(self, key: tuple[str, str]) -> None:
         """One pending event per link direction, at its earliest delivery."""
@@ -463,8 +467,10 @@ class Simulation:
             came_from = None
             back = None
         if back is not None:  # consumed here (an aggregation's contribution): freed now
-            self.pipes[back[0]].credit_freed(t, back[1])
-            self._schedule_pipe(back[0])
+            up = self.pipes[back[0]]
+            up.credit_freed(t, back[1])
+            if up.waiting:
+                self._schedule_pipe(back[0])
         if outputs:
             self._schedule_switch_timer(sw)
 

@@ -12,7 +12,8 @@ for queues and marking, HPCC's for PFC: :mod:`fabric.core.congestion.config`)::
     ecn_kmax_bytes = 120000    # ... every frame above
     ecn_pmax = 1.0
     pfc = false                # lossless data class (not with trim)
-    credit = false             # credit-based link flow control (not with pfc or trim)
+    credit = false             # credit-based flow control on every link (not with pfc
+                               # or trim; a link's own ``credit`` sets it per link)
     cc = "nscc"                # streams' sender policy: none, dcqcn, nscc, or registered
                                # (absent: the reliability window alone)
     base_rtt_us = 2000.0       # the unloaded round trip policies assume (absent: the
@@ -54,7 +55,8 @@ class CongestionSettings:
     ecn_kmax_bytes: int | None = None
     ecn_pmax: float | None = None
     pfc: bool = False
-    #: credit-based link flow control, the scale-up way (packet-level scenarios)
+    #: credit-based flow control on every link, the scale-up way (a link's own
+    #: ``credit`` parameter sets it per link)
     credit: bool = False
     #: the senders' policy; None: streams keep the reliability window alone (the
     #: congestion scenarios default to nscc)

@@ -15,8 +15,9 @@ ingress port holds (:class:`~fabric.core.congestion.pfc.PfcIngress`: XOFF at
 headroom of three times the fastest link's rate x delay, at least two
 frames). Above XOFF the link the frame came on is paused until that port's
 frames drain to XON (:mod:`fabric.core.link`; the drivers apply the pause).
-One lossless class carries every frame. ``credit`` (credit-based links) is
-modelled in the packet-level scenarios only (:mod:`fabric.sim.network`).
+One lossless class carries every frame. A credit-controlled link (its
+``credit``, or ``[congestion] credit`` for every link) has no queue here: it
+waits for credit instead of overflowing (:mod:`fabric.core.link`).
 """
 
 from __future__ import annotations
