@@ -308,3 +308,22 @@ def test_credit_returns_travel_between_switch_daemons(tmp_path) -> None:
     assert sum(c["stalls"] for c in credit.values()) > 0
     assert sum(c["returns_refused"] for c in credit.values()) == 0
     assert all(sw["held_frames"] == 0 for sw in stats.values() if isinstance(sw, dict))
+
+
+def test_in_network_paths_exact_under_a_congestion_policy(tmp_path) -> None:
+    """[congestion] cc on the in-network paths of launched processes: chunks wait
+    for the policy's window and pacer, results that come marked cut it (ECN from
+    the first queued byte here), every element exact."""
+    import dataclasses
+
+    topo = star(2, bandwidth_gbps=0.5, latency_us=50, mtu=8192)
+    topo = topo.with_congestion(dataclasses.replace(
+        topo.congestion, buffer_bytes=200_000, cc="nscc", ecn_kmin_bytes=0,
+        ecn_kmax_bytes=20_000))
+    with launch(topology=topo, run_dir=tmp_path, timeout_s=30, seed=5) as fab:
+        for path in ("ina", "ina-mem"):
+            res = fab.run(tasks.lossy_allreduce, path, 60_000, 3)
+            assert [r["wrong"] for r in res] == [0, 0], (path, res)
+        stats = fab.run(tasks.switch_stats)[0]
+    # the results queue behind each other at the switch's ports: marked
+    assert sum(q["ecn_marks"] for q in stats["queues"].values()) > 0

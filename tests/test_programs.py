@@ -127,6 +127,56 @@ def test_ina_resends_a_chunk_three_later_results_overtake_below_its_mark(mark, r
     assert retx == ([0] if resent else [])
 
 
+def _ina_under_cc(cc: str, marked: bool) -> tuple[float, float, int]:
+    """An in-network allreduce of 64 chunks under policy ``cc`` whose results all come
+    marked (or not), each a millisecond after the last: the policy's window and
+    rate at the end, and the copies of chunks it sent in all."""
+    from fabric.core.congestion.settings import CongestionSettings
+
+    topo = star(2, bandwidth_gbps=10, latency_us=5).with_congestion(CongestionSettings(cc=cc))
+    st = NodeState(topo, "w0", timeout_s=5.0)
+    x = np.arange(64 * 256, dtype=np.int32)
+    js = JobState(job=9, slots=16, slot_elems=256, granted=True, reason="")
+    prog = InaAllreduce(st, Tensor(x.size, "int32", x, np.zeros_like(x)), "sum", js)
+    assert prog.gate is not None
+
+    def chunks(sends: list) -> list[int]:
+        return [int.from_bytes(h[12:16], "little") for h, _ in sends]
+
+    sent = chunks(prog.start(0.0))
+    copies = len(sent)
+    t = 0.0
+    while not prog.done:
+        for i in sorted({c for c in sent if not prog.got[c]}):
+            t += 1e-3
+            seg = x[i * 256:(i + 1) * 256] * 2
+            h = fr.encode_header(Op.RESULT, src=st.switch_id, dst=st.node_id, job=js.job,
+                                 psn=i, dtype=fr.dtype_from_name("int32"), payload=seg,
+                                 flags=Flag.ECN if marked else Flag.NONE)
+            more = chunks(prog.handle_frame(fr.decode(h, memoryview(seg.view(np.uint8))), t))
+            sent += more
+            copies += len(more)
+        due = prog.get_timer()
+        if not prog.done and due is not None:  # the pacer (or a timer) holds the next
+            t = max(t, due)
+            more = chunks(prog.handle_timer(t))
+            sent += more
+            copies += len(more)
+    np.testing.assert_array_equal(prog.t.out, x * 2)
+    return prog.gate.cwnd, prog.gate.cc.rate_bps, copies
+
+
+@pytest.mark.parametrize("cc", ["nscc", "dcqcn"])
+def test_ina_chunks_go_as_the_congestion_policy_lets_them(cc: str) -> None:
+    """[congestion] cc governs in-network chunks: a result that comes marked (the
+    chunk met congestion on its way, anywhere in its tree) shrinks the policy's
+    window or rate; every chunk still lands, exact."""
+    cwnd, rate, copies = _ina_under_cc(cc, marked=False)
+    cwnd_m, rate_m, copies_m = _ina_under_cc(cc, marked=True)
+    assert copies >= 64 and copies_m >= 64
+    assert cwnd_m < cwnd if cc == "nscc" else rate_m < rate
+
+
 def test_ina_window_is_self_clocked_and_forged_results_are_ignored() -> None:
     st = _state()
     x = np.arange(10, dtype=np.int32)

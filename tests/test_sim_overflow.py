@@ -201,6 +201,27 @@ def test_in_network_dispatch_rows_are_trimmed_and_asked_for_at_once() -> None:
     assert took[True] < 0.1 * took[False]
 
 
+def test_a_policy_paces_in_network_moe_behind_tail_drop() -> None:
+    """[congestion] cc governs in-network MoE's frames too (dispatch rows, combine
+    partials): behind a tail-dropping buffer the policy's window keeps the rows
+    from overflowing it, where the rows' own window of 64 frames does (413 drops,
+    20 ms against 0.3 ms); exact."""
+    T, H, K, E = 64, 256, 4, 16
+    t = leaf_spine(2, 4, oversubscription=4, leaf_bandwidth_gbps=10, leaf_latency_us=1,
+                   spine_latency_us=1, mtu=4096)
+    ins = [tasks.moe_inputs(r, T, H, K, E, "float32") for r in range(8)]
+    want = moe_reference([i[0] for i in ins], [i[1] for i in ins], [i[2] for i in ins], E)
+    runs = {}
+    for cc in (None, "none", "nscc"):
+        topo = t.with_congestion(CongestionSettings(buffer_bytes=200_000, cc=cc))
+        res = Simulation(topo, timeout_s=30).run(_innet_moe, T, H, K, E)
+        for r in range(8):
+            np.testing.assert_array_equal(res.results[r][0], want[r])
+        runs[cc] = (max(r[1] for r in res.results), res.overflow_drops)
+    for cc in ("none", "nscc"):
+        assert runs[cc][1] < 0.1 * runs[None][1] and runs[cc][0] < 0.1 * runs[None][0]
+
+
 @pytest.mark.parametrize("path", ["host-ps", "host-p2p"])
 def test_pfc_pauses_senders_instead_of_dropping(path: str) -> None:
     """The same fan-in behind a lossless buffer (``pfc``): nothing dropped, nothing

@@ -391,3 +391,26 @@ def test_each_member_gets_its_own_mark() -> None:
     _reduce(net, "w1", 5, 0, x)  # w1's resend completes chunk 0
     marks = {n: [f.offset for f in net.take(n) if f.op is Op.RESULT] for n in ("w0", "w1")}
     assert marks == {"w0": [2], "w1": [2]}
+
+
+@pytest.mark.parametrize("topo", [star(3), leaf_spine(2, 2)], ids=["star", "leaf-spine"])
+def test_a_marked_contribution_marks_the_chunk_for_every_member(topo) -> None:
+    """One member's contribution came congestion experienced: the chunk's result
+    reaches every member marked (up the tree in the partial, down in the results),
+    so every member's policy hears of it; the next chunk, unmarked, is not."""
+    from fabric.core.frame import Flag
+
+    net = Net(topo)
+    _job(net)
+    last = topo.workers[-1]
+    for psn in (0, 1):
+        for w in topo.workers:
+            x = np.arange(8, dtype=np.int32)
+            sw = topo.node(topo.switch_of(w.name))
+            flags = Flag.ECN if (w is last and psn == 0) else Flag.NONE
+            net.send(w.name, fr.encode_header(Op.REDUCE, src=w.id, dst=sw.id, job=1, psn=psn,
+                                              dtype=fr.dtype_from_name("int32"), payload=x,
+                                              flags=flags), x)
+    for w in topo.workers:
+        got = {f.psn: f.has(Flag.ECN) for f in net.take(w.name) if f.op is Op.RESULT}
+        assert got == {0: True, 1: False}, w.name

@@ -450,12 +450,20 @@ def _hier_combine(st: NodeState, g: Group, d: Dispatched,
 class _AckedFrames(Program):
     """Frames sent in a window, each until every node it waits on ACKed it; one RTO
     (RFC 6298, per node and role across calls) resends a frame to whoever still
-    owes its ACK. Subclasses say what a frame is (:meth:`_frame`), who ACKs it
-    (:meth:`_ackers`) and which ACKs are theirs (:meth:`wants`)."""
+    owes its ACK. Subclasses say what a frame is (:meth:`_frame`), its payload's
+    size (:meth:`_size`), who ACKs it (:meth:`_ackers`) and which ACKs are theirs
+    (:meth:`wants`).
+
+    With a congestion-control policy (``[congestion] cc``) a frame also waits for
+    the policy's window and pacer; a frame is acknowledged when its last ACK is
+    in, congestion experienced when any of them echoed a mark. Its path is the
+    round trip to ``far`` (a switch whose ACK, or the tree's top beyond which the
+    targets are)."""
 
     role = "frames"
 
-    def __init__(self, st: NodeState, count: int, *, rto_min: float = 0.02) -> None:
+    def __init__(self, st: NodeState, count: int, *, rto_min: float = 0.02,
+                 far: int | None = None, frame_bytes: int = 0) -> None:
         from fabric.core.reliability import RttEstimator
 
         self.st, self.count = st, count
@@ -465,8 +473,14 @@ class _AckedFrames(Program):
         self.next = 0
         # one estimator per node and role: later calls start from what earlier ones measured
         self.rtt: RttEstimator = st.estimator(f"moe_{self.role}", rto_min)
+        self.gate = st.congestion_gate(far if far is not None else st.root_switch_id,
+                                       frame_bytes or st.stream_frame_bytes, st.node_id)
+        self.marked: set[int] = set()  # frames an ACK of which echoed a mark
 
     def _frame(self, j: int, left: set[int]) -> Send:
+        raise NotImplementedError
+
+    def _size(self, j: int) -> int:
         raise NotImplementedError
 
     def _ackers(self, j: int) -> set[int]:
@@ -474,34 +488,63 @@ class _AckedFrames(Program):
 
     def _pump(self, now: float) -> list[Send]:
         out: list[Send] = []
+        gate = self.gate
+        if gate is not None:
+            gate.begin(now)
         while self.next < self.count and len(self.pending) < ROWS_WINDOW:
             j = self.next
+            if gate is not None:
+                if not gate.allows(self._size(j), now):
+                    break
+                gate.sent(self._size(j), now)
             self.next += 1
             self.pending[j] = left = self._ackers(j)
             self.sent_at[j] = now
             out.append(self._frame(j, left))
+        if gate is not None:
+            gate.end()
         if self.next == self.count and not self.pending:
             self.done = True
         return out
 
+    def _resend(self, j: int, left: set[int], now: float, *, timeout: bool) -> Send:
+        """Frame ``j`` again, to whoever of ``left`` still owes its ACK."""
+        if self.gate is not None:
+            self.gate.lost(self._size(j), now, timeout=timeout)
+            self.gate.sent(self._size(j), now)
+        return self._frame(j, left)
+
     def start(self, now: float) -> list[Send]:
         return self._pump(now)
 
-    def _acked(self, j: int, who: int, now: float) -> list[Send]:
+    def _acked(self, j: int, who: int, now: float, marked: bool = False) -> list[Send]:
         left = self.pending.get(j)
         if left is None or who not in left:
             return []
         left.discard(who)
+        if marked and self.gate is not None:
+            self.marked.add(j)
         if not left:
             del self.pending[j]
+            rtt = now - self.sent_at[j]
             if not self.tries.get(j):  # Karn: only frames sent once
-                self.rtt.sample(now - self.sent_at[j])
+                self.rtt.sample(rtt)
+            if self.gate is not None:
+                self.gate.acked(self._size(j), j in self.marked,
+                                0.0 if self.tries.get(j) else rtt, now)
+                self.marked.discard(j)
         return self._pump(now)
 
     def get_timer(self) -> float | None:
-        if self.done or not self.pending:
+        if self.done:
             return None
-        return min(self.sent_at[j] for j in self.pending) + self.rtt.rto
+        due = min(self.sent_at[j] for j in self.pending) + self.rtt.rto \
+            if self.pending else None
+        pace = self.gate.pace_wait if self.gate is not None and self.next < self.count \
+            else None
+        if pace is not None and (due is None or pace < due):
+            return pace
+        return due
 
     def handle_timer(self, now: float) -> list[Send]:
         out: list[Send] = []
@@ -516,11 +559,13 @@ class _AckedFrames(Program):
                     raise FabricTimeout(f"{self.st.name}: moe {self.role} frame {j}: no ACK "
                                         f"from {names} after {n - 1} retransmissions")
                 self.sent_at[j] = now
-                out.append(self._frame(j, left))
+                out.append(self._resend(j, left, now, timeout=True))
         if out:
             self.rtt.backoff()
             self.st.retransmits += len(out)
             self.st.timeouts += len(out)  # each frame's own timer ran out
+        if self.gate is not None:
+            out.extend(self._pump(now))  # the pacer's time
         return out
 
     def waiting_for(self) -> str:
@@ -539,12 +584,16 @@ class RowsSend(_AckedFrames):
 
     def __init__(self, st: NodeState, g: Group, rows: list[tuple[int, list[int], Any]], *,
                  sid: int, msg: int) -> None:
-        super().__init__(st, len(rows))
+        super().__init__(st, len(rows), frame_bytes=max(
+            (memoryview(r[2]).nbytes for r in rows), default=0))
         self.g, self.rows, self.sid, self.msg = g, rows, sid, msg
         self.order = sorted(g.ids)  # mask bit i: the i-th member by id
 
     def _ackers(self, j: int) -> set[int]:
         return {self.g.ids[k] for k in self.rows[j][1]}
+
+    def _size(self, j: int) -> int:
+        return fr.HEADER_SIZE + memoryview(self.rows[j][2]).nbytes
 
     def _frame(self, j: int, left: set[int]) -> Send:
         mask = block = 0
@@ -568,8 +617,8 @@ class RowsSend(_AckedFrames):
                 return []
             self.tries[f.psn] = self.tries.get(f.psn, 0) + 1  # Karn: no RTT sample
             self.st.retransmits += 1
-            return [self._frame(f.psn, {f.src})]
-        return self._acked(f.psn, f.src, now)
+            return [self._resend(f.psn, {f.src}, now, timeout=False)]
+        return self._acked(f.psn, f.src, now, f.has(Flag.ECN))
 
 
 class RowsRecv(Program):
@@ -610,8 +659,10 @@ class RowsRecv(Program):
             self.got[key] = bytes(f.payload)
             self.have[f.src] += f.length // self.row_bytes
             self._check()
+        # the ACK echoes a congestion mark the row met, for its sender's policy
         return [(fr.encode_header(Op.ACK, src=self.st.node_id, dst=f.src,
                                   flow=MASKED_FLOW + 1, job=self.sid, psn=f.psn, msg=self.msg,
+                                  flags=Flag.ECN if f.has(Flag.ECN) else Flag.NONE,
                                   crc=self.st.crc), None)]
 
     def get_timer(self) -> float | None:
@@ -702,13 +753,17 @@ class CombineSend(_AckedFrames):
 
     def __init__(self, st: NodeState, frames: list[tuple[int, int, int, bytes]], *,
                  sid: int, msg: int, dtype: str) -> None:
-        super().__init__(st, len(frames))
+        super().__init__(st, len(frames), far=st.switch_id,
+                         frame_bytes=max((len(f[3]) for f in frames), default=0))
         self.frames = frames  # (home node id, tokens, contributions below our switch, body)
         self.sid, self.msg = sid, msg
         self.code = fr.dtype_from_name(dtype)
 
     def _ackers(self, j: int) -> set[int]:
         return {self.st.switch_id}
+
+    def _size(self, j: int) -> int:
+        return fr.HEADER_SIZE + len(self.frames[j][3])
 
     def _frame(self, j: int, left: set[int]) -> Send:
         from switchd.core import COMBINE_FLOW
@@ -725,7 +780,7 @@ class CombineSend(_AckedFrames):
                 and f.msg == self.msg and f.src == self.st.switch_id)
 
     def handle_frame(self, f: fr.Frame, now: float) -> list[Send]:
-        return self._acked(f.psn, f.src, now)
+        return self._acked(f.psn, f.src, now, f.has(Flag.ECN))
 
 
 class CombineRecv(Program):

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import itertools
 import random
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Generator
 from dataclasses import asdict, dataclass, field
 from typing import Any, Final
@@ -325,7 +325,7 @@ class NodeState:
         self.estimators: dict[str, RttEstimator] = {}
         self._bottleneck: dict[int | None, float | None] = {}
         self.trims_received = 0  # frames that came trimmed (a switch cut their payload)
-        self._cc_paths: dict[tuple[int, int], CcPath | None] = {}
+        self._cc_paths: dict[tuple[int, int, int], CcPath | None] = {}
 
     def estimator(self, role: str, rto_min: float) -> RttEstimator:
         """The round-trip estimator of ``role``: later calls start from what earlier
@@ -516,18 +516,20 @@ class NodeState:
         smallest MTU when that is less (both ends of a stream agree on it)."""
         return min(STREAM_FRAME_BYTES, self.mtu)
 
-    def stream_cc(self, dst: int, frame_bytes: int) -> CongestionControl | None:
+    def stream_cc(self, dst: int, frame_bytes: int, reply_bytes: int = 0
+                  ) -> CongestionControl | None:
         """A new instance of the topology's ``[congestion] cc`` policy for a stream to
         node ``dst`` (None: no policy named, or this node's link is unshaped, so
         there is no line rate to start from).
 
         Its path: this node's line rate, and the round trip of one frame and its
-        ACK on an idle fabric: ``[congestion] base_rtt_us``, or from the links
+        ACK (or a reply of ``reply_bytes`` of payload, as an in-network result
+        is) on an idle fabric: ``[congestion] base_rtt_us``, or from the links
         (each latency both ways and both serialisations, store and forward)."""
         name = self.topo.congestion.cc
         if name is None:
             return None
-        key = (dst, frame_bytes)
+        key = (dst, frame_bytes, reply_bytes)
         if key not in self._cc_paths:
             far = self.topo.by_id(dst).name
             hops = [self.name, *self.topo.route(self.name, far), far]
@@ -536,7 +538,7 @@ class NodeState:
             path = None
             if links and links[0].params.shaped:
                 wire = frame_bytes + fr.HEADER_SIZE + (fr.CRC_SIZE if self.crc else 0)
-                ack = fr.HEADER_SIZE + (fr.CRC_SIZE if self.crc else 0)
+                ack = reply_bytes + fr.HEADER_SIZE + (fr.CRC_SIZE if self.crc else 0)
                 rtt = sum(2 * lk.params.latency_us * 1e-6
                           + lk.params.serialization_us(wire + ack) * 1e-6 for lk in links)
                 if self.topo.congestion.base_rtt_us is not None:
@@ -547,10 +549,12 @@ class NodeState:
         path = self._cc_paths[key]
         return None if path is None else make_cc(name, path)
 
-    def congestion_gate(self, dst: int, frame_bytes: int, flow: int = 0) -> CcGate | None:
+    def congestion_gate(self, dst: int, frame_bytes: int, flow: int = 0,
+                        reply_bytes: int = 0) -> CcGate | None:
         """The topology's policy for a flow of frames of ``frame_bytes`` to ``dst``, as
-        a chunk window drives it (None: as :meth:`stream_cc`)."""
-        cc = self.stream_cc(dst, frame_bytes)
+        a chunk window drives it, each answered by ``reply_bytes`` (None: as
+        :meth:`stream_cc`)."""
+        cc = self.stream_cc(dst, frame_bytes, reply_bytes)
         return CcGate(cc, flow) if cc is not None else None
 
     def answer_trimmed(self, f: fr.Frame) -> list[Send]:
@@ -890,6 +894,11 @@ class InaAllreduce(Program):
     ``i``'s result came back. A chunk without a result by its RFC 6298 timer
     (or overtaken by three later results) is sent again; the switch's bitmaps
     make the copy count once.
+
+    With a congestion-control policy (``[congestion] cc``) a chunk whose slot is
+    free also waits for the policy's window and pacer; its result is its ACK,
+    marked when the chunk met congestion on the way up (any member's
+    contribution, which the switches carry on) or down.
     """
 
     def __init__(self, st: NodeState, t: Tensor, op: str, js: JobState, *,
@@ -930,6 +939,13 @@ class InaAllreduce(Program):
         extra = int(self.flags) | (int(Flag.REF) if region is not None else 0)
         self._bits = (extra, extra | int(Flag.RETX))
         self.result = t.out
+        # the topology's congestion control ([congestion] cc): chunks whose slot is
+        # free wait in ``ready`` for its window and pacer (None: none, as before)
+        self.wire = fr.HEADER_SIZE + self.E * self.item
+        self.gate = st.congestion_gate(st.root_switch_id, self.E * self.item, js.job,
+                                       reply_bytes=self.E * self.item)
+        self.ready: deque[int] = deque()
+        self.sent_at: dict[int, float] = {}
 
     def _layout(self) -> int:
         """How many chunks (subclasses lay chunks out otherwise)."""
@@ -977,13 +993,43 @@ class InaAllreduce(Program):
                                  crc=st.crc), seg)
 
     def start(self, now: float) -> list[Send]:
+        if self.nch == 0:
+            self.done = True
+        if self.gate is not None:
+            self.ready.extend(range(min(self.S, self.nch)))
+            return self._pump(now)
         out = []
         for i in range(min(self.S, self.nch)):
             out.append(self._frame(i, False))
             self.timers.sent(i, now, self._allowance())
-        if self.nch == 0:
-            self.done = True
         return out
+
+    def _pump(self, now: float) -> list[Send]:
+        """First sends of the chunks whose slots are free, as far as the policy's
+        window and pacer let them go now."""
+        gate = self.gate
+        assert gate is not None
+        out: list[Send] = []
+        gate.begin(now)
+        ready = self.ready
+        while ready and gate.allows(self.wire, now):
+            i = ready.popleft()
+            gate.sent(self.wire, now)
+            self.sent_at[i] = now
+            out.append(self._frame(i, False))
+            self.timers.sent(i, now, self._allowance())
+        gate.end()
+        return out
+
+    def _resent(self, chunks: list[int], now: float, *, timeout: bool) -> list[Send]:
+        """Chunks sent again: the policy hears of each loss (and counts the copy)."""
+        gate = self.gate
+        if gate is not None:
+            for i in chunks:
+                gate.lost(self.wire, now, timeout=timeout)
+                gate.sent(self.wire, now)
+                self.sent_at.pop(i, None)  # Karn: no round trip from a resent chunk
+        return [self._frame(i, True) for i in chunks]
 
     def wants(self, f: fr.Frame) -> bool:
         # results and refusals come from our switch only
@@ -1001,7 +1047,7 @@ class InaAllreduce(Program):
                     return []  # sent after the switch looked (or never): not lost
                 if i < self.nch and not self.got[i] and self.timers.outstanding(i):
                     self.timers.resent(i, now)  # counted there
-                    return [self._frame(i, True)]
+                    return self._resent([i], now, timeout=False)
                 return []
             if code is NackCode.OVERFLOW:
                 # the chunk's sum would wrap: it is over for every member; the call
@@ -1026,7 +1072,7 @@ class InaAllreduce(Program):
         if self.data and self.region is None and dest is not None:
             assert self.t.out is not None
             self.t.out[dest: dest + count] = np.frombuffer(f.payload, dtype=self.t.out.dtype)
-        return self.landed(i, now, done=f.offset)
+        return self.landed(i, now, done=f.offset, marked=f.has(Flag.ECN))
 
     def _lost_before(self, i: int, proof_psn: int) -> bool:
         """Chunk ``i``'s latest copy was sent before the chunk whose arrival proves it
@@ -1049,14 +1095,16 @@ class InaAllreduce(Program):
             return None
         return i, dest * self.item
 
-    def landed(self, i: int, now: float, done: int | None = None) -> list[Send]:
+    def landed(self, i: int, now: float, done: int | None = None,
+               marked: bool = False) -> list[Send]:
         """Chunk ``i``'s result is in ``out``: resend what it overtook, slide the window.
 
         ``done``: the switch's mark on that RESULT (every chunk below it complete,
         or lacking our contribution). An overtaken chunk below the mark lost its
         result or our contribution: resend it; one above waits for another
         member, whom the switch asks alone (resending ours would be spurious), so
-        only its timer may resend it.
+        only its timer may resend it. ``marked``: the RESULT came congestion
+        experienced (for the policy, when there is one).
         """
         self.got[i] = 1
         self.left -= 1
@@ -1065,10 +1113,20 @@ class InaAllreduce(Program):
             below = (done - self.base) & PSN_MASK
             if below > self.nch:  # not of this call: assume nothing
                 below = 0
-        out = [self._frame(lost, True) for lost in self.timers.acked(i, now, below)[1]]
-        if i + self.S < self.nch:
-            out.append(self._frame(i + self.S, False))
-            self.timers.sent(i + self.S, now, self._allowance())
+        gate = self.gate
+        if gate is not None:
+            # the round trip includes the switch's wait for the other members
+            sent = self.sent_at.pop(i, None)
+            gate.acked(self.wire, marked, now - sent if sent is not None else 0.0, now)
+            out = self._resent(self.timers.acked(i, now, below)[1], now, timeout=False)
+            if i + self.S < self.nch:
+                self.ready.append(i + self.S)
+            out.extend(self._pump(now))
+        else:
+            out = [self._frame(lost, True) for lost in self.timers.acked(i, now, below)[1]]
+            if i + self.S < self.nch:
+                out.append(self._frame(i + self.S, False))
+                self.timers.sent(i + self.S, now, self._allowance())
         if self.left == 0:
             self.done = True
             self.st.retransmits += self.timers.retransmits
@@ -1093,7 +1151,13 @@ class InaAllreduce(Program):
                               len(self.timers))
 
     def get_timer(self) -> float | None:
-        return None if self.done else self.timers.next_deadline()
+        if self.done:
+            return None
+        due = self.timers.next_deadline()
+        pace = self.gate.pace_wait if self.gate is not None and self.ready else None
+        if pace is not None and (due is None or pace < due):
+            return pace
+        return due
 
     def waiting_for(self) -> str:
         return (f"switch {self.st.switch_name!r}, which completes a chunk only when every "
@@ -1106,6 +1170,8 @@ class InaAllreduce(Program):
                 f"{self.st.name}: allreduce {self.label} job {self.js.job}: no result for chunk "
                 f"{dead[0]} within {self.st.timeout_s:g}s ({self.timers.retransmits} "
                 f"retransmissions) from {self.waiting_for()}")
+        if self.gate is not None:
+            return self._resent(resend, now, timeout=True) + self._pump(now)  # (the pacer's)
         return [self._frame(i, True) for i in resend]
 
 

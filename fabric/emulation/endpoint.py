@@ -33,7 +33,7 @@ import zmq
 from fabric.core import control
 from fabric.core import frame as fr
 from fabric.core.calls import CallScope, interruptible
-from fabric.core.frame import NackCode, Op
+from fabric.core.frame import Flag, NackCode, Op
 from fabric.core.programs import ABORT_ACK, Chain, Group, InaAllreduce, Tensor, allreduce_program
 from fabric.core.semantic import SemanticCounts
 from fabric.core.topology import Topology
@@ -46,6 +46,7 @@ from kernels.dtypes import DTYPES as _REGISTRY_DTYPES
 from kernels.dtypes import OPS as _REGISTRY_OPS
 
 log = logging.getLogger("semfab.endpoint")
+_F_ECN = int(Flag.ECN)
 
 #: Allreduce paths, in the order benchmarks show them.
 PATHS = ("ina", "ina-mem", "host-ps", "host-ring")
@@ -334,9 +335,10 @@ class Endpoint:
                 leaf = prog.leaf() if isinstance(prog, Chain) else prog
                 if more and isinstance(leaf, InaAllreduce) and leaf.data and leaf.region is None:
                     try:
-                        rop, _fl, rsrc, rjob, psn, _k, done, length = fr.peek(hdr[:nh])
+                        rop, rfl, rsrc, rjob, psn, _k, done, length = fr.peek(hdr[:nh])
                     except fr.FrameError:
-                        rop, rsrc, rjob, psn, done, length = Op.NACK, -1, -1, 0, 0, 0
+                        rop, rfl, rsrc, rjob = Op.NACK, Flag.NONE, -1, -1
+                        psn, done, length = 0, 0, 0
                     if rop is Op.RESULT and rjob == leaf.js.job and rsrc == self.switch_id:
                         spot = leaf.landing(psn, length)
                         if spot is None:  # a late copy (we resent), or a bad length
@@ -364,7 +366,8 @@ class Endpoint:
                         if into is not target:
                             target[:] = into
                         now = time.monotonic()
-                        sends = leaf.landed(i, now, done=done)
+                        sends = leaf.landed(i, now, done=done,
+                                            marked=int(rfl) & _F_ECN != 0)
                         if isinstance(prog, Chain):
                             sends.extend(prog.poke(now))
                         self._send_all(sends)

@@ -9,6 +9,11 @@ partial goes up to its parent and the parent's RESULT comes down. Lost
 contributions are detected here and asked for from the one member that lost
 one (NACK MISSING); a RESULT carries a completion mark so a member can tell
 "lost" from "not complete yet".
+
+Congestion marks travel with a chunk: a contribution that came marked (``ECN``)
+marks the switch's partial up and the results down, so every member's
+congestion-control policy hears of a congested link anywhere in the chunk's
+tree (``[congestion] cc``; the members are as slow as the slowest anyway).
 """
 
 from __future__ import annotations
@@ -45,6 +50,11 @@ ASKED_KEPT: Final = 65536
 OVERFLOWED_BELOW: Final = 1
 #: Chunks that overflowed in a tree and are still on their way, kept at most.
 OVERFLOWS_KEPT: Final = 4096
+#: Chunks in progress with a marked contribution, kept at most.
+MARKS_KEPT: Final = 4096
+_ECN: Final = int(Flag.ECN)
+_MARKED: Final = Flag.ECN
+_REF_MARKED: Final = Flag.REF | Flag.ECN
 
 
 class Aggregation(Service):
@@ -73,6 +83,9 @@ class Aggregation(Service):
         # chunks whose sum wrapped here and went up as such (their element count)
         self._overflow_in: dict[tuple[int, int], int] = {}
         self._overflow_up: dict[tuple[int, int], int] = {}
+        # chunks in progress with a contribution that came marked congestion
+        # experienced: their partial and results carry the mark on
+        self._marked: dict[tuple[int, int], None] = {}
         # loss detection: per (job, member) the highest chunk seen, and the
         # (job, chunk, member, proof) already asked to resend
         self._high: dict[tuple[int, int], int] = {}
@@ -111,6 +124,7 @@ class Aggregation(Service):
         self._await_owner = {k: v for k, v in self._await_owner.items() if k[0] != job}
         self._overflow_in = {k: v for k, v in self._overflow_in.items() if k[0] != job}
         self._overflow_up = {k: v for k, v in self._overflow_up.items() if k[0] != job}
+        self._marked = {k: v for k, v in self._marked.items() if k[0] != job}
         self._high = {k: v for k, v in self._high.items() if k[0] != job}
         self._done_below.pop(job, None)
         self._done_above.pop(job, None)
@@ -132,6 +146,10 @@ class Aggregation(Service):
                      f"job {f.job} delivers to an owner: key {f.key} is not a member")
             return
         chunk = unwrap_psn(f.psn, table.last.get(f.job, 0))
+        if int(f.flags) & _ECN:
+            self._marked[(f.job, chunk)] = None
+            if len(self._marked) > MARKS_KEPT:
+                self._marked.pop(next(iter(self._marked)))
         if f.offset == OVERFLOWED_BELOW and port in ctx.switch_ports and not f.referenced:
             # a child switch's partial that is not a sum: the chunk ends in an
             # overflow for every member once the others are in
@@ -180,14 +198,17 @@ class Aggregation(Service):
             if isinstance(ev, Completed):
                 completed = True
                 table.last[f.job] = max(table.last.get(f.job, 0), ev.chunk)
+                marked = bool(self._marked) and \
+                    self._marked.pop((f.job, ev.chunk), 0) is None
                 if f.job in table.parent:  # a partial: up first, results come down
                     self._awaiting.add((f.job, ev.chunk))
                     if f.job in table.owned:
                         self._await_owner[(f.job, ev.chunk)] = f.key
-                    self._send_up(spec, ev.chunk, ev.result, f, retx=False)
+                    self._send_up(spec, ev.chunk, ev.result, f, retx=False, marked=marked)
                 else:
                     self._mark_done(f.job, ev.chunk)
-                    self._send_results(spec, ev.chunk, ev.recipients, ev.result, f)
+                    self._send_results(spec, ev.chunk, ev.recipients, ev.result, f,
+                                       marked=marked)
             elif isinstance(ev, ResendResult):
                 if (f.job, ev.chunk) in self._awaiting:
                     # we only hold our partial: ask the parent again instead
@@ -333,7 +354,7 @@ class Aggregation(Service):
         return top
 
     def _send_results(self, spec: JobSpec, chunk: int, recipients: tuple[int, ...],
-                      result: np.ndarray | None, f: fr.Frame) -> None:
+                      result: np.ndarray | None, f: fr.Frame, marked: bool = False) -> None:
         ctx = self.ctx
         crc = ctx.crc  # whenever the fabric checks (SwitchContext)
         owner = f.key if spec.job in self.table.owned else None
@@ -345,20 +366,22 @@ class Aggregation(Service):
                 # not the owner's side: a header-only completion (self-clocks its window)
                 ctx.send(port, fr.encode_header(
                     Op.RESULT, src=ctx.id, dst=member, job=spec.job, psn=chunk & PSN_MASK,
-                    dtype=f.dtype, msg=f.msg, key=owner, offset=done, crc=crc))
+                    dtype=f.dtype, msg=f.msg, key=owner, offset=done,
+                    flags=_MARKED if marked else Flag.NONE, crc=crc))
                 ctx.counters.results_sent += 1
                 continue
             if result is None:
                 header = fr.encode_header(Op.RESULT, src=ctx.id, dst=member, job=spec.job,
                                           psn=chunk & PSN_MASK, dtype=f.dtype, msg=f.msg,
-                                          flags=Flag.REF, length=f.length, offset=done,
-                                          crc=crc)
+                                          flags=_REF_MARKED if marked else Flag.REF,
+                                          length=f.length, offset=done, crc=crc)
                 ctx.send(port, header)
             else:
                 body = byte_view(result)
                 header = fr.encode_header(Op.RESULT, src=ctx.id, dst=member, job=spec.job,
                                           psn=chunk & PSN_MASK, dtype=f.dtype, msg=f.msg,
-                                          payload=body, key=owner or 0, offset=done, crc=crc)
+                                          payload=body, key=owner or 0, offset=done,
+                                          flags=_MARKED if marked else Flag.NONE, crc=crc)
                 ctx.send(port, header, body)
             ctx.counters.results_sent += 1
 
@@ -387,7 +410,8 @@ class Aggregation(Service):
         self._awaiting.discard((f.job, chunk))
         self._await_owner.pop((f.job, chunk), None)
         self._mark_done(f.job, chunk)
-        self._send_results(spec, chunk, spec.members, data, f)
+        self._send_results(spec, chunk, spec.members, data, f,
+                           marked=int(f.flags) & _ECN != 0)
 
     def _on_parent_overflow(self, f: fr.Frame) -> None:
         """Our parent says a chunk we sent up ends in an overflow (the sum wrapped
@@ -440,7 +464,7 @@ class Aggregation(Service):
                 retx=True)
 
     def _send_up(self, spec: JobSpec, chunk: int, partial: np.ndarray | None,
-                 f: fr.Frame, retx: bool) -> None:
+                 f: fr.Frame, retx: bool, marked: bool = False) -> None:
         """Our subtree's partial sum of ``chunk``, as our contribution to the parent."""
         ctx = self.ctx
         parent = self.table.parent[spec.job]
@@ -449,6 +473,7 @@ class Aggregation(Service):
         header = fr.encode_header(Op.REDUCE, src=ctx.id, dst=parent, job=spec.job,
                                   psn=chunk & PSN_MASK, dtype=f.dtype, msg=f.msg,
                                   key=f.key if spec.job in self.table.owned else 0,
-                                  payload=body, flags=Flag.RETX if retx else Flag.NONE,
+                                  payload=body, flags=Flag.RETX if retx else (
+                                      _MARKED if marked else Flag.NONE),
                                   crc=ctx.crc)
         ctx.send(ctx.next_hop[parent], header, body)

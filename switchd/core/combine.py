@@ -23,7 +23,7 @@ from typing import Any, ClassVar, Final
 import numpy as np
 
 from fabric.core import frame as fr
-from fabric.core.frame import FrameError, NackCode, Op
+from fabric.core.frame import Flag, FrameError, NackCode, Op
 from fabric.core.memory import AccessError
 from fabric.core.programs import GROUP_MSG_BITS
 from kernels.dtypes import DTYPES, byte_view
@@ -140,7 +140,8 @@ class Combine(Service):
             self._done.popitem(last=False)
         ctx.send(ctx.ident[f.src], fr.encode_header(  # key: the tokens' home
             Op.ACK, src=ctx.id, dst=f.src, flow=COMBINE_FLOW + 1, job=f.job, psn=f.psn,
-            key=home, msg=f.msg, crc=True))
+            key=home, msg=f.msg, crc=True,  # echoing a congestion mark, for its policy
+            flags=Flag.ECN if f.has(Flag.ECN) else Flag.NONE))
         if done_now:
             self._send(home, f.msg, f.job, done_now)
 
