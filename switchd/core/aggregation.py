@@ -85,7 +85,7 @@ class Aggregation(Service):
         self._overflow_up: dict[tuple[int, int], int] = {}
         # chunks in progress with a contribution that came marked congestion
         # experienced: their partial and results carry the mark on
-        self._marked: dict[tuple[int, int], None] = {}
+        self._marked: dict[tuple[int, int], bool] = {}
         # loss detection: per (job, member) the highest chunk seen, and the
         # (job, chunk, member, proof) already asked to resend
         self._high: dict[tuple[int, int], int] = {}
@@ -124,7 +124,7 @@ class Aggregation(Service):
         self._await_owner = {k: v for k, v in self._await_owner.items() if k[0] != job}
         self._overflow_in = {k: v for k, v in self._overflow_in.items() if k[0] != job}
         self._overflow_up = {k: v for k, v in self._overflow_up.items() if k[0] != job}
-        self._marked = {k: v for k, v in self._marked.items() if k[0] != job}
+        self._marked = {k: True for k in self._marked if k[0] != job}
         self._high = {k: v for k, v in self._high.items() if k[0] != job}
         self._done_below.pop(job, None)
         self._done_above.pop(job, None)
@@ -147,7 +147,7 @@ class Aggregation(Service):
             return
         chunk = unwrap_psn(f.psn, table.last.get(f.job, 0))
         if int(f.flags) & _ECN:
-            self._marked[(f.job, chunk)] = None
+            self._marked[(f.job, chunk)] = True
             if len(self._marked) > MARKS_KEPT:
                 self._marked.pop(next(iter(self._marked)))
         if f.offset == OVERFLOWED_BELOW and port in ctx.switch_ports and not f.referenced:
@@ -198,8 +198,7 @@ class Aggregation(Service):
             if isinstance(ev, Completed):
                 completed = True
                 table.last[f.job] = max(table.last.get(f.job, 0), ev.chunk)
-                marked = bool(self._marked) and \
-                    self._marked.pop((f.job, ev.chunk), 0) is None
+                marked = bool(self._marked) and self._marked.pop((f.job, ev.chunk), False)
                 if f.job in table.parent:  # a partial: up first, results come down
                     self._awaiting.add((f.job, ev.chunk))
                     if f.job in table.owned:
