@@ -14,7 +14,7 @@ from fabric.core.congestion.settings import CongestionSettings
 from fabric.core.moe import moe_reference
 from fabric.core.topology import leaf_spine, star
 from fabric.errors import UsageError
-from fabric.sim import Simulation
+from fabric.sim import Simulation, SimulationError
 from tests import fabric_tasks as tasks
 
 #: A shared buffer per switch of about one p2p stream frame (64 KiB) and a few
@@ -286,3 +286,36 @@ def test_credit_holds_a_cluster_scale_up_switch_back_per_link() -> None:
     assert all(lk.params.credit for lk in t.links if lk.cls == "scaleup")
     r = Simulation(t, timeout_s=30).run(_collectives, 1 << 13, "ina")
     assert r.results == [0] * 8 and r.retransmits == 0
+
+
+def _ring(n: int, credit: bool) -> Any:
+    """``n`` switches in a ring, a worker on each, every link 10 Gb/s."""
+    from fabric.core.topology import loads
+
+    out = ["[fabric]", 'name = "ring"', "[defaults.scaleup]", "bandwidth_gbps = 10.0",
+           "latency_us = 1.0", "mtu = 4096", f"credit = {'true' if credit else 'false'}"]
+    for kind, prefix in (("worker", "w"), ("switch", "s")):
+        for i in range(n):
+            out += ["[[node]]", f'name = "{prefix}{i}"', f'kind = "{kind}"']
+    for i in range(n):
+        out += ["[[link]]", f'a = "w{i}"', f'b = "s{i}"', 'class = "scaleup"']
+        out += ["[[link]]", f'a = "s{i}"', f'b = "s{(i + 1) % n}"', 'class = "scaleup"']
+    return loads("\n".join(out))
+
+
+def _two_ahead(ctx: Any, n: int) -> Generator[Any, Any, int]:
+    x = np.full(n, ctx.rank, np.int32)
+    out = np.empty(n, np.int32)
+    yield ctx.sendrecv(x, (ctx.rank + 2) % ctx.world, out, (ctx.rank - 2) % ctx.world)
+    return int(np.count_nonzero(out != (ctx.rank - 2) % ctx.world))
+
+
+def test_a_credit_deadlock_is_reported_by_its_cycle_of_links() -> None:
+    """Five switches in a ring, each worker streaming to the one two switches on:
+    every route takes two ring links the same way round, so each ring link's
+    credit is held by frames waiting for the next one's. Without credit the run
+    finishes exact; with it the simulator names the cycle instead of a timeout."""
+    assert Simulation(_ring(5, False), timeout_s=5).run(_two_ahead, 1 << 18).results == [0] * 5
+    with pytest.raises(SimulationError, match=r"credit deadlock .*s0>s1, s1>s2, s2>s3, "
+                       r"s3>s4, s4>s0"):
+        Simulation(_ring(5, True), timeout_s=5).run(_two_ahead, 1 << 18)

@@ -304,6 +304,11 @@ class LinkPipeline:
         """Frames waiting for credit."""
         return len(self._blocked)
 
+    def waiting_tokens(self) -> list[Any]:
+        """The ``credit_back`` tokens of the frames waiting for credit here: the
+        links whose credit those frames hold (what a credit deadlock is made of)."""
+        return [back[0] for _i, _t, _g, back, _n, _s in self._blocked if back is not None]
+
     @property
     def returning(self) -> bool:
         """Whether :meth:`take_credit_returns` has something."""

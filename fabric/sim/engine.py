@@ -30,6 +30,7 @@ from fabric.core import frame as fr
 from fabric.core.calls import GroupCall
 from fabric.core.congestion.config import CongestionConfigError
 from fabric.core.congestion.credit import link_grant
+from fabric.core.congestion.pfc import find_pause_cycle
 from fabric.core.congestion.switchq import switch_queues
 from fabric.core.faults import FaultSpec, parse_faults
 from fabric.core.frame import Flag, FrameError, Op
@@ -307,12 +308,20 @@ class Simulation:
             self._resume(node, None)
         self._drain(lambda: all(n.done for n in self._workers), until)
         unfinished = [n.name for n in self._workers if not n.done]
+        failed = [n for n in self._workers if n.error is not None]
+        if unfinished or failed:
+            stuck = self._credit_deadlock()
+            if stuck:  # what the timeouts (or the standstill) come from
+                raise SimulationError(
+                    f"credit deadlock at t={self.now:.6f}s: the links {stuck} each wait for "
+                    "credit held by frames that wait on the next one's (a cycle of "
+                    "credit-controlled links; routes that go round a ring of switches make "
+                    "one: route over a tree, or give those links no credit)")
         if unfinished:
             raise SimulationError(
                 f"the workload never finished on {', '.join(unfinished[:8])}: nothing left to "
                 f"happen at t={self.now:.6f}s (a rank waits for a peer that never sends; do "
                 "all ranks yield the same collectives in the same order?)")
-        failed = [n for n in self._workers if n.error is not None]
         if failed:
             # the cause first: a rank that refused its input makes its peers time out
             first = min(failed, key=lambda n: isinstance(n.error, FabricTimeout))
@@ -336,6 +345,16 @@ class Simulation:
             credit_stalled_s=sum(p.statistics().credit_stalled_s for p in self.pipes.values()
                                  if p.credit is not None),
             bytes_by_class=self._bytes_by_class())
+
+    def _credit_deadlock(self) -> str:
+        """A cycle of credit-controlled links each of which waits for credit that
+        frames waiting on the next one hold, as "a>b, b>c, c>a"; "" when none."""
+        waits: dict[tuple[str, str], list[tuple[str, str]]] = {}
+        for key, pipe in self.pipes.items():
+            for token in pipe.waiting_tokens():
+                waits.setdefault(token, []).append(key)
+        cycle = find_pause_cycle(waits) if waits else None
+        return ", ".join(f"{a}>{b}" for a, b in cycle) if cycle else ""
 
     def _bytes_by_class(self) -> dict[str, int]:
         out: dict[str, int] = {}
