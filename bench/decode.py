@@ -136,7 +136,7 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
     lat = args.latency_us if args.latency_us is not None else (1.0 if args.sim else 50.0)
     if not (math.isfinite(bw) and bw > 0 and math.isfinite(lat) and lat >= 0):
         raise UsageError("--bandwidth-gbps must be > 0 and --latency-us >= 0")
-    from bench.sweep import queue_settings
+    from bench.sweep import lossless_settings, queue_settings
 
     cc, buffer, trim = queue_settings(args)
     dropped: list[str] = []
@@ -198,7 +198,8 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
             "bandwidth_gbps": bw, "latency_us": lat, "seed": args.seed,
             "temperature": args.temperature, "world": "simulation" if args.sim
             else "emulation", "both": bool(args.both), "dropped": dropped, "cc": cc,
-            "buffer": buffer, "trim": trim, "mtu": args.mtu, "topology": args.topology,
+            "buffer": buffer, "trim": trim, "pfc": lossless_settings(args)[0],
+            "credit": lossless_settings(args)[1], "mtu": args.mtu, "topology": args.topology,
             "slo_ms": args.slo_ms, "checkpoints": checkpoints,
             "topology_text": topo_text}
     from fabric.core.congestion import CongestionConfigError
@@ -230,7 +231,8 @@ def _topology(s: dict[str, Any], world: int, ratio: float, extra_us: float = 0.0
     from fabric.core.topology import leaf_spine, loads, star
 
     cong = CongestionSettings(buffer_bytes=s.get("buffer"), trim=s.get("trim", False),
-                              cc=s.get("cc"))
+                              cc=s.get("cc"), pfc=s.get("pfc", False),
+                              credit=s.get("credit", False))
     if s.get("topology_text"):  # the file's own links; flags add congestion settings
         topo = loads(s["topology_text"], s["topology"])
         return topo if cong.is_default else topo.with_congestion(cong)
@@ -450,7 +452,9 @@ def _header(s: dict[str, Any]) -> str:
                f"ranks per leaf, oversubscription {','.join(f'{r:g}' for r in s['ratios'])}; ")
             + f"seed {s['seed']}"
             + (f"; congestion: cc {s['cc'] or '(none)'}, buffer {s['buffer'] or 'unbounded'}"
-               f"{', trimming' if s['trim'] else ''}" if s["cc"] or s["buffer"] else "")
+               f"{', trimming' if s['trim'] else ''}{', PFC' if s.get('pfc') else ''}"
+               f"{', credit-based links' if s.get('credit') else ''}"
+               if s["cc"] or s["buffer"] or s.get("credit") else "")
             + (f"; left out: {', '.join(s['dropped'])}" if s["dropped"] else ""))
 
 

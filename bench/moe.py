@@ -112,7 +112,7 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
     for flag in ("json", "markdown"):  # a long run must not fail at its end
         if getattr(args, flag, None):
             check_output_file(f"--{flag}", getattr(args, flag))
-    from bench.sweep import queue_settings
+    from bench.sweep import lossless_settings, queue_settings
 
     cc, buffer, trim = queue_settings(args)
     settings = {"leaves": args.leaves, "per_leaf": args.per_leaf, "ranks": ranks,
@@ -121,7 +121,8 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
             "routing": args.routing, "bandwidth_gbps": args.bandwidth_gbps,
             "latency_us": args.latency_us, "warmup": args.warmup, "iters": args.iters,
             "seed": args.seed, "world": "simulation" if args.sim else "emulation",
-            "dropped": dropped, "cc": cc, "buffer": buffer, "trim": trim}
+            "dropped": dropped, "cc": cc, "buffer": buffer, "trim": trim,
+            "pfc": lossless_settings(args)[0], "credit": lossless_settings(args)[1]}
     from fabric.core.congestion import CongestionConfigError
     from fabric.core.congestion.switchq import switch_queues
     from fabric.core.topology import TopologyError
@@ -146,8 +147,9 @@ def _topology(s: dict[str, Any], ratio: float) -> Any:
                           leaf_bandwidth_gbps=s["bandwidth_gbps"],
                           leaf_latency_us=s["latency_us"], spine_latency_us=s["latency_us"],
                           hosts=0)
-    return topo.with_congestion(CongestionSettings(buffer_bytes=s.get("buffer"),
-                                                   trim=s.get("trim", False), cc=s.get("cc")))
+    return topo.with_congestion(CongestionSettings(
+        buffer_bytes=s.get("buffer"), trim=s.get("trim", False), cc=s.get("cc"),
+        pfc=s.get("pfc", False), credit=s.get("credit", False)))
 
 
 def moe_task(ep: Any, variant: str, s: dict[str, Any]) -> dict[str, Any]:
@@ -304,7 +306,9 @@ def _header(s: dict[str, Any]) -> str:
             + (f"; left out: {', '.join(s['dropped'])}" if s.get("dropped") else "")
             + (f"; congestion: cc {s['cc'] or '(none)'}, buffer "
                f"{s['buffer'] or 'unbounded'}{', trimming' if s['trim'] else ''}"
-               if s.get("cc") or s.get("buffer") else ""))
+               f"{', PFC' if s.get('pfc') else ''}"
+               f"{', credit-based links' if s.get('credit') else ''}"
+               if s.get("cc") or s.get("buffer") or s.get("credit") else ""))
 
 
 _COLS = (("ratio", 6), ("variant", 13), ("dispatch ms", 12), ("combine ms", 11),

@@ -440,12 +440,32 @@ def add_queue_arguments(p: argparse.ArgumentParser) -> None:
                    help="each switch's shared buffer (default: unbounded queues)")
     p.add_argument("--trim", action="store_true",
                    help="with --buffer: cut a frame that does not fit to its header")
+    p.add_argument("--pfc", action="store_true",
+                   help="with --buffer: a lossless buffer, PFC pauses senders instead of "
+                   "dropping")
+    p.add_argument("--credit", action="store_true",
+                   help="credit-based flow control on every link: links wait for credit "
+                   "instead of queueing past it (lossless, no buffer needed)")
+
+
+def lossless_settings(args: argparse.Namespace) -> tuple[bool, bool]:
+    """(pfc, credit) of :func:`add_queue_arguments`' flags (checked by
+    :func:`queue_settings`)."""
+    return bool(getattr(args, "pfc", False)), bool(getattr(args, "credit", False))
 
 
 def queue_settings(args: argparse.Namespace) -> tuple[str | None, int | None, bool]:
     """(cc, buffer bytes, trim) of :func:`add_queue_arguments`' flags, checked (one
-    UsageError line for a bad one)."""
+    UsageError line for a bad one; :func:`lossless_settings` has PFC and credit)."""
     check_cc(args.cc)
+    pfc, credit = lossless_settings(args)
+    if credit and (pfc or args.trim):
+        raise UsageError("--credit with --pfc or --trim: credit-based links are lossless by "
+                         "themselves; choose one")
+    if pfc and args.trim:
+        raise UsageError("--pfc with --trim: a lossless class is never trimmed; choose one")
+    if pfc and args.buffer is None:
+        raise UsageError("--pfc pauses senders when a buffer fills: give --buffer")
     if args.buffer is None:
         if args.trim:
             raise UsageError("--trim cuts frames a full buffer has no room for: give --buffer")
