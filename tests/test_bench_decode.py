@@ -51,6 +51,22 @@ def test_congestion_settings_reach_the_switches(capsys: pytest.CaptureFixture[st
     assert "congestion: cc nscc, buffer 102400, trimming" in text and "1 rows in" in text
 
 
+@pytest.mark.parametrize(("flags", "words"), [
+    (["--buffer", "100K", "--pfc"], "buffer 102400, PFC"),
+    (["--credit"], "buffer unbounded, credit-based links"),
+])
+def test_lossless_fabrics_reach_the_switches(flags: list[str], words: str,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """The same dispatch through lossless switches: PFC behind the buffer, or
+    credit-based links; in-network MoE too."""
+    assert main(["bench", "decode", "--sim", "--model", "mixtral-8x7b", "--tp", "1", "--ep",
+                 "8", "--per-leaf", "4", "--oversubscription", "4", "--layers", "1",
+                 "--batch", "16", "--tokens", "2", "--bandwidth-gbps", "100", "--mtu", "16384",
+                 "--cc", "nscc", "--variants", "flat,in-network", *flags]) == 0
+    text = capsys.readouterr().out
+    assert words in text and "2 rows in" in text
+
+
 def test_completion_rate_counts_the_operations_that_resent(tmp_path: Path) -> None:
     """Behind a 30 kB buffer at 4:1, about half of the network operations of a rank
     resend something; on unbounded queues none does."""
@@ -124,6 +140,8 @@ def test_both_worlds_side_by_side(capsys: pytest.CaptureFixture[str]) -> None:
     (["--sim", "--ep", "4", "--per-leaf", "3"], "do not fill leaves of --per-leaf 3"),
     (["--sim", "--cc", "reno"], "--cc reno: unknown policy"),
     (["--sim", "--trim"], "give --buffer"),
+    (["--sim", "--pfc"], "--pfc pauses senders when a buffer fills: give --buffer"),
+    (["--sim", "--credit", "--buffer", "1M", "--trim"], "lossless by themselves"),
     (["--sim", "--buffer", "1K"], "cannot hold one frame"),
     (["--sim", "--mtu", "100"], "--mtu 100"),
     (["--sim", "--checkpoint", "lots"], "--checkpoint lots"),

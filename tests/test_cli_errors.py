@@ -158,6 +158,7 @@ CASES = [
     (["bench", "moe", "--sim", "--timeout", "0"], "--timeout 0: must be a number of seconds"),
     (["bench", "moe", "--sim", "--cc", "eqds"], "--cc eqds: the receiver grants credit"),
     (["bench", "moe", "--sim", "--trim"], "--trim cuts frames a full buffer has no room for"),
+    (["bench", "moe", "--sim", "--pfc", "--buffer", "1M", "--trim"], "never trimmed"),
     (["bench", "moe", "--sim", "--buffer", "1000"], "cannot hold one frame"),
     ([*BENCH, "--cc", "reno"], "--cc reno: unknown policy"),
     ([*BENCH, "--factor", "inf"], "factor must be a finite number > 1, got inf"),
