@@ -185,8 +185,8 @@ class PipelineStats:
     pauses_sent: int = 0  # PAUSEs this (lossless) port asked for its frames' senders
     pauses: int = 0  # PAUSEs this link received from its far end
     paused_s: float = 0.0  # time this link was paused, in total
-    credit_stalls: int = 0  # times this (credit-controlled) link waited for credit
-    credit_stalled_s: float = 0.0  # time it spent waiting, in total
+    credit_stalls: int = 0  # frames that left later than the link could send them
+    credit_stalled_s: float = 0.0  # time the link stood idle for want of credit
 
 
 def _split(blob: bytes) -> tuple[bytes, memoryview | None]:
