@@ -178,22 +178,29 @@ def _innet_moe(ctx: Any, T: int, H: int, K: int, E: int) -> Generator[Any, Any, 
     return y, t1 - t0
 
 
-def test_in_network_dispatch_rows_are_trimmed_and_asked_for_at_once() -> None:
-    """In-network MoE behind a small buffer with trimming: cut rows cross the spine
-    as headers (the multicast service replicates them by their mask), their members
-    NACK them and the sender resends at once: exact, and the dispatch takes less
-    than a millisecond where tail drop waits 78 ms for the rows' timers."""
+def _innet_moe_behind(cong: CongestionSettings) -> Any:
+    """In-network MoE (64 tokens of 256, top-4 of 16 experts) on 8 ranks, two leaves
+    at 4:1 of 10 Gb/s, behind switches set by ``cong``: every rank's output checked
+    against the reference; the run."""
     T, H, K, E = 64, 256, 4, 16
     t = leaf_spine(2, 4, oversubscription=4, leaf_bandwidth_gbps=10, leaf_latency_us=1,
                    spine_latency_us=1, mtu=4096)
     ins = [tasks.moe_inputs(r, T, H, K, E, "float32") for r in range(8)]
     want = moe_reference([i[0] for i in ins], [i[1] for i in ins], [i[2] for i in ins], E)
+    res = Simulation(t.with_congestion(cong), timeout_s=30).run(_innet_moe, T, H, K, E)
+    for r in range(8):
+        np.testing.assert_array_equal(res.results[r][0], want[r])
+    return res
+
+
+def test_in_network_dispatch_rows_are_trimmed_and_asked_for_at_once() -> None:
+    """In-network MoE behind a small buffer with trimming: cut rows cross the spine
+    as headers (the multicast service replicates them by their mask), their members
+    NACK them and the sender resends at once: exact, and the dispatch takes less
+    than a millisecond where tail drop waits 78 ms for the rows' timers."""
     took = {}
     for trim in (True, False):
-        topo = t.with_congestion(CongestionSettings(buffer_bytes=40_000, trim=trim))
-        res = Simulation(topo, timeout_s=30).run(_innet_moe, T, H, K, E)
-        for r in range(8):
-            np.testing.assert_array_equal(res.results[r][0], want[r])
+        res = _innet_moe_behind(CongestionSettings(buffer_bytes=40_000, trim=trim))
         took[trim] = max(r[1] for r in res.results)
         if trim:
             assert res.trims > 0
@@ -206,17 +213,9 @@ def test_a_policy_paces_in_network_moe_behind_tail_drop() -> None:
     partials): behind a tail-dropping buffer the policy's window keeps the rows
     from overflowing it, where the rows' own window of 64 frames does (413 drops,
     20 ms against 0.3 ms); exact."""
-    T, H, K, E = 64, 256, 4, 16
-    t = leaf_spine(2, 4, oversubscription=4, leaf_bandwidth_gbps=10, leaf_latency_us=1,
-                   spine_latency_us=1, mtu=4096)
-    ins = [tasks.moe_inputs(r, T, H, K, E, "float32") for r in range(8)]
-    want = moe_reference([i[0] for i in ins], [i[1] for i in ins], [i[2] for i in ins], E)
     runs = {}
     for cc in (None, "none", "nscc"):
-        topo = t.with_congestion(CongestionSettings(buffer_bytes=200_000, cc=cc))
-        res = Simulation(topo, timeout_s=30).run(_innet_moe, T, H, K, E)
-        for r in range(8):
-            np.testing.assert_array_equal(res.results[r][0], want[r])
+        res = _innet_moe_behind(CongestionSettings(buffer_bytes=200_000, cc=cc))
         runs[cc] = (max(r[1] for r in res.results), res.overflow_drops)
     for cc in ("none", "nscc"):
         assert runs[cc][1] < 0.1 * runs[None][1] and runs[cc][0] < 0.1 * runs[None][0]
