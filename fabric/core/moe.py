@@ -457,8 +457,8 @@ class _AckedFrames(Program):
     With a congestion-control policy (``[congestion] cc``) a frame also waits for
     the policy's window and pacer; a frame is acknowledged when its last ACK is
     in, congestion experienced when any of them echoed a mark. Its path is the
-    round trip to ``far`` (a switch whose ACK, or the tree's top beyond which the
-    targets are)."""
+    round trip to ``far``: the switch that ACKs (the combine), or the tree's top,
+    beyond which the targets are (the dispatch)."""
 
     role = "frames"
 
