@@ -35,7 +35,7 @@ from fabric.core.congestion.switchq import switch_queues
 from fabric.core.faults import FaultSpec, parse_faults
 from fabric.core.frame import Flag, FrameError, Op
 from fabric.core.hostnode import HostAggregator
-from fabric.core.link import LinkPipeline, wire_bytes
+from fabric.core.link import CreditBack, LinkPipeline, wire_bytes
 from fabric.core.programs import (
     HOST_PS_FLOW,
     Chain,
@@ -132,8 +132,8 @@ class SimResult:
     #: PFC (``[congestion] pfc``): PAUSEs the links received, and their time paused
     pauses: int = 0
     paused_s: float = 0.0
-    #: credit-controlled links (``credit``): times a link waited for credit, and how
-    #: long in all
+    #: credit-controlled links (``credit``): frames that left later than their link
+    #: could have sent them, and the time links stood idle for want of credit
     credit_stalls: int = 0
     credit_stalled_s: float = 0.0
     #: bytes the links of each class carried, both directions (shaped links only:
@@ -340,10 +340,8 @@ class Simulation:
             llr_replays=sum(p.llr_replays for p in self.pipes.values()),
             pauses=sum(p.pauses for p in self.pipes.values()),
             paused_s=sum(p.paused_s for p in self.pipes.values()),
-            credit_stalls=sum(p.statistics().credit_stalls for p in self.pipes.values()
-                              if p.credit is not None),
-            credit_stalled_s=sum(p.statistics().credit_stalled_s for p in self.pipes.values()
-                                 if p.credit is not None),
+            credit_stalls=sum(p.credit_stalls for p in self.pipes.values()),
+            credit_stalled_s=sum(p.credit_stalled_s for p in self.pipes.values()),
             bytes_by_class=self._bytes_by_class())
 
     def _credit_deadlock(self) -> str:
@@ -405,7 +403,7 @@ class Simulation:
     # ------------------------------------------------------------------ links
     def _send(self, src: str, dst: str, header: Any, payload: Any, t: float,
               tail: float | None = None, came_from: str | None = None,
-              back: tuple[Any, int] | None = None) -> None:
+              back: CreditBack | None = None) -> None:
         key = (src, dst)
         pipe = self.pipes[key]
         if back is None and (came_from is None or not self._pfc):
@@ -476,7 +474,7 @@ class Simulation:
 
     def _switch_out(self, sw: str, outputs: list[tuple[bytes, Any, Any]], t: float,
                     tail: float | None = None, came_from: str | None = None,
-                    back: tuple[Any, int] | None = None) -> None:
+                    back: CreditBack | None = None) -> None:
         # what a frame causes streams out behind it: its tail bounds theirs
         for port, header, payload in outputs:
             self._send(sw, port.decode(), header, payload, t, tail, came_from, back)
