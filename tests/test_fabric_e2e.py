@@ -327,3 +327,36 @@ def test_in_network_paths_exact_under_a_congestion_policy(tmp_path) -> None:
         stats = fab.run(tasks.switch_stats)[0]
     # the results queue behind each other at the switch's ports: marked
     assert sum(q["ecn_marks"] for q in stats["queues"].values()) > 0
+
+
+def test_in_network_moe_exact_behind_trimming_switch_daemons(tmp_path) -> None:
+    """In-network MoE on launched processes behind small trimming buffers: rows
+    and the leaves' sums cut on the way are asked for at once (the homes NACK a
+    trimmed sum to the leaf that kept it); nothing dropped, every element exact."""
+    import dataclasses
+
+    import numpy as np
+
+    from fabric.core.moe import moe_reference
+    from fabric.core.topology import leaf_spine
+    from fabric.emulation.workloads import run_in_emulation
+
+    topo = leaf_spine(2, 1, leaf_bandwidth_gbps=0.2, leaf_latency_us=20, spine_latency_us=20,
+                      mtu=4096, hosts=0)
+    topo = topo.with_congestion(dataclasses.replace(topo.congestion, buffer_bytes=9_000,
+                                                    trim=True))
+    T, H, K, E = 61, 257, 3, 8
+    with launch(topology=topo, run_dir=tmp_path, timeout_s=60, seed=3) as fab:
+        res = fab.run(run_in_emulation, tasks.moe_workload, ("in-network",), T, H, K, E)
+        stats = fab.switch_stats()
+    ins = [tasks.moe_inputs(r, T, H, K, E, "float32") for r in range(2)]
+    want = moe_reference([i[0] for i in ins], [i[1] for i in ins], [i[2] for i in ins], E)
+    for r in range(2):
+        np.testing.assert_array_equal(res[r]["in-network"], want[r])
+    queues = [q for sw in stats.values() if isinstance(sw, dict)
+              for q in (sw.get("queues") or {}).values()]
+    assert sum(q["overflow_drops"] for q in queues) == 0
+    assert sum(q["trims"] for q in queues) > 0
+    # the leaves sent trimmed sums again when their homes asked
+    assert sum(sw["services"]["combine"]["resent"] for sw in stats.values()
+               if isinstance(sw, dict) and "combine" in sw.get("services", {})) > 0

@@ -127,6 +127,16 @@ def test_masked_multicast_rows_are_trimmed_and_other_multicast_is_not() -> None:
     assert fr.trimmable(row) and not fr.trimmable(every)
 
 
+def test_combine_sums_are_trimmed_and_other_reductions_are_not() -> None:
+    """In-network MoE combine frames (REDUCE on COMBINE_FLOW): the home NACKs a
+    trimmed sum to the switch that kept it; an allreduce contribution is dropped."""
+    body = np.arange(100, dtype=np.uint8)
+    total = fr.encode_header(fr.Op.REDUCE, src=9, dst=3, flow=fr.COMBINE_FLOW, offset=1,
+                             payload=body)
+    chunk = fr.encode_header(fr.Op.REDUCE, src=1, dst=9, flow=0, job=4, payload=body)
+    assert fr.trimmable(total) and not fr.trimmable(chunk)
+
+
 def test_a_lossless_buffer_pauses_an_ingress_until_it_drains_to_xon() -> None:
     """PFC accounting by ingress port (TimedBuffer with PfcIngress): above XOFF the
     ingress is paused until the frames it holds are scheduled to have left down to

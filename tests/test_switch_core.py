@@ -355,6 +355,17 @@ def test_a_leaf_sums_one_tokens_partials_and_sends_one_vector_home() -> None:
     (again,) = net.take("w2")
     assert again.offset == 1
     np.testing.assert_array_equal(np.frombuffer(again.payload, np.float32)[1:], np.full(5, 3.75))
+    # the frame came trimmed (a header alone): its first token names it, and the
+    # leaf sends the whole frame again
+    net.send("w2", fr.encode_nack(src=home, dst=net.topo.node("leaf0").id, flow=COMBINE_FLOW,
+                                  psn=4, code=NackCode.TRIMMED, job=9, msg=1))
+    (whole,) = net.take("w2")
+    assert whole.offset == 2 and bytes(whole.payload) == bytes(got.payload)
+    # a NACK naming no frame sent brings nothing
+    net.send("w2", fr.encode_nack(src=home, dst=net.topo.node("leaf0").id, flow=COMBINE_FLOW,
+                                  psn=7, code=NackCode.TRIMMED, job=9, msg=1))
+    assert net.take("w2") == []
+    assert net.cores["leaf0"].statistics().services["combine"].resent == 2
 
 
 def test_results_carry_the_mark_below_which_every_chunk_is_complete() -> None:

@@ -58,6 +58,7 @@ __all__ = [
     "is_trimmed",
     "trimmable",
     "STREAM_FLOWS",
+    "COMBINE_FLOW",
     "mark_ce",
     "peek",
     "DTYPE_SIZES",
@@ -367,6 +368,7 @@ _READ: Final = int(Op.READ)
 _ACK: Final = int(Op.ACK)
 _NACK: Final = int(Op.NACK)
 _WRITE: Final = int(Op.WRITE)
+_REDUCE: Final = int(Op.REDUCE)
 _ATOMIC_ADD: Final = int(Op.ATOMIC_ADD)
 _FETCH_ADD: Final = int(Op.FETCH_ADD)
 
@@ -646,6 +648,10 @@ STREAM_FLOWS: Final = (16, 20)
 #: The flow of masked multicast rows (in-network MoE dispatch; ACKs and NACKs on
 #: flow + 1): their receivers too answer a trimmed copy with a TRIMMED NACK.
 MASKED_FLOW: Final = 22
+#: The flow of in-network MoE combine frames (REDUCE): a rank's partials to its
+#: switch, and the switch's finished sums to each token's home, whose receiver
+#: answers a trimmed sum with a TRIMMED NACK to the switch that sent it.
+COMBINE_FLOW: Final = 24
 #: A masked multicast frame (Flag.MCAST, ``key`` != 0) names its members by bits:
 #: bit i of ``key`` is member ``MASK_BITS * offset + i`` of the group, by id, so
 #: ``offset`` picks a block of 32 and one frame reaches members of one block.
@@ -654,10 +660,15 @@ MASK_BITS: Final = 32
 
 def trimmable(header: bytes | bytearray | memoryview) -> bool:
     """Whether a switch may trim this frame rather than drop it: a unicast WRITE of a
-    stream (:data:`STREAM_FLOWS`) or a masked multicast row (:data:`MASKED_FLOW`),
-    whose receivers ask for it again at once."""
+    stream (:data:`STREAM_FLOWS`), a masked multicast row (:data:`MASKED_FLOW`) or
+    a combine frame (:data:`COMBINE_FLOW`), whose receivers ask for it again at
+    once."""
     view = memoryview(header)
-    if view.nbytes < HEADER_SIZE or view[1] != _WRITE:
+    if view.nbytes < HEADER_SIZE:
+        return False
+    if view[1] == _REDUCE:
+        return bool(_HEADER.unpack_from(view)[7] == COMBINE_FLOW and not view[2] & _F_MCAST)
+    if view[1] != _WRITE:
         return False
     fields = _HEADER.unpack_from(view)
     if view[2] & _F_MCAST:

@@ -561,9 +561,14 @@ class NodeState:
         """A trimmed frame came (:func:`fabric.core.frame.is_trimmed`): for a stream's
         data (P2P_FLOW and collective streams) or a masked multicast row (MoE
         dispatch), all answered on their flow + 1, a TRIMMED NACK, so its sender
-        resends at once; other flows' are dropped like a lost frame (their senders'
-        timers resend them)."""
+        resends at once; a combine sum (in-network MoE), a TRIMMED NACK on its flow
+        to the switch that summed it, which kept it; other flows' are dropped like a
+        lost frame (their senders' timers resend them)."""
         self.trims_received += 1
+        if f.op is Op.REDUCE and f.flow == fr.COMBINE_FLOW:
+            return [(fr.encode_nack(src=self.node_id, dst=f.src, flow=f.flow, psn=f.psn,
+                                    code=NackCode.TRIMMED, job=f.job, msg=f.msg,
+                                    crc=self.crc), None)]
         if f.op is not Op.WRITE or (f.flow not in fr.STREAM_FLOWS
                                     and f.flow != fr.MASKED_FLOW):
             return []

@@ -6,7 +6,9 @@ carry ``offset`` tokens (int32 ids, then one vector each) from one rank, with
 leaf sums them; a token whose contributions are all in goes on to its home,
 those a frame completed in one frame; the sender gets one ACK per frame.
 Finished sums are kept (bounded) for a home that lost one and asks again by
-NACK. See fabric.core.moe for the workers' side. A contribution counts only
+NACK: for one token when its timer runs out, or at once for every token of a sum
+frame a switch trimmed on its way (``[congestion] trim``), named by its
+header. See fabric.core.moe for the workers' side. A contribution counts only
 for a home of the sender's own tenant (the sender is known by its port), and,
 for a communicator's combine (the group id in the message id's top bits), only
 when the sender and the home are both its members: another tenant's, or
@@ -35,7 +37,7 @@ __all__ = ["COMBINE_FLOW", "COMBINE_KEPT", "Combine", "CombineStats"]
 
 #: In-network MoE combine: REDUCE frames on this flow, addressed to a token's
 #: home, are summed by the first switch (the contributors' leaf).
-COMBINE_FLOW: Final = 24
+COMBINE_FLOW: Final = fr.COMBINE_FLOW
 #: Finished per-token combine sums a switch keeps for the home to ask again.
 COMBINE_KEPT: Final = 65536
 
@@ -58,10 +60,12 @@ class _Sum:
 
 @dataclass(frozen=True)
 class CombineStats:
-    """Token sums open here, and finished ones kept for a home to ask again."""
+    """Token sums open here, finished ones kept for a home to ask again, and sum
+    frames sent again (a home asked: its timer ran out, or the frame came trimmed)."""
 
     open_sums: int
     done_kept: int
+    resent: int = 0
 
 
 class Combine(Service):
@@ -75,6 +79,10 @@ class Combine(Service):
         self._groups = groups  # who is in which communicator (None: no check)
         self._open: dict[SumKey, _Sum] = {}
         self._done: OrderedDict[SumKey, _Sum] = OrderedDict()
+        # the tokens of each sum frame sent, by (home, msg, stream, first token): a
+        # home that got it trimmed names it by its header alone
+        self._frames: OrderedDict[SumKey, tuple[int, ...]] = OrderedDict()
+        self._resent = 0
 
     def claims(self, f: fr.Frame, port: bytes, speaker: int | None) -> bool:
         if f.flow != COMBINE_FLOW:
@@ -84,12 +92,18 @@ class Combine(Service):
         return f.dst == self.ctx.id  # a home asks for a sum again
 
     def handle(self, f: fr.Frame, port: bytes, header: Any, payload: Any, now: float) -> None:
-        if f.op is Op.NACK:
-            acc = self._done.get((f.src, f.msg, f.job, f.psn))
-            if acc is not None:
-                self._send(f.src, f.msg, f.job, [(f.psn, acc)])
-            return
         ctx = self.ctx
+        if f.op is Op.NACK:
+            if f.offset == NackCode.TRIMMED:  # a frame of ours cut on its way: all of it
+                named = self._frames.get((f.src, f.msg, f.job, f.psn), ())
+            else:  # the home's timer: one token it lacks
+                named = (f.psn,)
+            items = [(t, acc) for t in named
+                     if (acc := self._done.get((f.src, f.msg, f.job, t))) is not None]
+            if items:
+                self._resent += 1
+                self._send(f.src, f.msg, f.job, items)
+            return
         home, n = f.dst, f.offset
         if home not in ctx.worker_ids:
             raise FrameError(NackCode.INVALID, f"combine for node {home}: not a worker")
@@ -138,6 +152,8 @@ class Combine(Service):
                 done_now.append((t, acc))
         while len(self._done) > COMBINE_KEPT:
             self._done.popitem(last=False)
+        while len(self._frames) > COMBINE_KEPT:
+            self._frames.popitem(last=False)
         ctx.send(ctx.ident[f.src], fr.encode_header(  # key: the tokens' home
             Op.ACK, src=ctx.id, dst=f.src, flow=COMBINE_FLOW + 1, job=f.job, psn=f.psn,
             key=home, msg=f.msg, crc=True,  # echoing a congestion mark, for its policy
@@ -146,12 +162,16 @@ class Combine(Service):
             self._send(home, f.msg, f.job, done_now)
 
     def statistics(self) -> CombineStats:
-        return CombineStats(open_sums=len(self._open), done_kept=len(self._done))
+        return CombineStats(open_sums=len(self._open), done_kept=len(self._done),
+                            resent=self._resent)
 
     def _send(self, home: int, msg: int, stream: int, items: list[tuple[int, _Sum]]) -> None:
         """Finished sums of tokens of ``home``, in one frame."""
         ctx = self.ctx
         ids = np.array([t for t, _ in items], np.int32)
+        # (a resend of part of a frame keeps the whole frame's record: asked for
+        # again, it brings the whole frame, and the home ignores what it has)
+        self._frames.setdefault((home, msg, stream, items[0][0]), tuple(t for t, _ in items))
         vecs = [acc.result for _, acc in items if acc.result is not None]
         body = np.concatenate([ids.view(np.uint8), *(byte_view(v) for v in vecs)])
         ctx.counters.results_sent += 1
