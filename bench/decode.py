@@ -138,7 +138,7 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
         raise UsageError("--bandwidth-gbps must be > 0 and --latency-us >= 0")
     from bench.sweep import lossless_settings, queue_settings
 
-    cc, buffer, trim = queue_settings(args)
+    cc, buffer, trim = queue_settings(args, [*variants, args.path])
     dropped: list[str] = []
     try:
         checkpoints = sorted({report.parse_size(v) for v in args.checkpoint.split(",")

@@ -74,8 +74,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mtu", type=int, default=16384, metavar="BYTES",
                    help="frame payload bytes (streams cut their frames to it)")
     p.add_argument("--cc", default="none,nscc,dcqcn", metavar="POLICIES",
-                   help="sender policies, comma-separated (none, nscc, dcqcn or a registered "
-                   "one): a pair of rows each")
+                   help="sender policies, comma-separated (none, nscc, dcqcn, eqds or a "
+                   "registered one): a pair of rows each")
     p.add_argument("--buffer", default=None, metavar="BYTES",
                    help="the switch's shared buffer in bytes (default: htsim's 5 BDP, 1 BDP "
                    "with --trim)")
@@ -167,15 +167,11 @@ def settings_from(args: argparse.Namespace) -> Settings:
                          "shaped)")
     policies = tuple(p.strip() for p in args.cc.split(",") if p.strip())
     if not policies:
-        raise UsageError("--cc: name at least one policy (none, nscc, dcqcn)")
+        raise UsageError("--cc: name at least one policy (none, nscc, dcqcn, eqds)")
     for name in policies:
-        cls = CC_POLICIES.get(name)
-        if cls is None:
+        if name not in CC_POLICIES:
             raise UsageError(f"--cc {name}: unknown policy; choose "
                              f"{', '.join(sorted(CC_POLICIES))}")
-        if cls.receiver_driven:
-            raise UsageError(f"--cc {name}: the receiver grants credit, and a stream's "
-                             "receiver has no credit pacer; run it in `semfab sim incast`")
     if args.kmin is not None and args.kmax is not None and args.kmin > args.kmax:
         raise UsageError(f"--kmin {args.kmin} is above --kmax {args.kmax}; Kmin must be <= "
                          "Kmax")

@@ -114,7 +114,7 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
             check_output_file(f"--{flag}", getattr(args, flag))
     from bench.sweep import lossless_settings, queue_settings
 
-    cc, buffer, trim = queue_settings(args)
+    cc, buffer, trim = queue_settings(args, variants)
     settings = {"leaves": args.leaves, "per_leaf": args.per_leaf, "ranks": ranks,
             "ratios": ratios, "variants": variants, "experts": experts, "topk": args.topk,
             "tokens": args.tokens, "hidden": args.hidden, "dtype": args.dtype,

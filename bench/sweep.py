@@ -242,7 +242,7 @@ def parse_plan(args: argparse.Namespace, all_paths: Sequence[str], *,
     op_list = ops if ops is not None else parse_ops(args.op)
     if args.link_gbps < 0 or args.link_latency_us < 0:
         raise UsageError("--link-gbps and --link-latency-us must be >= 0")
-    check_cc(getattr(args, "cc", None))
+    check_cc(getattr(args, "cc", None), paths)
     if args.iters < 1 or args.warmup < 0:
         raise UsageError("--iters must be at least 1 and --warmup at least 0")
     if not 1 <= getattr(args, "repeat", 1) <= 1000:
@@ -454,10 +454,12 @@ def lossless_settings(args: argparse.Namespace) -> tuple[bool, bool]:
     return bool(getattr(args, "pfc", False)), bool(getattr(args, "credit", False))
 
 
-def queue_settings(args: argparse.Namespace) -> tuple[str | None, int | None, bool]:
-    """(cc, buffer bytes, trim) of :func:`add_queue_arguments`' flags, checked (one
-    UsageError line for a bad one; :func:`lossless_settings` has PFC and credit)."""
-    check_cc(args.cc)
+def queue_settings(args: argparse.Namespace, paths: Sequence[str]
+                   ) -> tuple[str | None, int | None, bool]:
+    """(cc, buffer bytes, trim) of :func:`add_queue_arguments`' flags, checked for
+    the ``paths`` (MoE variants) run (one UsageError line for a bad one;
+    :func:`lossless_settings` has PFC and credit)."""
+    check_cc(args.cc, paths)
     pfc, credit = lossless_settings(args)
     if credit and (pfc or args.trim):
         raise UsageError("--credit with --pfc or --trim: credit-based links are lossless by "
@@ -479,8 +481,14 @@ def queue_settings(args: argparse.Namespace) -> tuple[str | None, int | None, bo
     return args.cc, n, bool(args.trim)
 
 
-def check_cc(name: str | None) -> None:
-    """``--cc``: a registered policy a stream's sender can run (a UsageError if not)."""
+#: Paths and MoE variants whose every sender is a stream, whose receivers grant
+#: credit: the ones a receiver-driven policy (eqds) can govern.
+CREDIT_PATHS = frozenset({"host-p2p", "flat", "hierarchical", *PEERS})
+
+
+def check_cc(name: str | None, paths: Sequence[str] = ()) -> None:
+    """``--cc``: a registered policy the senders of ``paths`` can run (a UsageError if
+    not): a receiver-driven one only where every sender is a stream."""
     from fabric.core.congestion import CC_POLICIES
 
     if not name:
@@ -488,10 +496,11 @@ def check_cc(name: str | None) -> None:
     cls = CC_POLICIES.get(name)
     if cls is None:
         raise UsageError(f"--cc {name}: unknown policy; choose {', '.join(sorted(CC_POLICIES))}")
-    if cls.receiver_driven:
-        raise UsageError(f"--cc {name}: the receiver grants credit, and a stream's receiver "
-                         "has no credit pacer; it runs in `semfab sim incast` and "
-                         "`semfab sim permutation`")
+    bad = [p for p in paths if p not in CREDIT_PATHS]
+    if cls.receiver_driven and bad:
+        raise UsageError(f"--cc {name}: the receiver grants credit, and only streams' "
+                         f"receivers do ({', '.join(sorted(CREDIT_PATHS - set(PEERS)))}); "
+                         f"{', '.join(bad)} take nscc, dcqcn or none")
 
 
 def worker_link_gbps(topo: Any) -> float | None:

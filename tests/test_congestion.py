@@ -370,3 +370,21 @@ def test_credit_pacer_grants_round_robin_at_its_rate() -> None:
     pacer2.handle_timer(0.0)
     pacer2.request(1, 1000, 0.0)
     assert pacer2.get_timer() == pytest.approx(pacer2.interval)
+
+
+def test_credit_pacer_forgets_a_flow_and_a_late_grant_does_not_slow_it() -> None:
+    pacer = CreditPacer(100.0, 1000)
+    gap = pacer.interval
+    pacer.request(1, 5000, 0.0)
+    pacer.request(2, 5000, 0.0)
+    assert pacer.handle_timer(0.0) == [(1, 1000)]
+    pacer.forget(1)  # flow 1 has every byte
+    assert pacer.demand(1) == 0
+    # woken a third of a gap late: the grant after it keeps the schedule
+    assert pacer.handle_timer(gap * 4 / 3) == [(2, 1000)]
+    assert pacer.get_timer() == pytest.approx(2 * gap)
+    # woken very late: at most one interval is made up
+    assert pacer.handle_timer(10 * gap) == [(2, 1000)]
+    assert pacer.get_timer() == pytest.approx(10 * gap)
+    pacer.forget(2)
+    assert pacer.get_timer() is None

@@ -62,6 +62,14 @@ def test_the_policy_timer_runs_when_the_sender_acts() -> None:
     assert gate.cc.rate_bps > cut
 
 
-def test_a_credit_policy_is_refused() -> None:
-    with pytest.raises(ValueError, match="grants no credit"):
-        CcGate(make_cc("eqds", PATH))
+def test_a_credit_policy_reuses_credit_only_where_told() -> None:
+    """reclaim: a frame resent that its receiver will not grant again gets its
+    credit back; other policies have none to reuse."""
+    gate = CcGate(make_cc("eqds", PATH))
+    before = gate.cc.credit
+    gate.sent(1000, 0.0)
+    gate.reclaim(1000)
+    assert gate.cc.credit == before
+    window = CcGate(make_cc("nscc", PATH))
+    window.reclaim(1000)
+    assert window.cc.credit == 0

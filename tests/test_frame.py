@@ -17,7 +17,7 @@ VECTORS = Path(__file__).parent / "vectors"
 
 u16 = st.integers(0, 0xFFFF)
 u32 = st.integers(0, 0xFFFF_FFFF)
-data_ops = [op for op in Op if op not in (Op.ACK, Op.NACK, Op.READ)]
+data_ops = [op for op in Op if op not in (Op.ACK, Op.NACK, Op.CREDIT, Op.READ)]
 
 
 @st.composite
@@ -30,7 +30,7 @@ def frame_fields(draw: st.DrawFn) -> dict:
     fields = dict(src=draw(u16), dst=draw(u16), job=draw(u16), flow=draw(u16), psn=draw(u32),
                   key=draw(u32), offset=draw(u32), msg=draw(u32), dtype=dtype,
                   crc=draw(st.booleans()))
-    if op in (Op.ACK, Op.NACK):
+    if op in (Op.ACK, Op.NACK, Op.CREDIT):
         fields["dtype"] = DType.RAW
         if op is Op.NACK:
             fields["offset"] = int(draw(st.sampled_from(list(NackCode))))

@@ -147,9 +147,44 @@ def test_nscc_and_dcqcn_drive_a_stream_sender() -> None:
         assert tx.send_many([(i, 1000) for i in range(40)], 0.0)
 
 
-def test_a_credit_policy_is_refused_with_a_reason() -> None:
-    with pytest.raises(ValueError, match="grants no credit"):
-        _sender(make_cc("eqds", PATH))
+def test_a_credit_policy_sends_its_first_bdp_then_what_the_receiver_grants() -> None:
+    cc = make_cc("eqds", PATH)  # 12 500 B unsolicited
+    tx = _sender(cc)
+    first = tx.send_many([(i, 1000) for i in range(20)], 0.0)
+    assert [t.psn for t in first] == list(range(12))
+    assert tx.get_timer() == pytest.approx(0.01)  # the RTO only: no timer waits for credit
+    assert [t.psn for t in tx.grant(500, 1e-6)] == [12]  # 500 B were left: one frame
+    assert tx.grant(500, 2e-6) == []
+    assert [t.psn for t in tx.grant(3000, 3e-6)] == [13, 14, 15]
+    assert cc.granted == 4000
+
+
+def test_a_credit_policy_resends_a_trimmed_frame_on_a_new_grant_and_a_lost_one_at_once(
+) -> None:
+    """The receiver grants a trimmed frame again (it saw the header); a frame lost
+    whole, found by the RTO or a gap, reuses its own credit."""
+    cc = make_cc("eqds", PATH)
+    tx = _sender(cc)
+    tx.send_many([(i, 1000) for i in range(12)], 0.0)  # all the credit spent
+    assert tx.handle_nack(3, NackCode.TRIMMED, 5e-6) == []  # waits for its grant
+    assert [(t.psn, t.retransmit) for t in tx.grant(1000, 6e-6)] == [(3, True)]
+    cc2 = make_cc("eqds", PATH)
+    tx2 = _sender(cc2)
+    tx2.send_many([(i, 1000) for i in range(12)], 0.0)
+    tx2.handle_ack(10, 0, 20e-6)  # frame 11 never arrives
+    resent = tx2.handle_timer(1.0)
+    assert [(t.psn, t.retransmit) for t in resent] == [(11, True)]
+    # a gap the receiver reports (it never saw the frame cut): at once, on its credit
+    tx3 = _sender(make_cc("eqds", PATH))
+    tx3.send_many([(i, 1000) for i in range(12)], 0.0)
+    again = tx3.handle_nack(4, NackCode.OUT_OF_WINDOW, 5e-6)
+    assert [(t.psn, t.retransmit) for t in again] == [(4, True)]
+
+
+def test_a_grant_without_a_credit_policy_changes_nothing() -> None:
+    tx = _sender(make_cc("nscc", PATH))
+    tx.send_many([(i, 1000) for i in range(40)], 0.0)
+    assert tx.grant(10_000, 1e-6) == []
 
 
 def test_a_late_wake_does_not_slow_the_pace() -> None:

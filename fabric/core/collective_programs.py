@@ -267,7 +267,8 @@ class McastSend(Program):
 
     def wants(self, f: fr.Frame) -> bool:
         return (f.flow == COLL_FLOW + 1 and f.job == self.sid and f.msg == self.msg
-                and f.src in self.senders and (f.op is Op.ACK or f.op is Op.NACK))
+                and f.src in self.senders and (f.op is Op.ACK or f.op is Op.NACK
+                                               or f.op is Op.CREDIT))
 
     def handle_frame(self, f: fr.Frame, now: float) -> list[Send]:
         s = self.senders[f.src]
@@ -275,6 +276,8 @@ class McastSend(Program):
             return []
         if f.op is Op.ACK:
             sends = s.handle_ack(f.psn, f.sack, now, f.has(Flag.ECN))
+        elif f.op is Op.CREDIT:  # this receiver grants more (a receiver-driven policy)
+            sends = s.grant(f.offset, now)
         else:
             sends = s.handle_nack(f.psn, f.offset, now)
         out = self._put(f.src, sends)

@@ -101,6 +101,7 @@ class Op(IntEnum):
     ACK = 8  # psn = cumulative ack, key|offset = 64-bit SACK bitmap
     NACK = 9  # psn = offending PSN, offset = NackCode
     CTRL = 10  # control message, payload = msgpack map
+    CREDIT = 11  # receiver grants `offset` bytes to the stream (job, msg) on flow - 1
 
 
 class Flag(IntFlag):
@@ -229,9 +230,9 @@ def flag_of(bits: int) -> Flag:
     enum machinery costs a microsecond)."""
     return _FLAGS_BY_VALUE[bits]
 
-# Opcodes that never carry data bytes: their length must be 0 (ACK/NACK) or
-# name remote memory (READ, which must say so with Flag.REF).
-_NO_DATA_OPS: Final = frozenset({Op.ACK, Op.NACK})
+# Opcodes that never carry data bytes: their length must be 0 (ACK/NACK/CREDIT)
+# or name remote memory (READ, which must say so with Flag.REF).
+_NO_DATA_OPS: Final = frozenset({Op.ACK, Op.NACK, Op.CREDIT})
 # Atomics carry exactly one element.
 _ATOMIC_OPS: Final = frozenset({Op.ATOMIC_ADD, Op.FETCH_ADD})
 
@@ -367,6 +368,7 @@ class Frame:
 _READ: Final = int(Op.READ)
 _ACK: Final = int(Op.ACK)
 _NACK: Final = int(Op.NACK)
+_CREDIT: Final = int(Op.CREDIT)
 _WRITE: Final = int(Op.WRITE)
 _REDUCE: Final = int(Op.REDUCE)
 _ATOMIC_ADD: Final = int(Op.ATOMIC_ADD)
@@ -386,7 +388,7 @@ def _check_fields(
     size = _SIZE_BY_VALUE.get(dtype)
     if size is None:
         raise LocalFrameError(f"unknown dtype code {dtype}")
-    if (op == _ACK or op == _NACK) and (length or inline_len):
+    if (op == _ACK or op == _NACK or op == _CREDIT) and (length or inline_len):
         raise LocalFrameError(f"{Op(op).name} frames carry no payload")
     if op == _READ and not flags & _F_REF:
         raise LocalFrameError("READ frames name remote memory: set Flag.REF")
@@ -619,7 +621,7 @@ def decode(buf: bytes | bytearray | memoryview, payload: object = None) -> Frame
             f"length {length} is not a multiple of the {dt.name} element size {esize}",
         )
     if op >= _ATOMIC_ADD:  # the rarely used opcodes: ATOMIC_ADD .. CTRL
-        if (op == _ACK or op == _NACK) and length:
+        if (op == _ACK or op == _NACK or op == _CREDIT) and length:
             raise FrameError(NackCode.MALFORMED, f"{opc.name} frame with length {length}; "
                              "expected 0")
         if (op == _ATOMIC_ADD or op == _FETCH_ADD) and length != esize:

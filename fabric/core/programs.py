@@ -34,7 +34,8 @@ from mypy_extensions import mypyc_attr
 
 from fabric.core import control
 from fabric.core import frame as fr
-from fabric.core.congestion import CcPath, CongestionControl, make_cc
+from fabric.core.congestion import CC_POLICIES, CcPath, CongestionControl, make_cc
+from fabric.core.congestion.eqds import CreditPacer, unsolicited_bytes
 from fabric.core.congestion.gate import CcGate
 from fabric.core.frame import Flag, NackCode, Op
 from fabric.core.reliability import PSN_MASK, SACK_BITS, Sender, get_policy
@@ -325,7 +326,13 @@ class NodeState:
         self.estimators: dict[str, RttEstimator] = {}
         self._bottleneck: dict[int | None, float | None] = {}
         self.trims_received = 0  # frames that came trimmed (a switch cut their payload)
-        self._cc_paths: dict[tuple[int, int, int], CcPath | None] = {}
+        self._cc_paths: dict[tuple[int, int, int, int], CcPath | None] = {}
+        # receiver-driven congestion control: the streams granted, and the pacer
+        self._pacer: CreditPacer | None = None
+        self._credit_ids: dict[tuple[int, int, int, int], int] = {}
+        self._credit_keys: dict[int, tuple[int, int, int, int]] = {}
+        self._credit_next = 0
+        self._early_trims: dict[tuple[int, int, int, int], int] = {}
 
     def estimator(self, role: str, rto_min: float) -> RttEstimator:
         """The round-trip estimator of ``role``: later calls start from what earlier
@@ -520,19 +527,26 @@ class NodeState:
                   ) -> CongestionControl | None:
         """A new instance of the topology's ``[congestion] cc`` policy for a stream to
         node ``dst`` (None: no policy named, or this node's link is unshaped, so
-        there is no line rate to start from).
-
-        Its path: this node's line rate, and the round trip of one frame and its
-        ACK (or a reply of ``reply_bytes`` of payload, as an in-network result
-        is) on an idle fabric: ``[congestion] base_rtt_us``, or from the links
-        (each latency both ways and both serialisations, store and forward)."""
+        there is no line rate to start from); its path is :meth:`cc_path`'s."""
         name = self.topo.congestion.cc
         if name is None:
             return None
-        key = (dst, frame_bytes, reply_bytes)
+        path = self.cc_path(self.node_id, dst, frame_bytes, reply_bytes)
+        return None if path is None else make_cc(name, path)
+
+    def cc_path(self, src: int, dst: int, frame_bytes: int, reply_bytes: int = 0
+                ) -> CcPath | None:
+        """What a policy knows of the path from node ``src`` to node ``dst`` (a
+        receiver asks it of its senders' paths): the sender's line rate, and the
+        round trip of one frame and its ACK (or a reply of ``reply_bytes`` of
+        payload, as an in-network result is) on an idle fabric: ``[congestion]
+        base_rtt_us``, or from the links (each latency both ways and both
+        serialisations, store and forward). None where the sender's link is
+        unshaped."""
+        key = (src, dst, frame_bytes, reply_bytes)
         if key not in self._cc_paths:
-            far = self.topo.by_id(dst).name
-            hops = [self.name, *self.topo.route(self.name, far), far]
+            near, far = self.topo.by_id(src).name, self.topo.by_id(dst).name
+            hops = [near, *self.topo.route(near, far), far]
             links = [lk for a, b in zip(hops, hops[1:], strict=False)
                      if (lk := self.topo.link_between(a, b)) is not None]
             path = None
@@ -546,22 +560,102 @@ class NodeState:
                 path = CcPath(link_gbps=links[0].params.bandwidth_gbps, base_rtt_s=rtt,
                               mtu=wire, trimming=self.topo.congestion.trim)
             self._cc_paths[key] = path
-        path = self._cc_paths[key]
-        return None if path is None else make_cc(name, path)
+        return self._cc_paths[key]
 
     def congestion_gate(self, dst: int, frame_bytes: int, flow: int = 0,
                         reply_bytes: int = 0) -> CcGate | None:
         """The topology's policy for a flow of frames of ``frame_bytes`` to ``dst``, as
         a chunk window drives it, each answered by ``reply_bytes`` (None: as
-        :meth:`stream_cc`)."""
+        :meth:`stream_cc`). A receiver-driven policy is refused: only a stream's
+        receiver grants credit."""
         cc = self.stream_cc(dst, frame_bytes, reply_bytes)
+        if cc is not None and cc.receiver_driven:
+            raise UsageError(f"[congestion] cc {cc.name!r}: the receiver grants credit, and "
+                             "only streams' receivers do (p2p, host-p2p collectives, flat "
+                             "and hierarchical MoE); the host-staged and in-network paths "
+                             "take nscc, dcqcn or none")
         return CcGate(cc, flow) if cc is not None else None
 
-    def answer_trimmed(self, f: fr.Frame) -> list[Send]:
+    # ------------------------------------------------------------------ credit
+    # A receiver-driven policy (``eqds``): each stream's sender sends its first
+    # unsolicited bytes, then what this node grants. One pacer per node grants
+    # every stream coming in, an MTU at a time, round robin, at this node's link
+    # rate, so its last hop holds no more than those first bytes.
+    def credit_open(self, src: int, flow: int, sid: int, msg: int, nbytes: int,
+                    frame_bytes: int, now: float) -> list[Send]:
+        """A stream of ``nbytes`` from node ``src`` showed up (its first frame, so its
+        sender is there to take credit): grant what it sends beyond its unsolicited
+        bytes. Nothing without a receiver-driven policy."""
+        key = (src, flow, sid, msg)
+        if not self.receiver_driven or key in self._credit_ids:
+            return []
+        path = self.cc_path(src, self.node_id, frame_bytes)
+        if path is None:
+            return []
+        cid = self._credit_next = self._credit_next + 1
+        self._credit_ids[key] = cid
+        self._credit_keys[cid] = key
+        demand = nbytes - unsolicited_bytes(path) + self._early_trims.pop(key, 0)
+        return self._credit_request(cid, demand, now)
+
+    def credit_close(self, src: int, flow: int, sid: int, msg: int) -> None:
+        """The stream has every byte: it needs no more credit."""
+        cid = self._credit_ids.pop((src, flow, sid, msg), None)
+        if cid is not None:
+            del self._credit_keys[cid]
+            if self._pacer is not None:
+                self._pacer.forget(cid)
+
+    def credit_timer(self) -> float | None:
+        """When the pacer grants next (programs receiving streams wake for it)."""
+        return self._pacer.get_timer() if self._pacer is not None else None
+
+    def credit_grants(self, now: float) -> list[Send]:
+        """The grants due now, as CREDIT frames."""
+        if self._pacer is None:
+            return []
+        return [self._credit_frame(cid, n) for cid, n in self._pacer.handle_timer(now)]
+
+    @property
+    def receiver_driven(self) -> bool:
+        """Whether ``[congestion] cc`` is a receiver-driven policy (streams' receivers
+        grant credit)."""
+        name = self.topo.congestion.cc
+        return name is not None and name in CC_POLICIES and CC_POLICIES[name].receiver_driven
+
+    def _credit_trimmed(self, f: fr.Frame, now: float) -> list[Send]:
+        """A stream frame came trimmed: grant it again (a stream not yet opened gets
+        it with its demand)."""
+        key = (f.src, f.flow, f.job, f.msg)
+        cid = self._credit_ids.get(key)
+        if cid is not None:
+            return self._credit_request(cid, f.length, now)
+        if key in self._early_trims or len(self._early_trims) < STREAMS_KEPT:
+            self._early_trims[key] = self._early_trims.get(key, 0) + f.length
+        return []
+
+    def _credit_request(self, cid: int, nbytes: int, now: float) -> list[Send]:
+        if nbytes <= 0:
+            return []
+        if self._pacer is None:
+            link = self.topo.link_between(self.name, self.switch_name)
+            if link is None or not link.params.shaped:
+                return [self._credit_frame(cid, nbytes)]  # nothing to pace by: all at once
+            self._pacer = CreditPacer(link.params.bandwidth_gbps, self.stream_frame_bytes)
+        self._pacer.request(cid, nbytes, now)
+        return []
+
+    def _credit_frame(self, cid: int, nbytes: int) -> Send:
+        src, flow, sid, msg = self._credit_keys[cid]
+        return (fr.encode_header(Op.CREDIT, src=self.node_id, dst=src, flow=flow + 1, job=sid,
+                                 offset=nbytes, msg=msg, crc=self.crc), None)
+
+    def answer_trimmed(self, f: fr.Frame, now: float) -> list[Send]:
         """A trimmed frame came (:func:`fabric.core.frame.is_trimmed`): for a stream's
         data (P2P_FLOW and collective streams) or a masked multicast row (MoE
         dispatch), all answered on their flow + 1, a TRIMMED NACK, so its sender
-        resends at once; a combine sum (in-network MoE), a TRIMMED NACK on its flow
+        resends at once (a stream under a receiver-driven policy once this node
+        grants it again); a combine sum (in-network MoE), a TRIMMED NACK on its flow
         to the switch that summed it, which kept it; other flows' are dropped like a
         lost frame (their senders' timers resend them)."""
         self.trims_received += 1
@@ -572,9 +666,12 @@ class NodeState:
         if f.op is not Op.WRITE or (f.flow not in fr.STREAM_FLOWS
                                     and f.flow != fr.MASKED_FLOW):
             return []
-        return [(fr.encode_nack(src=self.node_id, dst=f.src, flow=f.flow + 1, psn=f.psn,
-                                code=NackCode.TRIMMED, job=f.job, msg=f.msg, crc=self.crc),
-                 None)]
+        out: list[Send] = [(fr.encode_nack(src=self.node_id, dst=f.src, flow=f.flow + 1,
+                                           psn=f.psn, code=NackCode.TRIMMED, job=f.job,
+                                           msg=f.msg, crc=self.crc), None)]
+        if self.receiver_driven and f.flow in fr.STREAM_FLOWS:
+            out += self._credit_trimmed(f, now)  # its sender resends it on credit
+        return out
 
     def _bottleneck_gbps(self, dst: int | None) -> float | None:
         """The lowest shaped bandwidth on the path to ``dst`` (None: none shaped)."""
@@ -1822,12 +1919,15 @@ class StreamSend(Program):
 
     def wants(self, f: fr.Frame) -> bool:
         return (f.flow == self.flow + 1 and f.src == self.dst and f.job == self.sid
-                and f.msg == self.msg and (f.op is Op.ACK or f.op is Op.NACK))
+                and f.msg == self.msg and (f.op is Op.ACK or f.op is Op.NACK
+                                           or f.op is Op.CREDIT))
 
     def handle_frame(self, f: fr.Frame, now: float) -> list[Send]:
         if f.op is Op.ACK:
             out = self._put(self.sender.handle_ack(f.psn, f.sack, now,
                                                    f.has(Flag.ECN)))
+        elif f.op is Op.CREDIT:  # the receiver grants more (a receiver-driven policy)
+            out = self._put(self.sender.grant(f.offset, now))
         else:
             out = self._put(self.sender.handle_nack(f.psn, f.offset, now))
         return self._check_done(now, out)
@@ -1870,6 +1970,7 @@ class StreamRecv(Program):
         self.last_heard = 0.0
         self.error: PeerFailed | None = None
         self.result = out
+        self.opened = False  # its first frame came (receiver-driven credit flows)
 
     def start(self, now: float) -> list[Send]:
         self.last_heard = now
@@ -1906,6 +2007,11 @@ class StreamRecv(Program):
                                     msg=self.msg), None)]
         if index >= self.nframes or f.offset % self.fb:
             return []  # not ours (or damaged): never write outside the buffer
+        grants: list[Send] = []
+        if not self.opened:  # its sender is there: credit for what it sends beyond its
+            self.opened = True  # first bytes (a receiver-driven policy)
+            grants = self.st.credit_open(self.src, self.flow, self.sid, self.msg,
+                                         self.nbytes, self.fb, now)
         delivered, ack = self.receiver.handle_frame(f.psn, index, now, flags=f.flags)
         for d in delivered:
             if not self.got[d.handle]:
@@ -1919,8 +2025,9 @@ class StreamRecv(Program):
             self.done = True
             self.st.stream_done(self.src, self.flow, self.sid, self.msg,
                                 self.receiver.cum_psn)
-            return self._acks(self.receiver.make_ack())
-        return self._acks(ack)
+            self.st.credit_close(self.src, self.flow, self.sid, self.msg)
+            return grants + self._acks(self.receiver.make_ack())
+        return grants + self._acks(ack)
 
     def get_timer(self) -> float | None:
         if self.done:
@@ -1929,7 +2036,9 @@ class StreamRecv(Program):
             return self.last_heard  # fail from the driver's timer call, after the NACK
         t = self.receiver.get_timer()
         end = self.last_heard + self.st.timeout_s
-        return end if t is None else min(t, end)
+        due = end if t is None else min(t, end)
+        credit = self.st.credit_timer() if self.opened else None
+        return due if credit is None else min(due, credit)
 
     def handle_timer(self, now: float) -> list[Send]:
         if self.error is not None:
@@ -1940,7 +2049,8 @@ class StreamRecv(Program):
                 f"{self.st.name}: WRITE stream {self.sid} from "
                 f"{self.st.topo.by_id(self.src).name}: nothing for {self.st.timeout_s:g}s "
                 f"({self.count}/{self.nframes} frames)")
-        return self._acks(self.receiver.handle_timer(now))
+        grants = self.st.credit_grants(now) if self.opened else []
+        return grants + self._acks(self.receiver.handle_timer(now))
 
     def waiting_for(self) -> str:
         return f"worker {self.st.topo.by_id(self.src).name} (WRITE stream {self.sid})"

@@ -654,7 +654,9 @@ class Sender(Generic[H]):
     A frame declared lost waits for the window and the pacer too, ahead of new
     frames (without that, an RTO that finds a whole window lost resends all of
     it into the queue that dropped it, and the resends are lost again).
-    Receiver-driven (credit) policies are not for this sender.
+    A receiver-driven policy (``eqds``) sends what its receiver grants
+    (:meth:`grant`), which grants a trimmed frame again; a frame resent for any
+    other reason reuses its own credit.
 
     Timers: the RTO backs off from ``rto_min`` to ``rto_max`` (or
     ``ceiling_srtts`` smoothed RTTs if more), each backoff stretched at random by
@@ -692,7 +694,6 @@ class Sender(Generic[H]):
         rng: random.Random | None = None,
         ceiling_srtts: float = 0.0,
     ) -> None:
-        # (refuses a receiver-driven policy: a stream's receiver grants no credit)
         gate = CcGate(cc, flow) if cc is not None else None
         if not 1 <= window_frames < _HALF:
             raise ValueError(f"window_frames must be in [1, 2**31), got {window_frames}")
@@ -884,7 +885,17 @@ class Sender(Generic[H]):
                 guard is None or now - f.last_sent < guard):
             self._nacks_ignored += 1
             return []
-        return self._retransmit([psn], now, timeout=False)
+        return self._retransmit([psn], now, timeout=False, trimmed=code is NackCode.TRIMMED)
+
+    def grant(self, nbytes: int, now: float) -> list[Transmit[H]]:
+        """The receiver granted ``nbytes`` more (a receiver-driven policy's CREDIT):
+        send what it lets out. Without such a policy a grant changes nothing."""
+        self._check_alive()
+        gate = self._gate
+        if gate is None or not gate.cc.receiver_driven or nbytes <= 0:
+            return []
+        gate.cc.on_credit(nbytes, now)
+        return self._pump(now)
 
     def get_timer(self) -> float | None:
         """Absolute time of the next timer, or None when nothing is unacknowledged.
@@ -1115,7 +1126,8 @@ class Sender(Generic[H]):
             return None
         return (rtt.srtt if rtt.srtt is not None else rtt.min_rtt) + rtt.min_rtt / 4
 
-    def _retransmit(self, lost: list[int], now: float, *, timeout: bool) -> list[Transmit[H]]:
+    def _retransmit(self, lost: list[int], now: float, *, timeout: bool,
+                    trimmed: bool = False) -> list[Transmit[H]]:
         if not lost:
             return []
         self._lost_declared += len(lost)
@@ -1147,6 +1159,7 @@ class Sender(Generic[H]):
         chosen = self.policy.on_timeout(lost, view) if timeout else self.policy.on_loss(lost, view)
         out: list[Transmit[H]] = []
         seen: set[int] = set()
+        declared = set(lost)
         for psn in chosen:
             if psn in seen:
                 continue
@@ -1162,6 +1175,10 @@ class Sender(Generic[H]):
                     if g.in_pipe:  # (go-back-N's collateral: still counted in flight)
                         g.in_pipe = False
                         self._gate.inflight -= g.size
+                    if not (timeout or trimmed) or psn not in declared:
+                        # a receiver grants a trimmed frame again, and a policy
+                        # hears of a timeout; for any other resend, credit is reused
+                        self._gate.reclaim(g.size)
                     g.waiting = True
                     self._rtx.append(psn)
                 continue

@@ -239,7 +239,7 @@ class Endpoint:
             except fr.FrameError:
                 self.bad_frames += 1
                 return
-        elif f.op is Op.NACK or f.op is Op.ACK:
+        elif f.op is Op.NACK or f.op is Op.ACK or f.op is Op.CREDIT:
             self.stale_replies += 1  # feedback for something already finished
             return
         answer = self.state.answer_stale(f)
@@ -400,7 +400,7 @@ class Endpoint:
             cut = fr.decode_trimmed(header)
         except fr.FrameError:
             return False
-        self._send_all(self.state.answer_trimmed(cut))
+        self._send_all(self.state.answer_trimmed(cut, time.monotonic()))
         return True
 
     def _check_abandoned(self, prog: Any) -> None:

@@ -515,7 +515,8 @@ class Simulation:
                     cut = fr.decode_trimmed(header)
                 except FrameError:
                     return
-                self._node_send(node, node.state.answer_trimmed(cut), t)
+                self._node_send(node, node.state.answer_trimmed(cut, t), t)
+                self._schedule_node_timer(node)  # (a credit pacer may have work now)
             return  # a damaged frame: dropped (programs resend)
         tm = self.timing
         if tm.node_frame_s or tm.node_byte_s:
@@ -531,7 +532,7 @@ class Simulation:
         elif (answer := node.state.answer_stale(f)):
             self._node_send(node, answer, t)  # a peer retries something we finished
             self._schedule_node_timer(node)  # or abandoned the call we run: wake it
-        elif f.op is not Op.NACK and f.op is not Op.ACK:
+        elif f.op is not Op.NACK and f.op is not Op.ACK and f.op is not Op.CREDIT:
             node.stash.append(f)  # for a later program (a peer ahead of us)
             if len(node.stash) > STASH_LIMIT:
                 node.stash.popleft()

@@ -17,13 +17,20 @@ from typing import Any
 from fabric.core.congestion.config import CongestionConfigError
 from fabric.core.congestion.policy import CcPath, CongestionControl, register_cc
 
-__all__ = ["CreditPacer", "Eqds"]
+__all__ = ["CreditPacer", "Eqds", "unsolicited_bytes"]
 
 #: Bytes a flow sends before its first credit, in BDPs.
 UNSOLICITED_BDP = 1.0
 #: Credits are paced at this fraction of the receiver's link rate (a little
 #: under, so the unsolicited bytes drain).
 CREDIT_RATE_FRACTION = 0.98
+
+
+def unsolicited_bytes(path: CcPath) -> int:
+    """What a flow on ``path`` sends before its first credit: UNSOLICITED_BDP of the
+    path, at least one frame. Its receiver grants the rest of what the flow sends
+    (both ends work it out from the same path)."""
+    return max(int(UNSOLICITED_BDP * path.bdp), path.mtu)
 
 
 class Eqds(CongestionControl):
@@ -34,7 +41,7 @@ class Eqds(CongestionControl):
 
     def __init__(self, path: CcPath, now: float = 0.0) -> None:
         super().__init__(path, now)
-        self.credit = max(int(UNSOLICITED_BDP * path.bdp), path.mtu)
+        self.credit = unsolicited_bytes(path)
         self.unsolicited = self.credit
         self.granted = 0
 
@@ -79,6 +86,13 @@ class CreditPacer:
         if self._next is None:
             self._next = max(now, self._free_at)
 
+    def forget(self, flow: int) -> None:
+        """``flow`` needs no more credit (its receiver has every byte)."""
+        if self._demand.pop(flow, None) is not None:
+            self._ring.remove(flow)
+            if not self._ring:
+                self._next = None
+
     def demand(self, flow: int) -> int:
         """Bytes ``flow`` still waits to be granted."""
         return self._demand.get(flow, 0)
@@ -103,7 +117,10 @@ class CreditPacer:
         else:
             del self._demand[flow]
         self.granted += grant
-        self._free_at = now + self.interval * grant / self.mtu
+        # a grant that went late (a driver that woke late) takes up to one interval
+        # back from the next, so lateness does not add up to a slower link
+        start = max(self._next, now - self.interval)
+        self._free_at = start + self.interval * grant / self.mtu
         self._next = self._free_at if self._ring else None
         return [(flow, grant)]
 

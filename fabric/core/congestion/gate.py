@@ -34,10 +34,6 @@ class CcGate:
     """The policy ``cc`` of one flow (``flow`` names it to the CNP pacer)."""
 
     def __init__(self, cc: CongestionControl, flow: int = 0) -> None:
-        if cc.receiver_driven:
-            raise ValueError(f"congestion control {cc.name!r} sends only what its receiver "
-                             "grants, and this sender's receiver grants no credit (use nscc, "
-                             "dcqcn or none)")
         self.cc = cc
         self.flow = flow
         self.inflight = 0  # bytes in flight, as the policy's window counts them
@@ -110,6 +106,13 @@ class CcGate:
             self.cc.on_timeout(nbytes, now)
         else:
             self.cc.on_nack(nbytes, now)
+
+    def reclaim(self, nbytes: int) -> None:
+        """A receiver-driven policy's frame of ``nbytes`` goes again though its
+        receiver will not grant it again (it never saw it cut: a loss the sender
+        found itself, or go-back-N's collateral): the sender reuses its credit."""
+        if self.cc.receiver_driven:
+            self.cc.credit += nbytes
 
     @property
     def cwnd(self) -> float:
