@@ -339,6 +339,40 @@ def test_nscc_grows_below_target_and_quick_adapts_after_a_loss() -> None:
     assert cc.cwnd == 9000 and cc.quick_adapts == 1
 
 
+def test_dctcp_starts_slow_then_cuts_by_the_marked_fraction() -> None:
+    """RFC 5681's slow start and window growth; RFC 8257's alpha, updated once per
+    window of ACKs, cuts the window by alpha / 2 where any ACK came marked."""
+    from fabric.core.congestion.dctcp import ALPHA_GAIN, INITIAL_WINDOW_MSS, Dctcp
+
+    cc = Dctcp(PATH)
+    mss = PATH.mtu
+    assert cc.cwnd == INITIAL_WINDOW_MSS * mss and cc.alpha == 1.0
+    cc.on_ack(4 * mss, False, PATH.base_rtt_s, 1e-6)
+    assert cc.cwnd == (INITIAL_WINDOW_MSS + 4) * mss  # slow start: a segment per segment
+    # a window of ACKs (one base RTT), an eighth of them marked: alpha moves a
+    # sixteenth of the way to 1/8, and the window is cut once
+    t = PATH.base_rtt_s
+    cc.on_ack(3 * mss, False, PATH.base_rtt_s, t / 2)
+    before = cc.cwnd
+    cc.on_ack(mss, True, PATH.base_rtt_s, t)
+    alpha = 1.0 + ALPHA_GAIN * (1 / 8 - 1.0)
+    assert cc.alpha == pytest.approx(alpha)
+    assert cc.cwnd == pytest.approx(before * (1 - alpha / 2)) and cc.cuts == 1
+    # out of slow start: one segment per window
+    w = cc.cwnd
+    cc.on_ack(int(w), False, PATH.base_rtt_s, t + 1e-7)
+    assert cc.cwnd == pytest.approx(w + mss, rel=1e-3)
+    # a window without marks: alpha decays, no cut
+    cc.on_ack(mss, False, PATH.base_rtt_s, 10 * t)
+    assert cc.alpha < alpha and cc.cuts == 1
+    # a loss halves; a timeout restarts from one segment
+    w = cc.cwnd
+    cc.on_nack(mss, 11 * t)
+    assert cc.cwnd == pytest.approx(w / 2)
+    cc.on_timeout(mss, 12 * t)
+    assert cc.cwnd == mss and cc.ssthresh >= 2 * mss
+
+
 def test_eqds_sends_only_what_was_granted() -> None:
     cc = Eqds(PATH)
     assert cc.credit == PATH.bdp  # the unsolicited first BDP

@@ -6,7 +6,7 @@
   deadlock (a cycle of paused ports);
 * :mod:`.policy` — sender congestion control as pluggable policies, by name:
   ``none`` (here), ``dcqcn`` (:mod:`.dcqcn`), ``nscc`` (:mod:`.nscc`), ``eqds``
-  (:mod:`.eqds`);
+  (:mod:`.eqds`), ``dctcp`` (:mod:`.dctcp`);
 * :mod:`.credit` — credit-based link flow control (the scale-up way);
 * :mod:`.gate` — one flow's policy as a sender drives it (window, pacer, echoes);
 * :mod:`.switchq` — each switch's buffer and ECN marker from a topology's
@@ -17,7 +17,7 @@
 Like the rest of ``fabric.core``, nothing here reads a clock or does I/O.
 """
 
-from fabric.core.congestion import dcqcn, eqds, nscc  # noqa: F401  (register the built-ins)
+from fabric.core.congestion import dcqcn, dctcp, eqds, nscc  # noqa: F401  (register the built-ins)
 from fabric.core.congestion.buffer import Admission, BufferStats, SharedBuffer
 from fabric.core.congestion.config import CongestionConfigError
 from fabric.core.congestion.ecn import RedMarker
