@@ -131,25 +131,28 @@ class SwitchDaemon:
         self._ports = {n.id: n.name.encode() for n in topo.nodes}
         self._switch_ports = {n.name.encode() for n in topo.switches}
         self._egress: dict[bytes, LinkPipeline] = {}
-        # this switch's buffer and ECN marker ([congestion]), shared by its egress ports
-        queues = switch_queues(topo, seed).get(name)
+        # this switch's buffers and ECN markers ([congestion]), shared by its egress
+        # ports (by network class where a class has its own table)
+        mine = {cls: q for (sw, cls), q in switch_queues(topo, seed).items() if sw == name}
+        # (a frame from any port may be held in a lossless buffer: it may be paused)
+        any_lossless = any(q.lossless for q in mine.values())
         for link in topo.links_of(name):
+            queues = mine.get(link.cls)
             peer_name = link.other(name)
             peer = peer_name.encode()
             spec = parse_faults(faults) if faults is not None else (
                 FaultSpec(loss=link.params.loss) if link.params.loss else None)
-            lossless = queues is not None and queues.lossless
             to_switch = topo.node(peer_name).is_switch
-            grant = link_grant(link.params, topo.congestion.credit)
+            grant = link_grant(link.params, topo.link_congestion(link).credit)
             out = LinkPipeline(link.params, spec, seed=seed, stream=f"{name}>{peer_name}",
                                queues=queues, port=topo.node(peer_name).id,
-                               pausable=lossless and to_switch, credit_bytes=grant,
+                               pausable=any_lossless and to_switch, credit_bytes=grant,
                                frees_on_arrival=not to_switch)
             if out.active:
                 self._egress[peer] = out
             if not to_switch:
                 inp = LinkPipeline(link.params, spec, seed=seed, stream=f"{peer_name}>{name}",
-                                   pausable=lossless, credit_bytes=grant)
+                                   pausable=any_lossless, credit_bytes=grant)
                 if inp.active:
                     self._ingress[peer] = inp
             elif grant:  # the neighbour's link into us: its credit goes back by message

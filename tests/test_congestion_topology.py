@@ -144,3 +144,102 @@ def test_rto_max_us_is_checked_and_written_by_topo_gen(tmp_path: Path) -> None:
     assert main(["topo", "gen", "--workers", "2", "--bandwidth-gbps", "1", "--buffer-bytes",
                  "200000", "--rto-max-us", "20000", "-o", str(out)]) == 0
     assert load(out).congestion.rto_max_us == 20000.0
+
+
+THREE_NETWORKS = """
+[congestion]
+cc = "nscc"
+
+[congestion.scaleout]
+buffer_bytes = 2000000
+pfc = true
+
+[congestion.frontend]
+buffer_bytes = 300000
+cc = "dctcp"
+"""
+
+
+def _cluster_with_classes() -> object:
+    from fabric.core.topology import cluster
+
+    base = cluster(2, 2, hosts=1, scaleout={"bandwidth_gbps": 10.0},
+                   frontend={"bandwidth_gbps": 10.0})
+    return loads(base.to_toml() + THREE_NETWORKS)
+
+
+def test_a_network_class_overrides_the_fabric_table_and_round_trips() -> None:
+    t = _cluster_with_classes()
+    c = t.congestion  # type: ignore[attr-defined]
+    assert c.cc == "nscc" and c.buffer_bytes is None and len(c.classes) == 2
+    out, front = c.for_class("scaleout"), c.for_class("frontend")
+    assert (out.cc, out.pfc, out.buffer_bytes) == ("nscc", True, 2_000_000)
+    assert (front.cc, front.pfc, front.buffer_bytes) == ("dctcp", False, 300_000)
+    assert c.for_class("scaleup") == CongestionSettings(cc="nscc")
+    again = loads(t.to_toml())  # type: ignore[attr-defined]
+    assert again == t and "[congestion.frontend]" in t.to_toml()  # type: ignore[attr-defined]
+    assert "frontend: buffer_bytes 300000, cc dctcp" in t.summary()  # type: ignore[attr-defined]
+
+
+def test_a_stream_follows_its_routes_outermost_class() -> None:
+    """Within a scale-up domain the fabric's table; across domains scale-out's;
+    to a host the front-end's (its policy, and whether its switches drop)."""
+    from fabric.core.congestion.dctcp import Dctcp
+    from fabric.core.congestion.nscc import Nscc
+    from fabric.core.programs import NodeState
+
+    t = _cluster_with_classes()
+    st = NodeState(t, "w0")  # type: ignore[arg-type]
+    ids = {n: t.node(n).id for n in ("w1", "w2", "host0")}  # type: ignore[attr-defined]
+    assert isinstance(st.stream_cc(ids["w1"], 4096), Nscc)  # same domain: [congestion]
+    assert isinstance(st.stream_cc(ids["w2"], 4096), Nscc)  # across: scale-out's
+    assert isinstance(st.stream_cc(ids["host0"], 4096), Dctcp)  # to a host: front-end's
+    assert not st.overflow_drops(ids["w2"])  # lossless (PFC)
+    assert st.overflow_drops(ids["host0"]) and st.overflow_drops()  # tail drop somewhere
+    assert st.stream_rto(64 * 4096, ids["host0"])[2] < st.stream_rto(64 * 4096, ids["w2"])[2]
+
+
+def test_each_class_gets_its_own_buffer_at_a_switch() -> None:
+    """spine0 holds scale-out ports (lossless, 2 MB) and a front-end port (tail drop
+    and marking, 300 kB); a domain's switch queues nothing on its scale-up ports."""
+    from fabric.core.congestion.switchq import switch_queues
+
+    q = switch_queues(_cluster_with_classes())  # type: ignore[arg-type]
+    out, front = q[("spine0", "scaleout")], q[("spine0", "frontend")]
+    assert out is not front and out.lossless and not front.lossless
+    assert out.buffer.buffer.size == 2_000_000 and front.buffer.buffer.size == 300_000
+    assert front.marker is not None  # a policy named: it marks
+    assert ("su0", "scaleup") not in q and q[("su0", "scaleout")].lossless
+
+
+@pytest.mark.parametrize("table,words", [
+    ("[congestion.frontend]\ncolour = 1", ["[congestion.frontend]", "unknown key 'colour'"]),
+    ("[congestion]\ntrim = true\n[congestion.scaleout]\npfc = true",
+     ["[congestion.scaleout]", "never trimmed"]),
+    ("[congestion]\nfrontend = 3", ["must be a table"]),
+    ("[congestion.backbone]\ncc = \"nscc\"", ["unknown key 'backbone'", "[congestion.scaleup"]),
+])
+def test_impossible_class_tables_are_one_line_errors(table: str, words: list[str]) -> None:
+    with pytest.raises(TopologyError) as err:
+        loads(BODY + "\n" + table + "\n", "f.toml")
+    msg = str(err.value)
+    assert "\n" not in msg
+    for w in words:
+        assert w in msg, msg
+
+
+def test_topo_gen_writes_a_class_table(tmp_path: Path,
+                                       capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "c.toml"
+    assert main(["topo", "gen", "--cluster", "2", "--gpus-per-domain", "2", "--hosts", "1",
+                 "--cc", "nscc", "--class-congestion", "frontend:cc=dctcp,buffer_bytes=1000000",
+                 "--class-congestion", "scaleout:pfc=true,buffer_bytes=4000000",
+                 "-o", str(out)]) == 0
+    c = load(out).congestion
+    assert c.for_class("frontend").cc == "dctcp" and c.for_class("scaleout").pfc
+    assert c.for_class("scaleup").buffer_bytes is None
+    for bad, words in ((["backbone:cc=nscc"], "CLASS one of"), (["frontend:cc"], "KEY=VALUE"),
+                       (["frontend:pfc=yes"], "true or false")):
+        assert main(["topo", "gen", "--workers", "2", "--class-congestion", *bad]) == 2
+        err = capsys.readouterr().err.strip()
+        assert words in err and len(err.splitlines()) == 1

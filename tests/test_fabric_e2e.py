@@ -360,3 +360,30 @@ def test_in_network_moe_exact_behind_trimming_switch_daemons(tmp_path) -> None:
     # the leaves sent trimmed sums again when their homes asked
     assert sum(sw["services"]["combine"]["resent"] for sw in stats.values()
                if isinstance(sw, dict) and "combine" in sw.get("services", {})) > 0
+
+
+@pytest.mark.timeout(240)
+def test_network_classes_have_their_own_queues_on_switch_daemons(tmp_path) -> None:
+    """[congestion.scaleout] and [congestion.frontend] on launched processes: the
+    spine's port to the host (front-end: tail drop, marking, DCTCP) queues in a
+    buffer of its own, the leaves' scale-out ports are lossless; host-ps (through
+    the front-end) exact, with marks on the host's port."""
+    from fabric.core.topology import Topology, leaf_spine
+
+    doc = leaf_spine(2, 1, leaf_bandwidth_gbps=0.5, leaf_latency_us=20, spine_latency_us=20,
+                     mtu=8192, hosts=1).to_dict()
+    for link in doc["link"]:
+        if "host0" in (link["a"], link["b"]):
+            link["class"] = "frontend"
+            link["bandwidth_gbps"], link["mtu"] = 0.2, 8192
+    doc["congestion"] = {"cc": "nscc", "scaleout": {"buffer_bytes": 100_000, "pfc": True},
+                         "frontend": {"buffer_bytes": 40_000, "cc": "dctcp"}}
+    topo = Topology.from_dict(doc)
+    with launch(topology=topo, run_dir=tmp_path, timeout_s=60, seed=5) as fab:
+        res = fab.run(tasks.lossy_allreduce, "host-ps", 100_000, 2)
+        stats = fab.switch_stats()
+    assert [r["wrong"] for r in res] == [0, 0]
+    spine = stats["spine0"]["queues"]
+    assert spine["spine0>host0"]["ecn_marks"] > 0
+    assert 0 < spine["spine0>host0"]["peak_queue_bytes"] <= 40_000
+    assert "pfc" in stats["leaf0"] and "pfc" in stats["spine0"]

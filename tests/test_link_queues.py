@@ -88,15 +88,15 @@ def test_the_congestion_table_makes_each_switch_its_queues() -> None:
     t = star(3, bandwidth_gbps=10, mtu=4096)
     assert switch_queues(t) == {}  # no buffer_bytes: queues never fill
     q = switch_queues(t.with_congestion(CongestionSettings(buffer_bytes=100_000)))
-    assert q["sw0"].marker is None  # no policy and no ecn_* key: no marks
+    assert q[("sw0", "scaleup")].marker is None  # no policy and no ecn_* key: no marks
     q = switch_queues(t.with_congestion(CongestionSettings(buffer_bytes=100_000, cc="nscc")))
-    marker = q["sw0"].marker
+    marker = q[("sw0", "scaleup")].marker
     assert marker is not None and (marker.kmin, marker.kmax) == (4000, 16000)  # htsim's 0.2/0.8
     q = switch_queues(t.with_congestion(CongestionSettings(buffer_bytes=20_000, trim=True,
                                                            ecn_kmin_bytes=5000)))
-    marker = q["sw0"].marker
+    marker = q[("sw0", "scaleup")].marker
     assert marker is not None and (marker.kmin, marker.kmax) == (5000, 16000)
-    assert q["sw0"].buffer.buffer.trim_bytes == 64
+    assert q[("sw0", "scaleup")].buffer.buffer.trim_bytes == 64
     with pytest.raises(CongestionConfigError, match="cannot hold one frame"):
         switch_queues(t.with_congestion(CongestionSettings(buffer_bytes=4000)))
 

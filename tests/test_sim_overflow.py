@@ -330,3 +330,34 @@ def test_a_credit_deadlock_is_reported_by_its_cycle_of_links() -> None:
     with pytest.raises(SimulationError, match=r"credit deadlock .*s0>s1, s1>s2, s2>s3, "
                        r"s3>s4, s4>s0"):
         Simulation(_ring(5, True), timeout_s=5).run(_two_ahead, 1 << 18)
+
+
+def test_three_networks_each_with_its_own_protocol() -> None:
+    """A cluster whose scale-out is lossless (PFC) and whose front-end is lossy
+    with DCTCP ([congestion.scaleout], [congestion.frontend]): host-ps chunks to
+    the host cross the front-end, held by DCTCP's window near its marking
+    threshold behind a 60 kB tail-drop port; an alltoall across domains pauses
+    the scale-out links and drops nothing. Both exact."""
+    from fabric.core.topology import cluster, loads
+
+    base = cluster(2, 2, hosts=1, scaleout={"bandwidth_gbps": 2.0},
+                   frontend={"bandwidth_gbps": 1.0})
+    t = loads(base.to_toml() + """
+[congestion]
+cc = "nscc"
+
+[congestion.scaleout]
+buffer_bytes = 200000
+pfc = true
+
+[congestion.frontend]
+buffer_bytes = 60000
+cc = "dctcp"
+""")
+    free = Simulation(base, timeout_s=30).run(_allreduce, 1 << 18, "host-ps")
+    ps = Simulation(t, timeout_s=30).run(_allreduce, 1 << 18, "host-ps")
+    assert ps.results == [0] * 4 and ps.pauses == 0 and ps.ecn_marks > 0
+    assert ps.queue_peaks["spine0>host0"] <= 60_000
+    assert ps.end_s < 1.1 * free.end_s  # the front-end's link stays busy
+    a2a = Simulation(t, timeout_s=30).run(_alltoall, 1 << 18)
+    assert a2a.results == [0] * 4 and a2a.overflow_drops == 0 and a2a.pauses > 0

@@ -37,6 +37,7 @@ from fabric.core import frame as fr
 from fabric.core.congestion import CC_POLICIES, CcPath, CongestionControl, make_cc
 from fabric.core.congestion.eqds import CreditPacer, unsolicited_bytes
 from fabric.core.congestion.gate import CcGate
+from fabric.core.congestion.settings import CongestionSettings
 from fabric.core.frame import Flag, NackCode, Op
 from fabric.core.reliability import PSN_MASK, SACK_BITS, Sender, get_policy
 from fabric.core.semantic import SemanticCounts
@@ -342,14 +343,23 @@ class NodeState:
             est = self.estimators[role] = self._new_estimator(role, rto_min)
         return est
 
-    def overflow_drops(self) -> bool:
+    def overflow_drops(self, dst: int | None = None) -> bool:
         """Whether the switches' buffers drop (or trim) what does not fit: bounded
         (``[congestion] buffer_bytes``) and not lossless (``pfc``, which pauses
-        senders instead, or ``credit`` on every link, which holds them back).
-        Only then are the retransmit timers cut short: behind a lossless queue a
-        frame is late, not lost, and a short timer would only send it again."""
+        senders instead, or ``credit`` on every link, which holds them back), on
+        the way to node ``dst`` (None: on any way, by any network class's
+        settings). Only then are the retransmit timers cut short: behind a
+        lossless queue a frame is late, not lost, and a short timer would only
+        send it again."""
+        if dst is not None:
+            return _drops(self.path_congestion(dst))
         cong = self.topo.congestion
-        return cong.buffer_bytes is not None and not cong.pfc and not cong.credit
+        return any(_drops(cong.for_class(c)) for c in (None, *(n for n, _ in cong.classes)))
+
+    def path_congestion(self, dst: int) -> CongestionSettings:
+        """The congestion settings of this node's traffic to node ``dst`` (its
+        route's outermost network class's)."""
+        return self.topo.path_congestion(self.name, self.topo.by_id(dst).name)
 
     def _new_estimator(self, role: str, rto_min: float) -> RttEstimator:
         """An estimator with the fabric's defaults; its backoff stops at ``[congestion]
@@ -480,11 +490,11 @@ class NodeState:
         gbps = self._bottleneck_gbps(dst)
         wire = 0.0 if gbps is None else window_bytes * 8 / (gbps * 1e9)
         floor = max(DEFAULT_RTO_MIN, wire)
-        cong = self.topo.congestion
+        cong = self.topo.congestion if dst is None else self.path_congestion(dst)
         ceiling = STREAM_RTO_MAX_S
         if cong.rto_max_us is not None:
             ceiling = cong.rto_max_us * 1e-6
-        elif self.overflow_drops():
+        elif self.overflow_drops(dst):
             ceiling = min(STREAM_BOUNDED_RTO_FLOORS * floor, STREAM_RTO_MAX_S)
         floor = min(floor, ceiling)
         first = min(max(DEFAULT_RTO_INITIAL, STREAMS_IN_FLIGHT * wire), ceiling)
@@ -504,7 +514,7 @@ class NodeState:
         from fabric.core.reliability import RTO_JITTER, Sender
 
         first, floor, ceiling = self.stream_rto(window_frames * frame_bytes, dst)
-        bounded = self.overflow_drops()
+        bounded = self.overflow_drops(dst)
         short = ceiling < STREAM_RTO_MAX_S
         peer = self.topo.by_id(dst).name
         return Sender(
@@ -528,7 +538,7 @@ class NodeState:
         """A new instance of the topology's ``[congestion] cc`` policy for a stream to
         node ``dst`` (None: no policy named, or this node's link is unshaped, so
         there is no line rate to start from); its path is :meth:`cc_path`'s."""
-        name = self.topo.congestion.cc
+        name = self.path_congestion(dst).cc
         if name is None:
             return None
         path = self.cc_path(self.node_id, dst, frame_bytes, reply_bytes)
@@ -550,15 +560,16 @@ class NodeState:
             links = [lk for a, b in zip(hops, hops[1:], strict=False)
                      if (lk := self.topo.link_between(a, b)) is not None]
             path = None
+            cong = self.topo.path_congestion(near, far)
             if links and links[0].params.shaped:
                 wire = frame_bytes + fr.HEADER_SIZE + (fr.CRC_SIZE if self.crc else 0)
                 ack = reply_bytes + fr.HEADER_SIZE + (fr.CRC_SIZE if self.crc else 0)
                 rtt = sum(2 * lk.params.latency_us * 1e-6
                           + lk.params.serialization_us(wire + ack) * 1e-6 for lk in links)
-                if self.topo.congestion.base_rtt_us is not None:
-                    rtt = self.topo.congestion.base_rtt_us * 1e-6
+                if cong.base_rtt_us is not None:
+                    rtt = cong.base_rtt_us * 1e-6
                 path = CcPath(link_gbps=links[0].params.bandwidth_gbps, base_rtt_s=rtt,
-                              mtu=wire, trimming=self.topo.congestion.trim)
+                              mtu=wire, trimming=cong.trim)
             self._cc_paths[key] = path
         return self._cc_paths[key]
 
@@ -587,7 +598,7 @@ class NodeState:
         sender is there to take credit): grant what it sends beyond its unsolicited
         bytes. Nothing without a receiver-driven policy."""
         key = (src, flow, sid, msg)
-        if not self.receiver_driven or key in self._credit_ids:
+        if key in self._credit_ids or not self.grants_credit(src):
             return []
         path = self.cc_path(src, self.node_id, frame_bytes)
         if path is None:
@@ -616,11 +627,10 @@ class NodeState:
             return []
         return [self._credit_frame(cid, n) for cid, n in self._pacer.handle_timer(now)]
 
-    @property
-    def receiver_driven(self) -> bool:
-        """Whether ``[congestion] cc`` is a receiver-driven policy (streams' receivers
-        grant credit)."""
-        name = self.topo.congestion.cc
+    def grants_credit(self, src: int) -> bool:
+        """Whether streams from node ``src`` run a receiver-driven policy (``cc``), so
+        this node grants them credit."""
+        name = self.topo.path_congestion(self.topo.by_id(src).name, self.name).cc
         return name is not None and name in CC_POLICIES and CC_POLICIES[name].receiver_driven
 
     def _credit_trimmed(self, f: fr.Frame, now: float) -> list[Send]:
@@ -669,7 +679,7 @@ class NodeState:
         out: list[Send] = [(fr.encode_nack(src=self.node_id, dst=f.src, flow=f.flow + 1,
                                            psn=f.psn, code=NackCode.TRIMMED, job=f.job,
                                            msg=f.msg, crc=self.crc), None)]
-        if self.receiver_driven and f.flow in fr.STREAM_FLOWS:
+        if f.flow in fr.STREAM_FLOWS and self.grants_credit(f.src):
             out += self._credit_trimmed(f, now)  # its sender resends it on credit
         return out
 
@@ -1793,6 +1803,11 @@ def fixed_program(st: NodeState, t: Tensor, path: str, group: Group | None = Non
         return out
 
     return Chain(steps())
+
+
+def _drops(cong: CongestionSettings) -> bool:
+    """Whether switches with settings ``cong`` drop or trim what does not fit."""
+    return cong.buffer_bytes is not None and not cong.pfc and not cong.credit
 
 
 # ---------------------------------------------------------------------- p2p streams

@@ -330,6 +330,7 @@ class Topology:
             # Deterministic tie-breaks everywhere: lowest node id first.
             nbrs.sort(key=lambda item: self._by_name[item[0]].id)
         self._bfs_cache: dict[str, dict[str, str | None]] = {}
+        self._path_cong: dict[tuple[str, str], CongestionSettings] = {}
         self._tree: dict[str, str | None] | None = None
         self._levels: dict[str, int] | None = None
 
@@ -409,6 +410,24 @@ class Topology:
         """The fabric's queue, marking, PFC and congestion-control settings
         (``[congestion]``; docs/CONGESTION.md)."""
         return self._congestion
+
+    def path_congestion(self, src: str, dst: str) -> CongestionSettings:
+        """The congestion settings of traffic from node ``src`` to node ``dst``: its
+        route's outermost network class's (``[congestion.<class>]`` over the fabric's
+        ``[congestion]``; the fabric's where no class has its own)."""
+        cong = self._congestion
+        if not cong.classes:
+            return cong
+        key = (src, dst)
+        got = self._path_cong.get(key)
+        if got is None:
+            classes: list[str] = [lk.cls for lk in self.path_links(src, dst)]
+            got = self._path_cong[key] = cong.for_classes(classes)
+        return got
+
+    def link_congestion(self, link: Link) -> CongestionSettings:
+        """The congestion settings of ``link``'s class (its ports' queues, its credit)."""
+        return self._congestion.for_class(link.cls)
 
     def with_congestion(self, congestion: CongestionSettings) -> Topology:
         """The same fabric with other ``[congestion]`` settings."""
@@ -825,8 +844,14 @@ class Topology:
             out += ["", f"[tenants.{_toml_value(tenant)}]"]
             out += [f"{k} = {_toml_value(v)}" for k, v in quota.items()]
         if "congestion" in d:
+            cong = d["congestion"]
             out += ["", "[congestion]"]
-            out += [f"{k} = {_toml_value(v)}" for k, v in d["congestion"].items()]
+            out += [f"{k} = {_toml_value(v)}" for k, v in cong.items()
+                    if not isinstance(v, dict)]
+            for cls, keys in cong.items():
+                if isinstance(keys, dict):
+                    out += ["", f"[congestion.{cls}]"]
+                    out += [f"{k} = {_toml_value(v)}" for k, v in keys.items()]
         return "\n".join(out) + "\n"
 
     def summary(self) -> str:
@@ -884,8 +909,12 @@ class Topology:
             extra = f"  hosts: {_short_list(hosts)}" if hosts else ""
             lines.append(f"  {sw}  (not in the tree: forwards only){extra}")
         if not self._congestion.is_default:
+            table = self._congestion.to_table()
             lines.append("congestion: " + ", ".join(
-                f"{k} {v}" for k, v in self._congestion.to_table().items()))
+                f"{k} {v}" for k, v in table.items() if not isinstance(v, dict)))
+            for cls, keys in table.items():
+                if isinstance(keys, dict):
+                    lines.append(f"  {cls}: " + ", ".join(f"{k} {v}" for k, v in keys.items()))
         return "\n".join(lines)
 
 
@@ -1585,9 +1614,45 @@ def _gen_congestion(args: argparse.Namespace) -> CongestionSettings:
     if args.cc is not None:
         fields["cc"] = args.cc
     try:
-        return CongestionSettings(**fields)
+        base = CongestionSettings(**fields)
+        if not args.class_congestion:
+            return base
+        table: dict[str, Any] = base.to_table()
+        for given in args.class_congestion:
+            cls, keys = _class_flag(given)
+            table.setdefault(cls, {}).update(keys)
+        return CongestionSettings.from_table(table)
     except CongestionConfigError as exc:
         raise TopologyError(f"semfab topo gen: {exc}") from None
+
+
+def _class_flag(text: str) -> tuple[str, dict[str, Any]]:
+    """``--class-congestion CLASS:KEY=V,...`` as (class, keys); values read as TOML
+    would (true/false, whole numbers, numbers, else a word)."""
+    cls, sep, rest = text.partition(":")
+    if not sep or not rest or cls not in LINK_CLASSES:
+        raise CongestionConfigError(
+            f"--class-congestion {text!r}: write CLASS:KEY=VALUE[,KEY=VALUE], CLASS one of "
+            f"{', '.join(LINK_CLASSES)} (e.g. frontend:cc=dctcp,buffer_bytes=1000000)")
+    keys: dict[str, Any] = {}
+    for item in rest.split(","):
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip():
+            raise CongestionConfigError(f"--class-congestion {text!r}: {item!r} is not "
+                                        "KEY=VALUE")
+        v = value.strip()
+        parsed: Any = v
+        if v in ("true", "false"):
+            parsed = v == "true"
+        else:
+            for kind in (int, float):
+                try:
+                    parsed = kind(v)
+                    break
+                except ValueError:
+                    continue
+        keys[key.strip()] = parsed
+    return cls, keys
 
 
 def check_main(argv: Sequence[str]) -> int:
@@ -1699,10 +1764,15 @@ def gen_main(argv: Sequence[str]) -> int:
     cong.add_argument("--ecn-pmax", type=float, default=None, metavar="P",
                       help="ECN: marking probability at Kmax")
     cong.add_argument("--cc", default=None, metavar="POLICY",
-                      help="sender congestion control (nscc, dcqcn, eqds, none)")
+                      help="sender congestion control (nscc, dcqcn, eqds, dctcp, none)")
     cong.add_argument("--rto-max-us", type=float, default=None, metavar="US",
                       help="streams' retransmission-timeout ceiling (default with "
                       "--buffer-bytes: two windows at the path's bottleneck rate)")
+    cong.add_argument("--class-congestion", action="append", default=[],
+                      metavar="CLASS:KEY=V,...",
+                      help="a network class's own settings over the ones above, e.g. "
+                      "frontend:cc=dctcp,buffer_bytes=1000000 or scaleout:pfc=true,"
+                      "buffer_bytes=4000000 ([congestion.CLASS]; repeat per class)")
     args = _run_parser(parser, argv)
     if isinstance(args, int):
         return args

@@ -269,7 +269,8 @@ class Simulation:
         # one pipeline per link direction: (from, to) -> pipeline
         self.pipes: dict[tuple[str, str], LinkPipeline] = {}
         self._ids = {n.name: n.id for n in topo.nodes}
-        self._pfc = topo.congestion.pfc and bool(queues)  # ingress accounting, pauses
+        # ingress accounting, pauses
+        self._pfc = any(q.lossless for q in queues.values())
         self._pipe_at: dict[tuple[str, str], float] = {}
         for link in topo.links:
             a, b = link.endpoints
@@ -279,9 +280,9 @@ class Simulation:
                 self.pipes[(x, y)] = LinkPipeline(
                     link.params, spec, seed=seed, stream=f"{x}>{y}",
                     cut_through=self.timing.cut_through_bytes,
-                    to_switch=topo.node(y).is_switch, queues=queues.get(x),
+                    to_switch=topo.node(y).is_switch, queues=queues.get((x, link.cls)),
                     port=topo.node(y).id, pausable=self._pfc,
-                    credit_bytes=link_grant(link.params, topo.congestion.credit),
+                    credit_bytes=link_grant(link.params, topo.link_congestion(link).credit),
                     frees_on_arrival=not topo.node(y).is_switch)
         # credit-controlled links into switches: each frame's credit goes back once
         # the switch is done with it
@@ -364,7 +365,11 @@ class Simulation:
 
     def _queue_peaks(self) -> dict[str, int]:
         out: dict[str, int] = {}
-        for sw, q in self._queues.items():
+        seen: set[int] = set()
+        for (sw, _cls), q in self._queues.items():
+            if id(q) in seen:  # (classes with the same settings share one buffer)
+                continue
+            seen.add(id(q))
             for key, peak in q.buffer.buffer.statistics().queue_peaks.items():
                 port, tc = key.split("/")
                 if tc == "0":  # data (trimmed headers have a class of their own)

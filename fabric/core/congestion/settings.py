@@ -1,7 +1,11 @@
 """The congestion settings a topology file carries: its ``[congestion]`` table.
 
 One table per fabric, applied to every switch (buffers, marking, trimming, PFC)
-and every sender (the policy). Absent keys keep the scenario's defaults (htsim's
+and every sender (the policy). A network class may have its own table,
+``[congestion.scaleup]``, ``[congestion.scaleout]`` or ``[congestion.frontend]``,
+whose keys override the fabric's for that class: a switch port queues by the
+class of its link, a stream follows the outermost class on its route (front-end
+over scale-out over scale-up). Absent keys keep the scenario's defaults (htsim's
 for queues and marking, HPCC's for PFC: :mod:`fabric.core.congestion.config`)::
 
     [congestion]
@@ -21,6 +25,10 @@ for queues and marking, HPCC's for PFC: :mod:`fabric.core.congestion.config`)::
     rto_max_us = 40000.0       # the retransmit timers' ceiling (absent: 1 s, or with a
                                # buffer two RTO floors: two windows at the bottleneck)
 
+    [congestion.frontend]      # the front-end's ports and streams: lossy, TCP-like
+    cc = "dctcp"
+    buffer_bytes = 1000000
+
 Pure: parsing and checks, one-line :class:`CongestionConfigError` on anything
 impossible.
 """
@@ -36,11 +44,19 @@ from typing import Any
 from fabric.core.congestion.config import CongestionConfigError, check_bytes
 from fabric.core.congestion.policy import CC_POLICIES
 
-__all__ = ["CONGESTION_KEYS", "CongestionSettings"]
+__all__ = ["CONGESTION_KEYS", "NETWORK_CLASSES", "CongestionSettings", "class_rank"]
 
 #: Keys of ``[congestion]``.
 CONGESTION_KEYS = ("buffer_bytes", "buffer_alpha", "trim", "ecn_kmin_bytes", "ecn_kmax_bytes",
                    "ecn_pmax", "pfc", "credit", "cc", "base_rtt_us", "rto_max_us")
+#: The network classes a ``[congestion.<class>]`` table may name (a topology's link
+#: classes), innermost first: a route's outermost class sets its streams' settings.
+NETWORK_CLASSES = ("scaleup", "scaleout", "frontend")
+
+
+def class_rank(cls: str) -> int:
+    """How far out a network class is: scale-up 0, scale-out 1, front-end 2."""
+    return NETWORK_CLASSES.index(cls) if cls in NETWORK_CLASSES else 0
 
 
 @dataclass(frozen=True)
@@ -67,6 +83,8 @@ class CongestionSettings:
     #: the retransmit timers' ceiling (microseconds): streams, aggregation and MoE;
     #: None: 1 s, lowered where ``buffer_bytes`` is set (NodeState.stream_rto)
     rto_max_us: float | None = None
+    #: per network class, the keys its ``[congestion.<class>]`` table sets
+    classes: tuple[tuple[str, tuple[tuple[str, Any], ...]], ...] = ()
 
     def __post_init__(self) -> None:
         if self.buffer_bytes is not None:
@@ -100,38 +118,103 @@ class CongestionSettings:
         if self.cc is not None and self.cc not in CC_POLICIES:
             raise CongestionConfigError(f"cc {self.cc!r} is not a known policy; choose "
                                         f"{', '.join(sorted(CC_POLICIES))}")
+        for cls, _keys in self.classes:
+            try:
+                self.for_class(cls)  # each class's settings are checked as a whole
+            except CongestionConfigError as exc:
+                raise CongestionConfigError(f"[congestion.{cls}]: {exc}") from None
+
+    def for_class(self, cls: str | None) -> CongestionSettings:
+        """The settings of network class ``cls``: the fabric's, with what its
+        ``[congestion.<cls>]`` table overrides (no class tables in the result)."""
+        if not self.classes:
+            return self
+        return _class_settings(self, cls)
+
+    def for_classes(self, classes: list[str]) -> CongestionSettings:
+        """The settings of a route over links of ``classes``: its outermost class's."""
+        if not self.classes or not classes:
+            return self.for_class(None)
+        return self.for_class(max(classes, key=class_rank))
 
     @classmethod
     def from_table(cls, table: Mapping[str, Any]) -> CongestionSettings:
-        """Read a ``[congestion]`` table (as TOML parses it), checking every key and type."""
-        unknown = sorted(set(table) - set(CONGESTION_KEYS))
-        if unknown:
-            raise CongestionConfigError(f"unknown key {unknown[0]!r}; valid keys: "
-                                        f"{', '.join(CONGESTION_KEYS)}")
-        out: dict[str, Any] = {}
-        for key, value in table.items():
-            if key in ("trim", "pfc", "credit"):
-                if not isinstance(value, bool):
-                    raise CongestionConfigError(f"{key} must be true or false, got {value!r}")
-            elif key == "cc":
-                if not isinstance(value, str):
-                    raise CongestionConfigError(f"cc must be a policy name, got {value!r}")
-            elif key.endswith("_bytes"):
-                if isinstance(value, bool) or not isinstance(value, int):
-                    raise CongestionConfigError(f"{key} must be a whole number of bytes, "
-                                                f"got {value!r}")
-            elif isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise CongestionConfigError(f"{key} must be a number, got {value!r}")
-            floats = ("buffer_alpha", "ecn_pmax", "base_rtt_us", "rto_max_us")
-            out[key] = float(value) if key in floats else value
+        """Read a ``[congestion]`` table (as TOML parses it), checking every key and
+        type, with its ``[congestion.<class>]`` sub-tables."""
+        out = _keys(table, sub_tables=True)
+        classes = []
+        for name in NETWORK_CLASSES:
+            sub = table.get(name)
+            if sub is None:
+                continue
+            if not isinstance(sub, Mapping):
+                raise CongestionConfigError(f"{name} must be a table ([congestion.{name}]), "
+                                            f"got {sub!r}")
+            try:
+                keys = _keys(sub, sub_tables=False)
+            except CongestionConfigError as exc:
+                raise CongestionConfigError(f"[congestion.{name}]: {exc}") from None
+            classes.append((name, tuple(sorted(keys.items()))))
+        if classes:
+            out["classes"] = tuple(classes)
         return cls(**out)
 
     def to_table(self) -> dict[str, Any]:
-        """The settings that differ from the defaults, as a ``[congestion]`` table."""
+        """The settings that differ from the defaults, as a ``[congestion]`` table (a
+        class's own keys as its sub-table)."""
         default = CongestionSettings()
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                if getattr(self, f.name) != getattr(default, f.name)}
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+               if f.name != "classes" and getattr(self, f.name) != getattr(default, f.name)}
+        for name, keys in self.classes:
+            out[name] = dict(keys)
+        return out
 
     @property
     def is_default(self) -> bool:
         return not self.to_table()
+
+
+def _keys(table: Mapping[str, Any], *, sub_tables: bool) -> dict[str, Any]:
+    """The checked keys of one ``[congestion]`` table (its class tables skipped when
+    ``sub_tables``)."""
+    allowed = set(CONGESTION_KEYS) | (set(NETWORK_CLASSES) if sub_tables else set())
+    unknown = sorted(set(table) - allowed)
+    if unknown:
+        extra = f"; a class's own table: [congestion.{'|'.join(NETWORK_CLASSES)}]" \
+            if sub_tables else ""
+        raise CongestionConfigError(f"unknown key {unknown[0]!r}; valid keys: "
+                                    f"{', '.join(CONGESTION_KEYS)}{extra}")
+    out: dict[str, Any] = {}
+    for key, value in table.items():
+        if key in NETWORK_CLASSES:
+            continue
+        if key in ("trim", "pfc", "credit"):
+            if not isinstance(value, bool):
+                raise CongestionConfigError(f"{key} must be true or false, got {value!r}")
+        elif key == "cc":
+            if not isinstance(value, str):
+                raise CongestionConfigError(f"cc must be a policy name, got {value!r}")
+        elif key.endswith("_bytes"):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise CongestionConfigError(f"{key} must be a whole number of bytes, "
+                                            f"got {value!r}")
+        elif isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise CongestionConfigError(f"{key} must be a number, got {value!r}")
+        floats = ("buffer_alpha", "ecn_pmax", "base_rtt_us", "rto_max_us")
+        out[key] = float(value) if key in floats else value
+    return out
+
+
+#: (settings, class) -> that class's settings (few of each: a cache, not a leak)
+_BY_CLASS: dict[tuple[CongestionSettings, str | None], CongestionSettings] = {}
+
+
+def _class_settings(base: CongestionSettings, cls: str | None) -> CongestionSettings:
+    key = (base, cls)
+    got = _BY_CLASS.get(key)
+    if got is None:
+        fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(base)
+                  if f.name != "classes"}
+        fields.update(dict(base.classes).get(cls, ()) if cls is not None else ())
+        got = _BY_CLASS[key] = CongestionSettings(**fields)
+    return got

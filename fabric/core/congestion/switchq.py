@@ -41,7 +41,8 @@ from fabric.core.congestion.pfc import PfcIngress
 from fabric.core.congestion.timed import TimedBuffer
 
 if TYPE_CHECKING:
-    from fabric.core.topology import Topology
+    from fabric.core.congestion.settings import CongestionSettings
+    from fabric.core.topology import LinkParams, Topology
 
 __all__ = ["SwitchQueues", "switch_queues"]
 
@@ -57,45 +58,67 @@ class SwitchQueues:
     lossless: bool = False  # PFC: pause senders instead of dropping
 
 
-def switch_queues(topo: Topology, seed: int = 0) -> dict[str, SwitchQueues]:
-    """Every switch's queues by name (none without ``[congestion] buffer_bytes``).
+def switch_queues(topo: Topology, seed: int = 0) -> dict[tuple[str, str], SwitchQueues]:
+    """Every switch's queues, by ``(switch, link class)``: the queues of the switch's
+    ports whose link is of that class (absent: unbounded). Classes with the same
+    settings share one buffer, so without ``[congestion.<class>]`` tables each
+    switch has one, shared by all its ports; a class with its own table gets a
+    buffer of its own (its ``buffer_bytes``), its own marking and its own PFC.
 
     Raises :class:`~fabric.core.congestion.CongestionConfigError` (one line) for a
-    buffer that cannot hold one frame of the links' largest MTU."""
+    buffer that cannot hold one frame of its links' largest MTU."""
     from fabric.core import frame as fr
     from fabric.core.congestion.config import CongestionConfigError
 
-    c = topo.congestion
-    if c.buffer_bytes is None:
-        return {}
+    out: dict[tuple[str, str], SwitchQueues] = {}
+    fabric_wide = topo.congestion.for_class(None)
     largest = max(lk.params.mtu for lk in topo.links) + fr.HEADER_SIZE + fr.CRC_SIZE
-    if c.buffer_bytes < largest:
-        raise CongestionConfigError(
-            f"[congestion] buffer_bytes {c.buffer_bytes} cannot hold one frame ({largest} B: "
-            "the links' largest MTU with its header); raise it")
-    bdp = c.buffer_bytes / (HTSIM_QUEUE_BDP_TRIM if c.trim else HTSIM_QUEUE_BDP_DROP)
+    for s in topo.switches:
+        links = topo.links_of(s.name)
+        by_settings: dict[CongestionSettings, list[str]] = {}
+        for lk in links:
+            c = topo.link_congestion(lk)
+            classes = by_settings.setdefault(c, [])
+            if lk.cls not in classes:
+                classes.append(lk.cls)
+        for c, classes in by_settings.items():
+            if c.buffer_bytes is None:
+                continue
+            if c.buffer_bytes < largest:
+                where = "[congestion]" if c == fabric_wide else f"[congestion.{classes[0]}]"
+                raise CongestionConfigError(
+                    f"{where} buffer_bytes {c.buffer_bytes} cannot hold one frame ({largest} B: "
+                    "the links' largest MTU with its header); raise it")
+            mine = [lk.params for lk in links if lk.cls in classes]
+            tag = "" if len(by_settings) == 1 else "/" + "+".join(classes)
+            q = _queues(c, mine, largest, random.Random(f"{seed}/{s.name}{tag}/ecn"))
+            for cls in classes:
+                out[(s.name, cls)] = q
+    return out
+
+
+def _queues(c: CongestionSettings, links: list[LinkParams], largest: int,
+            rng: random.Random) -> SwitchQueues:
+    """The buffer, marker and PFC accounting of settings ``c`` over ``links``."""
+    size = c.buffer_bytes if c.buffer_bytes is not None else 0
+    bdp = size / (HTSIM_QUEUE_BDP_TRIM if c.trim else HTSIM_QUEUE_BDP_DROP)
     marks = c.cc is not None or any(v is not None for v in
                                     (c.ecn_kmin_bytes, c.ecn_kmax_bytes, c.ecn_pmax))
     kmin = c.ecn_kmin_bytes if c.ecn_kmin_bytes is not None else int(HTSIM_ECN_KMIN_BDP * bdp)
     kmax = c.ecn_kmax_bytes if c.ecn_kmax_bytes is not None else max(
         int(HTSIM_ECN_KMAX_BDP * bdp), kmin)
     pmax = c.ecn_pmax if c.ecn_pmax is not None else 1.0
-    out: dict[str, SwitchQueues] = {}
-    for s in topo.switches:
-        # trimmed headers get room of their own: a pool full of data still takes them
-        reserve = 64 * TRIM_HEADER_BYTES if c.trim else 0
-        buf = SharedBuffer(c.buffer_bytes + reserve, alpha=c.buffer_alpha,
-                           trim_bytes=TRIM_HEADER_BYTES if c.trim else 0,
-                           trim_reserve_bytes=reserve, what="[congestion] buffer_bytes")
-        marker = RedMarker(kmin, kmax, pmax, random.Random(f"{seed}/{s.name}/ecn")) \
-            if marks else None
-        pfc = None
-        if c.pfc:
-            links = [lk.params for lk in topo.links if s.name in lk.endpoints]
-            rate_delay = max((p.bandwidth_gbps * 1e9 / 8 * p.latency_us * 1e-6 for p in links),
-                             default=0.0)
-            headroom = max(int(HPCC_HEADROOM_LINK_DELAYS * rate_delay), 2 * largest)
-            pfc = PfcIngress(mtu=largest, headroom_bytes=headroom, alpha=HPCC_PFC_ALPHA,
-                             resume_offset_bytes=2 * largest)
-        out[s.name] = SwitchQueues(TimedBuffer(buf, pfc), marker, lossless=c.pfc)
-    return out
+    # trimmed headers get room of their own: a pool full of data still takes them
+    reserve = 64 * TRIM_HEADER_BYTES if c.trim else 0
+    buf = SharedBuffer(size + reserve, alpha=c.buffer_alpha,
+                       trim_bytes=TRIM_HEADER_BYTES if c.trim else 0,
+                       trim_reserve_bytes=reserve, what="[congestion] buffer_bytes")
+    marker = RedMarker(kmin, kmax, pmax, rng) if marks else None
+    pfc = None
+    if c.pfc:
+        rate_delay = max((p.bandwidth_gbps * 1e9 / 8 * p.latency_us * 1e-6 for p in links),
+                         default=0.0)
+        headroom = max(int(HPCC_HEADROOM_LINK_DELAYS * rate_delay), 2 * largest)
+        pfc = PfcIngress(mtu=largest, headroom_bytes=headroom, alpha=HPCC_PFC_ALPHA,
+                         resume_offset_bytes=2 * largest)
+    return SwitchQueues(TimedBuffer(buf, pfc), marker, lossless=c.pfc)
