@@ -364,7 +364,14 @@ class LinkPipeline:
         if until > self._paused_until:
             self.paused_s += until - max(now, self._paused_until)
             self._paused_until = until
-        later = sorted(seq for seq, (start, _n, _h) in self._sched.items() if start >= now)
+        # the frames not yet begun: the last ones scheduled (their starts only grow
+        # with their sequence, and a pause keeps that order), found from the end
+        later: list[int] = []
+        for seq, (start, _n, _h) in reversed(self._sched.items()):
+            if start < now:
+                break
+            later.append(seq)
+        later.reverse()
         if not later or self._sched[later[0]][0] >= until:
             sh.hold_until(until)
             return

@@ -40,6 +40,9 @@ class TimedBuffer:
         self._moved: set[int] = set()  # entries postponed: a later one stands for each
         # seq -> port, class, bytes, ingress: what postpone needs (kept with PFC only)
         self._entries: dict[int, tuple[int, int, int, int]] = {}
+        # ingress -> seq -> (time, bytes) of the frames it holds (with PFC only): a
+        # pause's end reads one port's frames, not the whole buffer's
+        self._of_ingress: dict[int, dict[int, tuple[float, int]]] = {}
         self._pause_end: dict[int, float] = {}  # ingress -> when its last PAUSE runs out
 
     def advance(self, now: float) -> None:
@@ -54,6 +57,7 @@ class TimedBuffer:
             if self.pfc is not None:
                 del self._entries[seq]
                 if ingress >= 0:
+                    del self._of_ingress[ingress][seq]
                     self.pfc.on_dequeue(ingress, DATA_CLASS, nbytes, self.buffer.free)
 
     def queued(self, port: int, now: float) -> int:
@@ -87,6 +91,7 @@ class TimedBuffer:
         if self.pfc is not None:
             self._entries[self._seq] = (port, tc, nbytes, ingress)
             if ingress >= 0:
+                self._of_ingress.setdefault(ingress, {})[self._seq] = (leaves_at, nbytes)
                 self.pfc.on_enqueue(ingress, DATA_CLASS, nbytes, self.buffer.free)
         return self._seq
 
@@ -99,6 +104,10 @@ class TimedBuffer:
         self._seq += 1
         heapq.heappush(self._leaving, (leaves_at, self._seq, port, tc, nbytes, ingress))
         self._entries[self._seq] = (port, tc, nbytes, ingress)
+        if ingress >= 0:
+            held = self._of_ingress[ingress]
+            del held[hold]
+            held[self._seq] = (leaves_at, nbytes)
         return self._seq
 
     def pause_until(self, ingress: int, now: float) -> float | None:
@@ -110,17 +119,17 @@ class TimedBuffer:
             return None
         held = pfc.held(ingress, DATA_CLASS)
         xon = max(pfc.threshold(self.buffer.free) - pfc.resume_offset, 0.0)
-        for t, seq, _port, _tc, nbytes, ing in sorted(self._leaving):
+        if held <= xon:
+            return None
+        mine = self._of_ingress.get(ingress, {})
+        for t, _seq, nbytes in sorted([(t, seq, n) for seq, (t, n) in mine.items()]):
+            held -= nbytes
             if held <= xon:
-                break
-            if ing == ingress and seq not in self._moved:
-                held -= nbytes
-                if held <= xon:
-                    if now >= self._pause_end.get(ingress, -1.0):
-                        # the last PAUSE ran out above XON (the free buffer shrank
-                        # meanwhile): this is a new one, with its own headroom
-                        pfc.renew(ingress, DATA_CLASS)
-                    until = max(t, now)
-                    self._pause_end[ingress] = max(until, self._pause_end.get(ingress, until))
-                    return until
+                if now >= self._pause_end.get(ingress, -1.0):
+                    # the last PAUSE ran out above XON (the free buffer shrank
+                    # meanwhile): this is a new one, with its own headroom
+                    pfc.renew(ingress, DATA_CLASS)
+                until = max(t, now)
+                self._pause_end[ingress] = max(until, self._pause_end.get(ingress, until))
+                return until
         return None
