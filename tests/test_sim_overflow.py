@@ -361,3 +361,23 @@ cc = "dctcp"
     assert ps.end_s < 1.1 * free.end_s  # the front-end's link stays busy
     a2a = Simulation(t, timeout_s=30).run(_alltoall, 1 << 18)
     assert a2a.results == [0] * 4 and a2a.overflow_drops == 0 and a2a.pauses > 0
+
+
+def test_host_ring_behind_tail_drop_resends_only_what_was_lost() -> None:
+    """A ring through an 8:1 uplink behind a 60 kB shared tail-drop buffer. The ring
+    used to resend whole steps into the full queue, which lost the same frames
+    every time, and never finished. Now the right neighbour ACKs each frame, a
+    timeout resends only what it lacks, and three later ACKs find a loss at once;
+    under a policy those ACKs clock its window. Exact; 2.7x the unbounded time
+    with no policy, within 10 % under nscc."""
+    t = leaf_spine(2, 4, oversubscription=8, leaf_bandwidth_gbps=2, leaf_latency_us=2,
+                   spine_latency_us=2, mtu=8192, hosts=0)
+    n = 1 << 18
+    free = Simulation(t, timeout_s=30).run(_allreduce, n, "host-ring")
+    plain = Simulation(t.with_congestion(CongestionSettings(buffer_bytes=60_000)),
+                       timeout_s=30).run(_allreduce, n, "host-ring")
+    nscc = Simulation(t.with_congestion(CongestionSettings(buffer_bytes=60_000, cc="nscc")),
+                      timeout_s=30).run(_allreduce, n, "host-ring")
+    assert free.results == plain.results == nscc.results == [0] * 8
+    assert plain.overflow_drops > 0 and nscc.overflow_drops > 0
+    assert plain.end_s < 3.5 * free.end_s and nscc.end_s < 1.1 * free.end_s

@@ -39,7 +39,7 @@ from fabric.core.congestion.eqds import CreditPacer, unsolicited_bytes
 from fabric.core.congestion.gate import CcGate
 from fabric.core.congestion.settings import CongestionSettings
 from fabric.core.frame import Flag, NackCode, Op
-from fabric.core.reliability import PSN_MASK, SACK_BITS, Sender, get_policy
+from fabric.core.reliability import PACKET_THRESHOLD, PSN_MASK, SACK_BITS, Sender, get_policy
 from fabric.core.semantic import SemanticCounts
 from fabric.core.timers import ChunkTimers, Deadlines, RttEstimator
 from fabric.core.topology import Topology
@@ -1327,6 +1327,26 @@ class HostRingAllreduce(Program):
         # the segment round the ring, so every rank learns it and raises at the end
         self.check_wrap = op == "sum" and np_dtype(t.dtype).kind == "i"
         self.wrapped: set[int] = set()
+        # Frame ACKs (key 1): where a policy runs ([congestion] cc) or switches drop
+        # what does not fit, the right neighbour ACKs each frame as it arrives. A
+        # policy's window is clocked by them (a step's frames go as its window and
+        # pacer let them); a timeout resends only the frames not ACKed (resending
+        # a whole step into a full queue would lose the same frames every time).
+        # The step's ACK still ends the step. Each side works out the other's.
+        frame_bytes = self.E * np_dtype(t.dtype).itemsize
+        self.gate = st.congestion_gate(self.right, frame_bytes, RING_FLOW)
+        left, right = st.topo.by_id(self.left_id).name, st.topo.by_id(self.right).name
+        self.acks_frames = (st.congestion_gate(self.left_id, frame_bytes, RING_FLOW) is not None
+                            or _drops(st.topo.path_congestion(left, st.name)))
+        self.frame_acked = (self.gate is not None
+                            or _drops(st.topo.path_congestion(st.name, right)))
+        self.have: set[int] = set()  # frames the right neighbour ACKed, of open steps
+        self.waiting: deque[Send] = deque()  # frames the window holds, in order
+        # frames sent and not yet ACKed, oldest first: psn -> (bytes in the window,
+        # sent at, resent, send order)
+        self.flying: dict[int, tuple[int, float, bool, int]] = {}
+        self.again: set[int] = set()  # frames sent more than once (Karn: no RTT from them)
+        self.sent_count = 0
 
     def _segment(self, k: int) -> tuple[int, int]:
         return self.bounds[k], self.bounds[k + 1]
@@ -1367,6 +1387,40 @@ class HostRingAllreduce(Program):
             self.sent_at[step] = self.now
             if self.deadline is None:
                 self.deadline = self.now + self.rtt.rto
+        if self.gate is not None:
+            self.waiting.extend(out)
+            return self._pump(self.now)
+        if self.frame_acked:
+            for header, part in out:
+                self._flying(header, part, self.now)
+        return out
+
+    def _flying(self, header: bytes, part: Any, now: float) -> int:
+        """Frame ``header`` left now (the newest in flight); its payload's bytes."""
+        size = memoryview(part).nbytes if part is not None else 0
+        psn = fr.peek(header)[4]
+        if self.flying.pop(psn, None) is not None:  # (a resend goes to the end)
+            self.again.add(psn)
+        self.sent_count += 1
+        self.flying[psn] = (size, now, psn in self.again, self.sent_count)
+        return size
+
+    def _pump(self, now: float) -> list[Send]:
+        """The waiting frames the policy's window and pacer let out now."""
+        gate = self.gate
+        assert gate is not None
+        out: list[Send] = []
+        gate.begin(now)
+        while self.waiting:
+            header, part = self.waiting[0]
+            size = memoryview(part).nbytes if part is not None else 0
+            if not gate.allows(size, now):
+                break
+            self.waiting.popleft()
+            gate.sent(size, now)
+            self._flying(header, part, now)
+            out.append((header, part))
+        gate.end()
         return out
 
     def _keep_before_overwrite(self, k: int) -> None:
@@ -1405,12 +1459,21 @@ class HostRingAllreduce(Program):
             or (f.op is Op.ACK and f.src == self.right))
 
     def get_timer(self) -> float | None:
-        return None if self.done else self.deadline
+        if self.done:
+            return None
+        pace = self.gate.pace_wait if self.gate is not None and self.waiting else None
+        if pace is not None and (self.deadline is None or pace < self.deadline):
+            return pace
+        return self.deadline
 
     def handle_timer(self, now: float) -> list[Send]:
         self.now = now
         if self.deadline is None or now < self.deadline:
-            return []
+            if self.gate is None or not self.waiting:
+                return []
+            out = self._pump(now)
+            self._maybe_done()
+            return out
         first = min(self.sent_at.values(), default=now)
         if now - first >= self.st.timeout_s:
             raise FabricTimeout(
@@ -1418,14 +1481,38 @@ class HostRingAllreduce(Program):
                 f"{min(self.unacked)} within {self.st.timeout_s:g}s from "
                 f"worker {self.st.topo.by_id(self.right).name} (its right neighbour)")
         out = [fr_ for step in sorted(self.unacked) for fr_ in self.unacked[step]]
+        if self.have:
+            out = [(h, p) for h, p in out if fr.peek(h)[4] not in self.have]
         self.resent.update(self.unacked)
         self.st.retransmits += len(out)
         self.st.timeouts += 1
         self.rtt.backoff()
         self.deadline = now + self.rtt.rto
+        if self.gate is not None:
+            # what is still in flight is lost: out of the window, and the frames the
+            # right neighbour has not ACKed go again as the window lets them
+            for h, _p in out:
+                psn = fr.peek(h)[4]
+                got = self.flying.pop(psn, None)
+                if got is not None:
+                    self.gate.lost(got[0], now, timeout=True)
+                self.again.add(psn)
+            queued = {fr.peek(h)[4] for h, _p in self.waiting}
+            self.waiting.extendleft(reversed([(h, p) for h, p in out
+                                              if fr.peek(h)[4] not in queued]))
+            return self._pump(now)
+        if self.frame_acked:
+            for header, part in out:
+                self._flying(header, part, now)
         return out
 
     def _acked(self, step: int, now: float) -> None:
+        if self.have:
+            self.have = {p for p in self.have if p >> 16 != step}
+        if self.gate is not None and self.flying:
+            # the whole step is in: frames whose own ACK was lost leave the window
+            for psn in [p for p in self.flying if p >> 16 == step]:
+                self.gate.acked(self.flying.pop(psn)[0], False, 0.0, now)
         if self.unacked.pop(step, None) is None:
             return
         sent = self.sent_at.pop(step)
@@ -1435,7 +1522,7 @@ class HostRingAllreduce(Program):
         self._maybe_done()
 
     def _maybe_done(self) -> None:
-        if self.received_all and not self.unacked and not self.done:
+        if self.received_all and not self.unacked and not self.waiting and not self.done:
             self.done = True
             nch = -(-self.n // self.E)
             sem = self.st.sem(self.label)
@@ -1470,14 +1557,26 @@ class HostRingAllreduce(Program):
     def handle_frame(self, f: fr.Frame, now: float) -> list[Send]:
         self.now = now
         if f.op is Op.ACK:
+            if f.key == 1:  # one frame arrived (a policy's window)
+                return self._frame_acked(f, now)
             self._acked(f.psn, now)
-            return []
+            if self.gate is None or not self.waiting:
+                return []
+            pumped = self._pump(now)
+            self._maybe_done()
+            return pumped
         if f.psn >> 16 < self.step or self.received_all:
             # a resent frame of a step we have: our ACK was lost, say it again
             return self._step_ack(f.psn >> 16)
         # frames of later steps wait here (the left neighbour is ahead of us)
         self.early.setdefault(f.psn, f)
         out: list[Send] = []
+        if self.acks_frames:  # this frame is in (with its congestion mark)
+            out.append((fr.encode_header(Op.ACK, src=self.st.node_id, dst=self.left_id,
+                                         flow=RING_FLOW, psn=f.psn, key=1, msg=self.msg,
+                                         crc=self.st.crc,
+                                         flags=Flag.ECN if f.has(Flag.ECN) else Flag.NONE),
+                        None))
         while not self.received_all:
             ready = [p for p in self.early if p >> 16 == self.step]
             for psn in ready:
@@ -1486,6 +1585,49 @@ class HostRingAllreduce(Program):
                 return out
             out.extend(self._step_ack(self.step))
             out.extend(self._finish_step())
+        return out
+
+    def _frame_acked(self, f: fr.Frame, now: float) -> list[Send]:
+        """One frame arrived at the right neighbour: out of the window (with its
+        round trip and congestion mark), the timer restarts (the path moves), and
+        frames sent PACKET_THRESHOLD before it and still not ACKed are lost."""
+        if not self.frame_acked:
+            return []
+        if f.psn >> 16 in self.unacked:
+            self.have.add(f.psn)
+        got = self.flying.pop(f.psn, None)
+        if got is None:
+            return []
+        size, sent, resent, order = got
+        if self.unacked:
+            self.deadline = now + self.rtt.rto  # RFC 6298 5.3: data was acknowledged
+        if self.gate is not None:
+            # Karn: a resent frame gives no round trip
+            self.gate.acked(size, f.has(Flag.ECN), 0.0 if resent else now - sent, now)
+        lost: list[int] = []
+        for psn, entry in self.flying.items():
+            if entry[3] > order - PACKET_THRESHOLD:
+                break
+            lost.append(psn)
+        out: list[Send] = []
+        for psn in reversed(lost):
+            lost_size = self.flying.pop(psn)[0]
+            frames = self.unacked.get(psn >> 16)
+            if frames is None or (psn & 0xFFFF) >= len(frames):
+                continue
+            self.again.add(psn)
+            self.st.retransmits += 1
+            if self.gate is not None:  # first in line, as the window lets it
+                self.gate.lost(lost_size, now, timeout=False)
+                self.waiting.appendleft(frames[psn & 0xFFFF])
+            else:
+                out.insert(0, frames[psn & 0xFFFF])
+        if self.gate is None:
+            for header, part in out:
+                self._flying(header, part, now)
+            return out
+        out = self._pump(now)
+        self._maybe_done()  # (the last frames may have waited for the window)
         return out
 
     def _take(self, f: fr.Frame) -> None:
