@@ -116,6 +116,18 @@ def test_only_a_streams_data_is_trimmed() -> None:
     assert fr.trimmable(stream) and not fr.trimmable(other) and not fr.trimmable(group)
 
 
+def test_a_memory_plane_frame_is_dropped_not_trimmed() -> None:
+    """A referenced frame moves the bytes it names over the link: cut to its header
+    it would deliver them for nothing, so a full trimming buffer drops it."""
+    pipe = _pipe(1032, trim=True)
+    pipe.push(_frames(1, 1000)[0], 0.0)  # fills the buffer
+    ref = fr.encode_header(fr.Op.RESULT, src=1, dst=2, job=3, psn=0, length=1000,
+                           flags=fr.Flag.REF)
+    pipe.push((ref, None), 0.0)
+    st = pipe.statistics()
+    assert (st.trims, st.overflow_drops) == (0, 1)
+
+
 def test_masked_multicast_rows_are_trimmed_and_other_multicast_is_not() -> None:
     """MoE dispatch rows (flow MASKED_FLOW, a member mask in key): their members NACK
     a trimmed copy; a multicast stream's frame (key 0: every member) is dropped."""

@@ -484,10 +484,12 @@ class LinkPipeline:
                 if depth is not None and len(depth) < DEPTH_POINTS:
                     depth.append((now, queued))  # replaced below if the frame joins
                 # a frame of a header alone goes ahead whole; a stream's is cut to its
-                # header; any other is dropped (its receiver could not ask for it)
+                # header; any other is dropped (its receiver could not ask for it), a
+                # memory-plane frame too (the bytes it names would ride free)
                 admitted = buf.admit_lossless(self.port, nbytes, now) if self.lossless else \
                     buf.admit(self.port, nbytes, now,
-                              trimmable=item[1] is None or fr.trimmable(item[0]))
+                              trimmable=(item[1] is None and nbytes <= len(item[0]))
+                              or fr.trimmable(item[0]))
                 if admitted is Admission.DROP:
                     self.overflow_drops += 1
                     self._count_lost(item[0])

@@ -21,6 +21,7 @@ when it refuses.
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import random
 from collections import OrderedDict, deque
@@ -464,9 +465,22 @@ class NodeState:
 
     def mem_chunk_elems(self, slot_elems: int, count: int, itemsize: int) -> int:
         """Memory-plane chunk of a ``count``-element tensor: the same on every member
-        (it follows from the topology, never from this node's own link)."""
+        (it follows from the topology, never from this node's own link). Where
+        switch buffers are bounded, a chunk is cut to the links' MTU, as a real
+        fabric carries it: one frame of a whole chunk could outgrow a buffer and
+        never be admitted."""
         floor = MEM_MIN_CHUNK_BYTES_SHAPED if self.fabric_shaped else MEM_MIN_CHUNK_BYTES
-        return min(slot_elems, max(floor // itemsize, -(-count // MEM_MIN_CHUNKS)))
+        elems = min(slot_elems, max(floor // itemsize, -(-count // MEM_MIN_CHUNKS)))
+        if self.buffers_bounded:
+            elems = min(elems, max(self.mtu // itemsize, 1))
+        return elems
+
+    @property
+    def buffers_bounded(self) -> bool:
+        """Whether any switch buffer is bounded (``buffer_bytes``, in any class)."""
+        cong = self.topo.congestion
+        return any(cong.for_class(c).buffer_bytes is not None
+                   for c in (None, *(n for n, _ in cong.classes)))
 
     def stream_rto(self, window_bytes: int, dst: int | None = None
                    ) -> tuple[float, float, float]:
@@ -1056,7 +1070,13 @@ class InaAllreduce(Program):
         self.wire = fr.HEADER_SIZE + self.E * self.item
         self.gate = st.congestion_gate(st.root_switch_id, self.E * self.item, js.job,
                                        reply_bytes=self.E * self.item)
-        self.ready: deque[int] = deque()
+        # A chunk completes only when every member sent it, so members whose windows
+        # are full of different chunks would wait on each other for ever: the ready
+        # chunks go lowest first (a heap), and the lowest goes even through a full
+        # window when it is below every chunk this member has in flight (so the
+        # lowest chunk not yet complete anywhere always goes)
+        self.ready: list[int] = []
+        self.flying: set[int] = set()  # chunks sent whose result has not come
         self.sent_at: dict[int, float] = {}
 
     def _layout(self) -> int:
@@ -1108,7 +1128,7 @@ class InaAllreduce(Program):
         if self.nch == 0:
             self.done = True
         if self.gate is not None:
-            self.ready.extend(range(min(self.S, self.nch)))
+            self.ready.extend(range(min(self.S, self.nch)))  # (sorted: a heap)
             return self._pump(now)
         out = []
         for i in range(min(self.S, self.nch)):
@@ -1124,8 +1144,13 @@ class InaAllreduce(Program):
         out: list[Send] = []
         gate.begin(now)
         ready = self.ready
-        while ready and gate.allows(self.wire, now):
-            i = ready.popleft()
+        while ready:
+            i = ready[0]
+            if not gate.allows(self.wire, now) and (
+                    now < gate.pace_at or (self.flying and i > min(self.flying))):
+                break
+            heapq.heappop(ready)
+            self.flying.add(i)
             gate.sent(self.wire, now)
             self.sent_at[i] = now
             out.append(self._frame(i, False))
@@ -1227,12 +1252,13 @@ class InaAllreduce(Program):
                 below = 0
         gate = self.gate
         if gate is not None:
+            self.flying.discard(i)
             # the round trip includes the switch's wait for the other members
             sent = self.sent_at.pop(i, None)
             gate.acked(self.wire, marked, now - sent if sent is not None else 0.0, now)
             out = self._resent(self.timers.acked(i, now, below)[1], now, timeout=False)
             if i + self.S < self.nch:
-                self.ready.append(i + self.S)
+                heapq.heappush(self.ready, i + self.S)
             out.extend(self._pump(now))
         else:
             out = [self._frame(lost, True) for lost in self.timers.acked(i, now, below)[1]]
