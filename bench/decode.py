@@ -296,6 +296,13 @@ def sim_point(s: dict[str, Any], ep: int, ratio: float, variant: str,
     steps = max(len(res.results[0]["steps"]), 1)
     row["mb_per_step_by_class"] = {cls: n / steps * scale / 1e6
                                    for cls, n in sorted(res.bytes_by_class.items())}
+    # semantic distance per network class, per token: the frames handed from node
+    # to node on its links (process crossings, launched) and switch traversals
+    toks = max(steps * s["batch"] * ep, 1)  # a token per sequence per step
+    row["semantic_per_token_by_class"] = {
+        cls: {"crossings": res.frames_by_class.get(cls, 0) * scale / toks,
+              "hops": res.hops_by_class.get(cls, 0) * scale / toks}
+        for cls in sorted(res.frames_by_class)}
     if extra_us:
         row["note"] = (row["note"] + "; " if row["note"] else "") + \
             f"links +{extra_us:.0f} us (the emulator's software)"

@@ -254,6 +254,12 @@ def run(opts: Any) -> int:
         toks = max(row["total_output_tokens"], 1)
         row["kb_per_token_by_class"] = {cls: b * scale / toks / 1e3
                                         for cls, b in sorted(sim.bytes_by_class.items())}
+        # semantic distance per network class: frames handed from node to node on
+        # its links (process crossings, launched) and switch traversals, per token
+        row["semantic_per_token_by_class"] = {
+            cls: {"crossings": sim.frames_by_class.get(cls, 0) * scale / toks,
+                  "hops": sim.hops_by_class.get(cls, 0) * scale / toks}
+            for cls in sorted(sim.frames_by_class)}
         rows.append(row)
         P = row["parts_ms"]
         print("| " + " | ".join([

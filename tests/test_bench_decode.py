@@ -165,9 +165,16 @@ def test_on_a_cluster_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
                  "--variants", "flat,in-network", "--tokens", "3", "--json", str(out)]) == 0
     text = capsys.readouterr().out
     assert f"fabric {topo}" in text and "every token exact" in text
-    for r in json.loads(out.read_text())["results"]:
+    rows = {r["variant"]: r for r in json.loads(out.read_text())["results"]}
+    for r in rows.values():
         mb = r["mb_per_step_by_class"]
         assert mb["scaleup"] > 0 and mb["scaleout"] > 0 and mb["frontend"] == 0
+        sem = r["semantic_per_token_by_class"]
+        assert sem["scaleout"]["crossings"] >= sem["scaleout"]["hops"] > 0
+    # in-network MoE crosses the scale-out less: the leaf sums what flat sends home
+    out_flat = rows["flat"]["semantic_per_token_by_class"]["scaleout"]["crossings"]
+    assert rows["in-network"]["semantic_per_token_by_class"]["scaleout"]["crossings"] \
+        < out_flat
     assert main(["bench", "decode", "--sim", "--topology", str(topo), "--tp", "2",
                  "--ep", "2"]) == 2
     assert "has 8 workers; the layout needs 4" in capsys.readouterr().err

@@ -139,6 +139,12 @@ class SimResult:
     #: bytes the links of each class carried, both directions (shaped links only:
     #: an unshaped link does not count what it passes)
     bytes_by_class: dict[str, int] = field(default_factory=dict)
+    #: per network class, what semantic distance counts of it: frames its links
+    #: carried (each a hand-over from one node to another: a process crossing on
+    #: launched processes), and of those the ones that entered a switch (hops);
+    #: shaped links only, as ``bytes_by_class``
+    frames_by_class: dict[str, int] = field(default_factory=dict)
+    hops_by_class: dict[str, int] = field(default_factory=dict)
 
 
 class _Node:
@@ -329,6 +335,7 @@ class Simulation:
             raise SimulationError(f"{first.name}: {type(first.error).__name__}: {first.error}")
         end = max((n.busy for n in self._workers), default=self.now)
         stats = {name: c.statistics() for name, c in self.switches.items()}
+        by_class = self._by_class()
         return SimResult(
             results=[n.result for n in self._workers], end_s=max(self.now, end) - start,
             events=self.events, frames=self.frames, switch_stats=stats,
@@ -343,7 +350,8 @@ class Simulation:
             paused_s=sum(p.paused_s for p in self.pipes.values()),
             credit_stalls=sum(p.credit_stalls for p in self.pipes.values()),
             credit_stalled_s=sum(p.credit_stalled_s for p in self.pipes.values()),
-            bytes_by_class=self._bytes_by_class())
+            bytes_by_class=by_class[0], frames_by_class=by_class[1],
+            hops_by_class=by_class[2])
 
     def _credit_deadlock(self) -> str:
         """A cycle of credit-controlled links each of which waits for credit that
@@ -355,13 +363,20 @@ class Simulation:
         cycle = find_pause_cycle(waits) if waits else None
         return ", ".join(f"{a}>{b}" for a, b in cycle) if cycle else ""
 
-    def _bytes_by_class(self) -> dict[str, int]:
-        out: dict[str, int] = {}
+    def _by_class(self) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
+        """Bytes, frames and switch hops of each network class's links."""
+        nbytes: dict[str, int] = {}
+        frames: dict[str, int] = {}
+        hops: dict[str, int] = {}
         for link in self.topo.links:
-            a, b = link.endpoints
-            n = sum(self.pipes[d].statistics().bytes for d in ((a, b), (b, a)))
-            out[link.cls] = out.get(link.cls, 0) + n
-        return out
+            cls = link.cls
+            for d in (link.endpoints, link.endpoints[::-1]):
+                st = self.pipes[d].statistics()
+                nbytes[cls] = nbytes.get(cls, 0) + st.bytes
+                frames[cls] = frames.get(cls, 0) + st.frames
+                if self.topo.node(d[1]).is_switch:
+                    hops[cls] = hops.get(cls, 0) + st.frames
+        return nbytes, frames, hops
 
     def _queue_peaks(self) -> dict[str, int]:
         out: dict[str, int] = {}
