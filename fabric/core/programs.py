@@ -1362,8 +1362,10 @@ class HostRingAllreduce(Program):
         frame_bytes = self.E * np_dtype(t.dtype).itemsize
         self.gate = st.congestion_gate(self.right, frame_bytes, RING_FLOW)
         left, right = st.topo.by_id(self.left_id).name, st.topo.by_id(self.right).name
-        self.acks_frames = (st.congestion_gate(self.left_id, frame_bytes, RING_FLOW) is not None
-                            or _drops(st.topo.path_congestion(left, st.name)))
+        from_left = st.topo.path_congestion(left, st.name)  # what the left one runs
+        self.acks_frames = _drops(from_left) or (
+            from_left.cc is not None and st.cc_path(self.left_id, st.node_id, frame_bytes)
+            is not None)
         self.frame_acked = (self.gate is not None
                             or _drops(st.topo.path_congestion(st.name, right)))
         self.have: set[int] = set()  # frames the right neighbour ACKed, of open steps
