@@ -169,6 +169,10 @@ def _cluster_with_classes() -> object:
 
 
 def test_a_network_class_overrides_the_fabric_table_and_round_trips() -> None:
+    from fabric.core.congestion.settings import NETWORK_CLASSES
+    from fabric.core.topology import LINK_CLASSES
+
+    assert NETWORK_CLASSES == LINK_CLASSES  # one list of classes, in two layers
     t = _cluster_with_classes()
     c = t.congestion  # type: ignore[attr-defined]
     assert c.cc == "nscc" and c.buffer_bytes is None and len(c.classes) == 2
