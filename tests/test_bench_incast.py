@@ -116,6 +116,23 @@ def test_receiver_credit_keeps_the_incast_queue_to_the_first_bytes(trim: bool) -
         assert res.trims == 0 and bdp < peak <= (s.senders + 0.5) * bdp
 
 
+@pytest.mark.parametrize("frames", [1, 2, 3])
+def test_receiver_credit_reaches_a_stream_whose_first_frames_were_all_cut(frames: int) -> None:
+    """Four senders behind a trimming buffer of one to three frames: some streams'
+    unsolicited frames are all trimmed, so nothing of them comes whole. Their
+    headers make them known to the receiver, which grants them; before, those
+    senders waited for credit for ever."""
+    import dataclasses
+
+    s = _settings(trim=True, size=300_001, senders=4)
+    cong = dataclasses.replace(congestion(s, "eqds", links_rtt_s(s)), buffer_bytes=8300 * frames)
+    topo = star(s.senders + 1, bandwidth_gbps=s.link_gbps, latency_us=s.latency_us,
+                mtu=s.mtu, hosts=0).with_congestion(cong)
+    res = Simulation(topo, seed=s.seed, timeout_s=5).run(incast_work, s.senders, s.size,
+                                                         s.iters, s.seed)
+    assert [r["wrong"] for r in res.results[s.senders]] == [0, 0] and res.trims > 0
+
+
 @pytest.mark.timeout(240)
 def test_bench_incast_receiver_credit_in_both_worlds(tmp_path: Path) -> None:
     """--cc eqds on real processes too: the receiver's endpoint grants its senders

@@ -334,7 +334,7 @@ class NodeState:
         self._credit_ids: dict[tuple[int, int, int, int], int] = {}
         self._credit_keys: dict[int, tuple[int, int, int, int]] = {}
         self._credit_next = 0
-        self._early_trims: dict[tuple[int, int, int, int], int] = {}
+        self._credit_opened: set[tuple[int, int, int, int]] = set()
 
     def estimator(self, role: str, rto_min: float) -> RttEstimator:
         """The round-trip estimator of ``role``: later calls start from what earlier
@@ -612,20 +612,20 @@ class NodeState:
         sender is there to take credit): grant what it sends beyond its unsolicited
         bytes. Nothing without a receiver-driven policy."""
         key = (src, flow, sid, msg)
-        if key in self._credit_ids or not self.grants_credit(src):
+        if key in self._credit_opened or not self.grants_credit(src):
             return []
         path = self.cc_path(src, self.node_id, frame_bytes)
         if path is None:
             return []
-        cid = self._credit_next = self._credit_next + 1
-        self._credit_ids[key] = cid
-        self._credit_keys[cid] = key
-        demand = nbytes - unsolicited_bytes(path) + self._early_trims.pop(key, 0)
-        return self._credit_request(cid, demand, now)
+        self._credit_opened.add(key)
+        return self._credit_request(self._credit_id(key), nbytes - unsolicited_bytes(path),
+                                    now)
 
     def credit_close(self, src: int, flow: int, sid: int, msg: int) -> None:
         """The stream has every byte: it needs no more credit."""
-        cid = self._credit_ids.pop((src, flow, sid, msg), None)
+        key = (src, flow, sid, msg)
+        self._credit_opened.discard(key)
+        cid = self._credit_ids.pop(key, None)
         if cid is not None:
             del self._credit_keys[cid]
             if self._pacer is not None:
@@ -648,15 +648,21 @@ class NodeState:
         return name is not None and name in CC_POLICIES and CC_POLICIES[name].receiver_driven
 
     def _credit_trimmed(self, f: fr.Frame, now: float) -> list[Send]:
-        """A stream frame came trimmed: grant it again (a stream not yet opened gets
-        it with its demand)."""
+        """A stream frame came trimmed: grant it again. Its header is also how a
+        stream whose first frames were all cut makes itself known: without that
+        grant its sender would wait for ever (nothing of it came whole)."""
         key = (f.src, f.flow, f.job, f.msg)
+        if key in self.streams_done:
+            return []  # a late copy of a stream this node has whole
+        return self._credit_request(self._credit_id(key), f.length, now)
+
+    def _credit_id(self, key: tuple[int, int, int, int]) -> int:
         cid = self._credit_ids.get(key)
-        if cid is not None:
-            return self._credit_request(cid, f.length, now)
-        if key in self._early_trims or len(self._early_trims) < STREAMS_KEPT:
-            self._early_trims[key] = self._early_trims.get(key, 0) + f.length
-        return []
+        if cid is None:
+            cid = self._credit_next = self._credit_next + 1
+            self._credit_ids[key] = cid
+            self._credit_keys[cid] = key
+        return cid
 
     def _credit_request(self, cid: int, nbytes: int, now: float) -> list[Send]:
         if nbytes <= 0:
@@ -2222,7 +2228,9 @@ class StreamRecv(Program):
         t = self.receiver.get_timer()
         end = self.last_heard + self.st.timeout_s
         due = end if t is None else min(t, end)
-        credit = self.st.credit_timer() if self.opened else None
+        # (the node's credit pacer, for any stream: one whose first frames were all
+        # cut is known by their headers alone)
+        credit = self.st.credit_timer()
         return due if credit is None else min(due, credit)
 
     def handle_timer(self, now: float) -> list[Send]:
@@ -2234,8 +2242,7 @@ class StreamRecv(Program):
                 f"{self.st.name}: WRITE stream {self.sid} from "
                 f"{self.st.topo.by_id(self.src).name}: nothing for {self.st.timeout_s:g}s "
                 f"({self.count}/{self.nframes} frames)")
-        grants = self.st.credit_grants(now) if self.opened else []
-        return grants + self._acks(self.receiver.handle_timer(now))
+        return self.st.credit_grants(now) + self._acks(self.receiver.handle_timer(now))
 
     def waiting_for(self) -> str:
         return f"worker {self.st.topo.by_id(self.src).name} (WRITE stream {self.sid})"
