@@ -1543,10 +1543,12 @@ class HostRingAllreduce(Program):
     def _acked(self, step: int, now: float) -> None:
         if self.have:
             self.have = {p for p in self.have if p >> 16 != step}
-        if self.gate is not None and self.flying:
+        if self.flying:
             # the whole step is in: frames whose own ACK was lost leave the window
             for psn in [p for p in self.flying if p >> 16 == step]:
-                self.gate.acked(self.flying.pop(psn)[0], False, 0.0, now)
+                size = self.flying.pop(psn)[0]
+                if self.gate is not None:
+                    self.gate.acked(size, False, 0.0, now)
         if self.unacked.pop(step, None) is None:
             return
         sent = self.sent_at.pop(step)
@@ -1650,6 +1652,7 @@ class HostRingAllreduce(Program):
             if frames is None or (psn & 0xFFFF) >= len(frames):
                 continue
             self.again.add(psn)
+            self.resent.add(psn >> 16)  # Karn: the step's ACK gives no round trip
             self.st.retransmits += 1
             if self.gate is not None:  # first in line, as the window lets it
                 self.gate.lost(lost_size, now, timeout=False)
