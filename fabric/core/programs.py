@@ -355,7 +355,7 @@ class NodeState:
         if dst is not None:
             return _drops(self.path_congestion(dst))
         cong = self.topo.congestion
-        return any(_drops(cong.for_class(c)) for c in (None, *(n for n, _ in cong.classes)))
+        return any(_drops(c) for c in cong.every_class())
 
     def path_congestion(self, dst: int) -> CongestionSettings:
         """The congestion settings of this node's traffic to node ``dst`` (its
@@ -478,9 +478,7 @@ class NodeState:
     @property
     def buffers_bounded(self) -> bool:
         """Whether any switch buffer is bounded (``buffer_bytes``, in any class)."""
-        cong = self.topo.congestion
-        return any(cong.for_class(c).buffer_bytes is not None
-                   for c in (None, *(n for n, _ in cong.classes)))
+        return any(c.buffer_bytes is not None for c in self.topo.congestion.every_class())
 
     def stream_rto(self, window_bytes: int, dst: int | None = None
                    ) -> tuple[float, float, float]:
@@ -1374,7 +1372,6 @@ class HostRingAllreduce(Program):
             is not None)
         self.frame_acked = (self.gate is not None
                             or _drops(st.topo.path_congestion(st.name, right)))
-        self.have: set[int] = set()  # frames the right neighbour ACKed, of open steps
         self.waiting: deque[Send] = deque()  # frames the window holds, in order
         # frames sent and not yet ACKed, oldest first: psn -> (bytes in the window,
         # sent at, resent, send order)
@@ -1429,15 +1426,14 @@ class HostRingAllreduce(Program):
                 self._flying(header, part, self.now)
         return out
 
-    def _flying(self, header: bytes, part: Any, now: float) -> int:
-        """Frame ``header`` left now (the newest in flight); its payload's bytes."""
+    def _flying(self, header: bytes, part: Any, now: float) -> None:
+        """Frame ``header`` left now: the newest in flight."""
         size = memoryview(part).nbytes if part is not None else 0
         psn = fr.peek(header)[4]
         if self.flying.pop(psn, None) is not None:  # (a resend goes to the end)
             self.again.add(psn)
         self.sent_count += 1
         self.flying[psn] = (size, now, psn in self.again, self.sent_count)
-        return size
 
     def _pump(self, now: float) -> list[Send]:
         """The waiting frames the policy's window and pacer let out now."""
@@ -1515,8 +1511,8 @@ class HostRingAllreduce(Program):
                 f"{min(self.unacked)} within {self.st.timeout_s:g}s from "
                 f"worker {self.st.topo.by_id(self.right).name} (its right neighbour)")
         out = [fr_ for step in sorted(self.unacked) for fr_ in self.unacked[step]]
-        if self.have:
-            out = [(h, p) for h, p in out if fr.peek(h)[4] not in self.have]
+        if self.frame_acked:  # a frame no longer in flight was ACKed (or waits to go)
+            out = [(h, p) for h, p in out if fr.peek(h)[4] in self.flying]
         self.resent.update(self.unacked)
         self.st.retransmits += len(out)
         self.st.timeouts += 1
@@ -1541,8 +1537,6 @@ class HostRingAllreduce(Program):
         return out
 
     def _acked(self, step: int, now: float) -> None:
-        if self.have:
-            self.have = {p for p in self.have if p >> 16 != step}
         if self.flying:
             # the whole step is in: frames whose own ACK was lost leave the window
             for psn in [p for p in self.flying if p >> 16 == step]:
@@ -1629,8 +1623,6 @@ class HostRingAllreduce(Program):
         frames sent PACKET_THRESHOLD before it and still not ACKed are lost."""
         if not self.frame_acked:
             return []
-        if f.psn >> 16 in self.unacked:
-            self.have.add(f.psn)
         got = self.flying.pop(f.psn, None)
         if got is None:
             return []

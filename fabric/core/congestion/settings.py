@@ -131,6 +131,10 @@ class CongestionSettings:
             return self
         return _class_settings(self, cls)
 
+    def every_class(self) -> list[CongestionSettings]:
+        """The fabric's settings and each class's that has its own table."""
+        return [self.for_class(None), *(self.for_class(n) for n, _ in self.classes)]
+
     def for_classes(self, classes: list[str]) -> CongestionSettings:
         """The settings of a route over links of ``classes``: its outermost class's."""
         if not self.classes or not classes:
