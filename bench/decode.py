@@ -290,24 +290,30 @@ def sim_point(s: dict[str, Any], ep: int, ratio: float, variant: str,
                                               _prompts(s, ep), s["tokens"], **kw)
     row = _row(s, ep, ratio, variant, res.results, time.monotonic() - t0, ckpt)
     row["world"] = "simulation"
-    # bytes per step on each network class (the run's, over its steps; with --layers,
-    # extrapolated as the per-layer parts are)
-    scale = s["model_layers"] / s["layers"] if s["layers"] else 1.0
-    steps = max(len(res.results[0]["steps"]), 1)
-    row["mb_per_step_by_class"] = {cls: n / steps * scale / 1e6
-                                   for cls, n in sorted(res.bytes_by_class.items())}
-    # semantic distance per network class, per token: the frames handed from node
-    # to node on its links (process crossings, launched) and switch traversals
-    toks = max(steps * s["batch"] * ep, 1)  # a token per sequence per step
-    row["semantic_per_token_by_class"] = {
-        cls: {"crossings": res.frames_by_class.get(cls, 0) * scale / toks,
-              "hops": res.hops_by_class.get(cls, 0) * scale / toks}
-        for cls in sorted(res.frames_by_class)}
+    _class_figures(row, s, ep, len(res.results[0]["steps"]), {
+        cls: {"bytes": res.bytes_by_class[cls], "frames": res.frames_by_class.get(cls, 0),
+              "hops": res.hops_by_class.get(cls, 0)} for cls in res.bytes_by_class})
     if extra_us:
         row["note"] = (row["note"] + "; " if row["note"] else "") + \
             f"links +{extra_us:.0f} us (the emulator's software)"
         row["software_us"] = extra_us
     return row
+
+
+def _class_figures(row: dict[str, Any], s: dict[str, Any], ep: int, steps: int,
+                   per: dict[str, dict[str, int]]) -> None:
+    """Add a run's traffic per network class to its row (either world): MB per step
+    and semantic distance per token (frames handed from node to node on the
+    class's links, a process crossing when launched, and of those the switch
+    traversals); with --layers, extrapolated as the per-layer parts are."""
+    scale = s["model_layers"] / s["layers"] if s["layers"] else 1.0
+    steps = max(steps, 1)
+    toks = steps * s["batch"] * ep  # a token per sequence per step
+    row["mb_per_step_by_class"] = {cls: t["bytes"] / steps * scale / 1e6
+                                   for cls, t in sorted(per.items())}
+    row["semantic_per_token_by_class"] = {
+        cls: {"crossings": t["frames"] * scale / toks, "hops": t["hops"] * scale / toks}
+        for cls, t in sorted(per.items())}
 
 
 def _row(s: dict[str, Any], ep: int, ratio: float, variant: str, per: list[dict[str, Any]],
@@ -416,9 +422,14 @@ def run(args: argparse.Namespace) -> int:
                     if (ep_, ratio_, ck_) != (ep, ratio, ck):
                         continue
                     t0 = time.monotonic()
+                    before = fab.class_traffic()
                     per = fab.run(run_in_emulation, sharded_decode, s["model"], s["tp"], ep,
                                   _prompts(s, ep), s["tokens"], **_kwargs(s, v, ck))
                     row = _row(s, ep, ratio, v, per, time.monotonic() - t0, ck)
+                    after = fab.class_traffic()
+                    _class_figures(row, s, ep, len(per[0]["steps"]), {
+                        cls: {k: n - before.get(cls, {}).get(k, 0) for k, n in t.items()}
+                        for cls, t in after.items()})
                     results.append(row)
                     _print_row(row)
                     if s["both"]:

@@ -35,6 +35,7 @@ from fabric.core.congestion.credit import link_grant
 from fabric.core.congestion.switchq import switch_queues
 from fabric.core.faults import FaultSpec, FaultStats, parse_faults
 from fabric.core.link import CreditBack, LinkPipeline, wire_bytes
+from fabric.core.semantic import class_traffic
 from fabric.core.topology import Topology
 from fabric.emulation import doorbell as db
 from fabric.emulation import transport
@@ -158,6 +159,7 @@ class SwitchDaemon:
             elif grant:  # the neighbour's link into us: its credit goes back by message
                 self._credit_from.add(peer)
         self._pipes = [*self._ingress.items(), *self._egress.items()]
+        self._port_class = {link.other(name).encode(): link.cls for link in topo.links_of(name)}
         # SEMFAB_QUEUE_TRACE=1: record each bounded egress queue's depth (monotonic
         # seconds), reported in statistics() as "queue_depth"
         if os.environ.get("SEMFAB_QUEUE_TRACE", "") not in ("", "0"):
@@ -552,8 +554,21 @@ class SwitchDaemon:
             "queue_depth": {f"{self.name}>{peer.decode()}": pipe.depth
                             for peer, pipe in self._egress.items() if pipe.depth is not None},
             "faults": {"in": _sum_faults(self._ingress), "out": _sum_faults(self._egress)},
+            # per network class: bytes, frames and hops of the links it drives
+            "classes": self._classes(),
             "uptime_s": time.monotonic() - self._started,
         }
+
+    def _classes(self) -> dict[str, dict[str, int]]:
+        """Per network class, what the link directions this switch drives carried:
+        each shaped direction is driven by one switch (its ingress from a node,
+        its egress to anyone), so a fabric's figures are the sum over its switches."""
+        dirs = [(self._port_class[peer], True, pipe.statistics())
+                for peer, pipe in self._ingress.items()]
+        dirs += [(self._port_class[peer], peer in self._switch_ports, pipe.statistics())
+                 for peer, pipe in self._egress.items()]
+        per = class_traffic((cls, into, st.bytes, st.frames) for cls, into, st in dirs)
+        return {cls: asdict(t) for cls, t in per.items()}
 
     def statistics(self) -> dict[str, Any]:
         """Core counters, engine statistics and the driver's own, as plain data."""

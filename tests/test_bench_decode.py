@@ -120,12 +120,23 @@ def test_layers_extrapolate_a_timing_only_preset(capsys: pytest.CaptureFixture[s
     assert "1 of 61 layers run, x61" in text and "timing-only: no token check" in text
 
 
-def test_both_worlds_side_by_side(capsys: pytest.CaptureFixture[str]) -> None:
+def test_both_worlds_side_by_side(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    out = tmp_path / "both.json"
     assert main(["bench", "decode", "--tp", "2", "--ep", "2", "--tokens", "3",
-                 "--variants", "flat", "--both", "--gpu", "none"]) == 0
+                 "--variants", "flat", "--both", "--gpu", "none", "--json", str(out)]) == 0
     text = capsys.readouterr().out
     assert "# emulated ITL p50 over simulated: " in text
     assert "| emulation" in text and "| simulation" in text and "every token exact" in text
+    # the switch daemons count each class's links as the simulator does: the same
+    # frames (a stray resend or ACK more when launched), bytes and switch hops
+    emu, sim = (next(r for r in json.loads(out.read_text())["results"] if r["world"] == w)
+                for w in ("emulation", "simulation"))
+    assert set(emu["semantic_per_token_by_class"]) == {"scaleup"}
+    for key in ("crossings", "hops"):
+        e, s = (r["semantic_per_token_by_class"]["scaleup"][key] for r in (emu, sim))
+        assert s > 0 and 0.9 * s <= e <= 1.1 * s, (key, e, s)
+    e, s = (r["mb_per_step_by_class"]["scaleup"] for r in (emu, sim))
+    assert s > 0 and 0.9 * s <= e <= 1.1 * s
 
 
 @pytest.mark.parametrize("argv,words", [

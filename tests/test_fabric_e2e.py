@@ -382,7 +382,13 @@ def test_network_classes_have_their_own_queues_on_switch_daemons(tmp_path) -> No
     with launch(topology=topo, run_dir=tmp_path, timeout_s=60, seed=5) as fab:
         res = fab.run(tasks.lossy_allreduce, "host-ps", 100_000, 2)
         stats = fab.switch_stats()
+        classes = fab.class_traffic()
     assert [r["wrong"] for r in res] == [0, 0]
+    # each class's links counted by the switches that drive them: host-ps crosses
+    # the front-end both ways (into the spine: hops; to host0: not)
+    fe = classes["frontend"]
+    assert fe["bytes"] >= 2 * 2 * 100_000 and fe["frames"] > fe["hops"] > 0, classes
+    assert classes["scaleout"]["frames"] == classes["scaleout"]["hops"] > 0, classes
     spine = stats["spine0"]["queues"]
     assert spine["spine0>host0"]["ecn_marks"] > 0
     assert 0 < spine["spine0>host0"]["peak_queue_bytes"] <= 40_000

@@ -20,6 +20,7 @@ its memory):
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, fields
 
 
@@ -57,3 +58,25 @@ class SemanticCounts:
             "crossings": self.crossings / n,
             "hops": self.hops / n,
         }
+
+
+@dataclass(frozen=True)
+class ClassTraffic:
+    """What one network class's links carried, both directions: bytes, frames (each
+    a hand-over from one node to the next: a process crossing on launched
+    processes) and, of those, the frames that entered a switch (hops)."""
+
+    bytes: int = 0
+    frames: int = 0
+    hops: int = 0
+
+
+def class_traffic(directions: Iterable[tuple[str, bool, int, int]]) -> dict[str, ClassTraffic]:
+    """Totals per network class from each link direction's ``(class, into a switch,
+    bytes, frames)``: the one place both drivers count a fabric's classes."""
+    out: dict[str, ClassTraffic] = {}
+    for cls, into_switch, nbytes, frames in directions:
+        t = out.get(cls, ClassTraffic())
+        out[cls] = ClassTraffic(t.bytes + nbytes, t.frames + frames,
+                                t.hops + (frames if into_switch else 0))
+    return out

@@ -318,6 +318,18 @@ class Fabric:
         return {sw.name: query_switch(self.topo.endpoint_address(sw.name, self.sock_dir),
                                       sw.id, timeout_s) for sw in self.topo.switches}
 
+    def class_traffic(self, timeout_s: float = 5.0) -> dict[str, dict[str, int]]:
+        """Per network class, what the fabric's shaped links carried so far: bytes,
+        frames and hops (frames into a switch), summed over the switches that
+        drive them (as :attr:`fabric.sim.SimResult.bytes_by_class` and its kin)."""
+        out: dict[str, dict[str, int]] = {}
+        for st in self.switch_stats(timeout_s).values():
+            for cls, t in st.get("classes", {}).items():
+                acc = out.setdefault(cls, dict.fromkeys(t, 0))
+                for k, v in t.items():
+                    acc[k] += v
+        return out
+
     # ------------------------------------------------------------------ tasks
     def run(self, fn: Callable[..., Any], *args: Any, timeout_s: float | None = None,
             **kwargs: Any) -> list[Any]:

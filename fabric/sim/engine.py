@@ -48,6 +48,7 @@ from fabric.core.programs import (
     barrier_program,
     fixed_program,
 )
+from fabric.core.semantic import class_traffic
 from fabric.core.topology import Topology
 from fabric.core.workload import (
     Allreduce,
@@ -365,18 +366,14 @@ class Simulation:
 
     def _by_class(self) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
         """Bytes, frames and switch hops of each network class's links."""
-        nbytes: dict[str, int] = {}
-        frames: dict[str, int] = {}
-        hops: dict[str, int] = {}
+        dirs = []
         for link in self.topo.links:
-            cls = link.cls
             for d in (link.endpoints, link.endpoints[::-1]):
                 st = self.pipes[d].statistics()
-                nbytes[cls] = nbytes.get(cls, 0) + st.bytes
-                frames[cls] = frames.get(cls, 0) + st.frames
-                if self.topo.node(d[1]).is_switch:
-                    hops[cls] = hops.get(cls, 0) + st.frames
-        return nbytes, frames, hops
+                dirs.append((link.cls, self.topo.node(d[1]).is_switch, st.bytes, st.frames))
+        per = class_traffic(dirs)
+        return ({c: t.bytes for c, t in per.items()}, {c: t.frames for c, t in per.items()},
+                {c: t.hops for c, t in per.items()})
 
     def _queue_peaks(self) -> dict[str, int]:
         out: dict[str, int] = {}
