@@ -78,8 +78,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "prompt) within it")
     p.add_argument("--sim", action="store_true", help="simulate in virtual time")
     p.add_argument("--both", action="store_true",
-                   help="emulate, then simulate each point with the emulator's measured "
-                   "software latency on the simulated links; 'vs sim' compares the ITLs")
+                   help="emulate, then simulate each point as this emulator (its switches' "
+                   "and nodes' service times, measured first as `semfab sim calibrate` "
+                   "does); 'vs sim' compares the ITLs")
+    p.add_argument("--calibration", metavar="FILE",
+                   help="service times from `semfab sim calibrate --json FILE` for the "
+                   "simulated rows (--sim, or --both instead of measuring them)")
     p.add_argument("--seed", type=int, default=0, help="prompts, sampling and routing seed")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds any wait may take")
@@ -201,7 +205,15 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
             "buffer": buffer, "trim": trim, "pfc": lossless_settings(args)[0],
             "credit": lossless_settings(args)[1], "mtu": args.mtu, "topology": args.topology,
             "slo_ms": args.slo_ms, "checkpoints": checkpoints,
-            "topology_text": topo_text}
+            "topology_text": topo_text, "timing": None, "calibration": args.calibration}
+    if args.calibration:
+        if not (args.sim or args.both):
+            raise UsageError("--calibration times the simulated rows: add --sim or --both")
+        import dataclasses
+
+        from fabric.sim import calibrate
+
+        s["timing"] = dataclasses.asdict(calibrate.load(args.calibration))
     from fabric.core.congestion import CongestionConfigError
     from fabric.core.congestion.switchq import switch_queues
     from fabric.core.topology import TopologyError
@@ -224,9 +236,8 @@ def _prompts(s: dict[str, Any], ep: int) -> list[list[int]]:
             for _ in range(n)]
 
 
-def _topology(s: dict[str, Any], world: int, ratio: float, extra_us: float = 0.0) -> Any:
-    """The fabric of a point; ``extra_us`` more latency on every link (the emulator's
-    software, for ``--both``)."""
+def _topology(s: dict[str, Any], world: int, ratio: float) -> Any:
+    """The fabric of a point."""
     from fabric.core.congestion.settings import CongestionSettings
     from fabric.core.topology import leaf_spine, loads, star
 
@@ -239,7 +250,7 @@ def _topology(s: dict[str, Any], world: int, ratio: float, extra_us: float = 0.0
     per = min(s["per_leaf"], world)
     if world % per:
         raise UsageError(f"{world} ranks do not fill leaves of --per-leaf {per}")
-    lat = s["latency_us"] + extra_us
+    lat = s["latency_us"]
     mtu: dict[str, Any] = {"mtu": s["mtu"]} if s.get("mtu") else {}
     if world == per:
         topo = star(world, bandwidth_gbps=s["bandwidth_gbps"], latency_us=lat, hosts=0, **mtu)
@@ -250,25 +261,6 @@ def _topology(s: dict[str, Any], world: int, ratio: float, extra_us: float = 0.0
     return topo.with_congestion(cong)
 
 
-#: Round trips of one stream frame the ``--both`` probe takes (the fastest counts).
-PROBES = 7
-
-
-def software_latency_us(s: dict[str, Any], fab: Any) -> float:
-    """The emulator's share of one link's latency (microseconds): rank 0 streams one
-    frame to rank 1 ``PROBES`` times; the fastest round trip, less what its four
-    link crossings (two links, both ways; the frame and its ACK) take, over four."""
-    from bench.incast import probe_work
-    from fabric.core import frame as fr
-    from fabric.emulation.workloads import run_in_emulation
-
-    nbytes = 4096
-    per = fab.run(run_in_emulation, probe_work, 1, nbytes, PROBES)
-    wire = nbytes + 2 * fr.HEADER_SIZE
-    links = 2 * (2 * s["latency_us"] * 1e-6 + wire * 8 / (s["bandwidth_gbps"] * 1e9))
-    return max(min(per[0]) - links, 0.0) / 4 * 1e6
-
-
 def _kwargs(s: dict[str, Any], variant: str, ckpt: int = 0) -> dict[str, Any]:
     return {"pp": s["pp"], "temperature": s["temperature"], "seed": s["seed"],
             "variant": variant, "path": s["path"], "data": s["data"], "gpu": s["gpu"],
@@ -277,15 +269,17 @@ def _kwargs(s: dict[str, Any], variant: str, ckpt: int = 0) -> dict[str, Any]:
 
 
 def sim_point(s: dict[str, Any], ep: int, ratio: float, variant: str,
-              timeout_s: float, extra_us: float = 0.0, ckpt: int = 0) -> dict[str, Any]:
-    """One simulated point (plain settings in, a plain row out)."""
+              timeout_s: float, ckpt: int = 0) -> dict[str, Any]:
+    """One simulated point (plain settings in, a plain row out); with
+    ``s["timing"]``, the emulator's service times on its switches and nodes."""
     from fabric.core.decode_workload import sharded_decode
-    from fabric.sim import Simulation
+    from fabric.sim import Simulation, TimingModel
 
     world = s["tp"] * ep * s["pp"] * (2 if ckpt else 1)
     t0 = time.monotonic()
     kw = {**_kwargs(s, variant, ckpt), "payloads": False}
-    res = Simulation(_topology(s, world, ratio, extra_us), seed=s["seed"],
+    timing = TimingModel(**s["timing"]) if s.get("timing") else None
+    res = Simulation(_topology(s, world, ratio), seed=s["seed"], timing=timing,
                      timeout_s=timeout_s).run(sharded_decode, s["model"], s["tp"], ep,
                                               _prompts(s, ep), s["tokens"], **kw)
     row = _row(s, ep, ratio, variant, res.results, time.monotonic() - t0, ckpt)
@@ -293,11 +287,15 @@ def sim_point(s: dict[str, Any], ep: int, ratio: float, variant: str,
     _class_figures(row, s, ep, len(res.results[0]["steps"]), {
         cls: {"bytes": res.bytes_by_class[cls], "frames": res.frames_by_class.get(cls, 0),
               "hops": res.hops_by_class.get(cls, 0)} for cls in res.bytes_by_class})
-    if extra_us:
-        row["note"] = (row["note"] + "; " if row["note"] else "") + \
-            f"links +{extra_us:.0f} us (the emulator's software)"
-        row["software_us"] = extra_us
+    if timing is not None:
+        row["note"] = (row["note"] + "; " if row["note"] else "") + "as this emulator " + \
+            _timing_text(s["timing"])
     return row
+
+
+def _timing_text(t: dict[str, float]) -> str:
+    return (f"(switch {t['switch_frame_s'] * 1e6:.0f} us/frame + {t['switch_byte_s'] * 1e9:.2f} "
+            f"ns/B, node {t['node_frame_s'] * 1e6:.0f} us/frame)")
 
 
 def _class_figures(row: dict[str, Any], s: dict[str, Any], ep: int, steps: int,
@@ -392,6 +390,15 @@ def run(args: argparse.Namespace) -> int:
     """Entry point of `semfab bench decode`."""
     s = _settings(args)
     print(_header(s), flush=True)
+    if s["both"] and s["timing"] is None:
+        # the simulated rows simulate this emulator: its service times first
+        from fabric.sim import calibrate
+
+        print("# --both: measuring this emulator's service times (as `semfab sim "
+              "calibrate`) ...", flush=True)
+        s["timing"] = calibrate.measure()["timing"]
+    if s["timing"] is not None:
+        print("# simulated rows as this emulator " + _timing_text(s["timing"]), flush=True)
     print(_table_head(), flush=True)
     points = [(ep, ratio, v, ck) for ep in s["eps"] for ratio in s["ratios"]
               for ck in s["checkpoints"] for v in s["variants"]]
@@ -400,7 +407,7 @@ def run(args: argparse.Namespace) -> int:
     if args.sim:
         from fabric.sim.cli import run_points
 
-        works = [(sim_point, (s, ep, ratio, v, args.timeout, 0.0, ck))
+        works = [(sim_point, (s, ep, ratio, v, args.timeout, ck))
                  for ep, ratio, v, ck in points]
         for row in run_points(works, args.jobs, args.executor):
             results.append(row)
@@ -417,7 +424,6 @@ def run(args: argparse.Namespace) -> int:
             if args.run_dir:
                 kw["run_dir"] = f"{args.run_dir}/ep{ep}-r{ratio:g}-c{ck}"
             with launch(topology=_topology(s, world, ratio), **kw) as fab:
-                extra = software_latency_us(s, fab) if s["both"] else 0.0
                 for ep_, ratio_, v, ck_ in points:
                     if (ep_, ratio_, ck_) != (ep, ratio, ck):
                         continue
@@ -433,7 +439,7 @@ def run(args: argparse.Namespace) -> int:
                     results.append(row)
                     _print_row(row)
                     if s["both"]:
-                        sim = sim_point(s, ep, ratio, v, args.timeout, extra, ck)
+                        sim = sim_point(s, ep, ratio, v, args.timeout, ck)
                         row["vs_sim"] = row["itl_ms"]["p50"] / sim["itl_ms"]["p50"]
                         results.append(sim)
                         _print_row(sim)

@@ -137,6 +137,10 @@ def test_both_worlds_side_by_side(capsys: pytest.CaptureFixture[str], tmp_path: 
         assert s > 0 and 0.9 * s <= e <= 1.1 * s, (key, e, s)
     e, s = (r["mb_per_step_by_class"]["scaleup"] for r in (emu, sim))
     assert s > 0 and 0.9 * s <= e <= 1.1 * s
+    # the simulated row simulates this emulator: the service times measured first
+    doc = json.loads(out.read_text())
+    assert doc["settings"]["timing"]["switch_frame_s"] > 0
+    assert "as this emulator (switch " in sim["note"] and "vs_sim" in emu
 
 
 @pytest.mark.parametrize("argv,words", [
@@ -148,6 +152,8 @@ def test_both_worlds_side_by_side(capsys: pytest.CaptureFixture[str], tmp_path: 
     (["--layers", "1"], "tiny computes every layer"),
     (["--gpu", "v100"], "--gpu 'v100'"),
     (["--sim", "--both"], "leave out --sim"),
+    (["--calibration", "c.json"], "add --sim or --both"),
+    (["--sim", "--calibration", "/nonexistent.json"], "not a calibration file"),
     (["--sim", "--ep", "4", "--per-leaf", "3"], "do not fill leaves of --per-leaf 3"),
     (["--sim", "--cc", "reno"], "--cc reno: unknown policy"),
     (["--sim", "--trim"], "give --buffer"),
