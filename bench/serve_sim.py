@@ -8,14 +8,17 @@ real sizes, compute charged from the cost model (``--gpu``). A fabric of several
 layouts' worth of workers (``--workers``, or the topology's) runs that many
 generators side by side, data parallel, the requests dealt to them in turn.
 
-What happens after a token is ready is modelled, not simulated: it reaches
-host0 after the front-end path's latency (the topology's links from the first
-worker to host0, or ``--frontend-us``), and host0's detokenizer and HTTP
-server add ``--host-us`` per token (default: what `semfab bench tokens`
-measured for those two layers on a 2-core machine). The client sends a request
-``--frontend-us`` before the leader sees it. From those times the rows are the
-emulated benchmark's: TTFT, TPOT, ITL, E2EL, goodput, and the step split
-``parts_ms`` per token.
+After each step the leader posts the step's tokens to host0 (a record of
+``RECORD_BYTES`` each) as frames on the fabric's links (``ctx.post``: reliable,
+in the background, queued with whatever else those links carry: the
+front-end's DCTCP, a checkpoint burst); a token's transport is the time from
+its step's end to its post being whole at host0. With ``--frontend-us``, or on
+a fabric without host0, that way is a fixed time instead. What follows is
+modelled: host0's detokenizer and HTTP server add ``--host-us`` per token
+(default: what `semfab bench tokens` measured for those two layers on a 2-core
+machine), and the client sends a request the front-end path's latency before
+the leader sees it. From those times the rows are the emulated benchmark's:
+TTFT, TPOT, ITL, E2EL, goodput, and the step split ``parts_ms`` per token.
 """
 
 from __future__ import annotations
@@ -55,8 +58,9 @@ def add_arguments(g: Any) -> None:
                    help="--sim: run this many of the model's layers on the fabric and "
                    "charge each step the rest (their share of it)")
     g.add_argument("--frontend-us", type=float, default=None,
-                   help="--sim: one way between the leader and the client (default: the "
-                   "topology's links from the first worker to host0, else 0)")
+                   help="--sim: a fixed time one way between the leader and the client "
+                   "instead of the tokens' frames to host0 (default: frames where the "
+                   "topology has host0, else 0)")
     g.add_argument("--host-us", type=float, default=HOST_US_PER_TOKEN,
                    help="--sim: host0's detokenizer and HTTP cost per token")
 
@@ -128,13 +132,27 @@ def check(args: argparse.Namespace) -> dict[str, Any]:
             "layers": args.layers, "model_layers": m.layers, "world": world,
             "input_len": args.input_len or DEFAULT_INPUT_LEN, "output_len": args.tokens,
             "frontend_s": frontend_s(topo, args.frontend_us), "host_s": args.host_us * 1e-6,
+            # the tokens go to host0 as frames unless a fixed time is asked for
+            "tokens_as_frames": args.frontend_us is None
+            and any(h.name == "host0" for h in topo.hosts),
             "topology": args.topology, "seed": args.seed, "topo": topo}
 
 
-def merged(results: list[Any]) -> dict[str, Any]:
+def merged(results: list[Any], posts: dict[str, list[Any]] | None = None,
+           topo: Any = None) -> dict[str, Any]:
     """The generators' leaders' results as one: every request in request order, every
-    step of every generator."""
+    step of every generator; with the simulation's ``posts``, each request's
+    ``seen`` (when each of its tokens was whole at host0, on its times' clock)."""
     leads = [r for r in results if r]
+    if posts is not None:
+        whole = {(a.src, a.post): a.t for a in posts.get("host0", [])}
+        for r in leads:
+            src = topo.node(r["leader"]).id
+            for q in r["requests"]:
+                try:
+                    q["seen"] = [whole[(src, p)] - r["start"] for p in q["posts"]]
+                except KeyError:  # (the run ends only when every post is whole)
+                    raise RuntimeError(f"a post of {r['leader']} never reached host0") from None
     requests = sorted((q for r in leads for q in r["requests"]), key=lambda q: q["id"])
     steps = [p for r in leads for p in r["steps"]]
     return {"requests": requests, "steps": steps}
@@ -159,7 +177,8 @@ def clients(res: dict[str, Any], s: dict[str, Any]) -> tuple[list[Any], int, int
     out = []
     for i, q in enumerate(res["requests"]):
         sent = q["arrival"] - fe
-        seen = [t + fe + host for t in q["tokens"]]
+        seen = [t + host for t in q["seen"]] if "seen" in q else \
+            [t + fe + host for t in q["tokens"]]
         out.append(ClientResult(
             ok=True, status=200, response_id=f"sim-{i}", t_send=int(sent * 1e9),
             t_end=int(seen[-1] * 1e9), t_events=[int(t * 1e9) for t in seen],
@@ -184,7 +203,12 @@ def level_row(res: dict[str, Any], s: dict[str, Any], level: Any, opts: Any,
     row["parts_ms"] = {k: {q: split[k][q] for q in keep} for k in STEP_PARTS} \
         if split else {}
     if split:
-        row["parts_ms"]["transport"] = {q: s["frontend_s"] * 1e3 for q in keep}
+        way = [(b - a) * 1e3 for q in res["requests"] if "seen" in q
+               for a, b in zip(q["tokens"], q["seen"], strict=True)]
+        row["parts_ms"]["transport"] = {
+            "mean": float(np.mean(way)), "p50": float(np.percentile(way, 50)),
+            "p99": float(np.percentile(way, 99))} if way else \
+            {q: s["frontend_s"] * 1e3 for q in keep}
         row["parts_ms"]["interpretation+presentation"] = {q: s["host_s"] * 1e3 for q in keep}
         itl = row["itl_ms"]["mean"]
         row["step_over_itl"] = sum(split[k]["mean"] for k in STEP_PARTS) / itl \
@@ -207,6 +231,7 @@ def level_row(res: dict[str, Any], s: dict[str, Any], level: Any, opts: Any,
                 "gpu": s["gpu"], "layers": s["layers"], "gpus": s["world"], **level.fields(),
                 "input_len": s["input_len"], "output_len": s["output_len"],
                 "frontend_us": s["frontend_s"] * 1e6, "host_us": s["host_s"] * 1e6,
+                "tokens_as_frames": s["tokens_as_frames"],
                 "wall_s": wall, "strategy": "simulated", "load": level.label})
     return row
 
@@ -226,7 +251,9 @@ def run(opts: Any) -> int:
           f"gpu {s['gpu'] or 'none'}"
           + (f", {s['layers']} of {s['model_layers']} layers run" if s["layers"] else "")
           + f") on {where}")
-    print(f"# input-len {s['input_len']}  output-len {s['output_len']}  front-end "
+    way = "tokens to host0 as frames on the links" if s["tokens_as_frames"] else \
+        f"tokens {s['frontend_s'] * 1e6:.1f} us one way (fixed)"
+    print(f"# input-len {s['input_len']}  output-len {s['output_len']}  {way}  requests "
           f"{s['frontend_s'] * 1e6:.1f} us one way  host {s['host_s'] * 1e6:.0f} us/token "
           f"(modelled)  seed {s['seed']}", flush=True)
     rows = []
@@ -245,20 +272,26 @@ def run(opts: Any) -> int:
             arrivals=_arrivals(level, a.burstiness, s["seed"], i),
             concurrency=level.concurrency or 0, gpu=s["gpu"], variant=s["moe"],
             path=s["tp_path"], layers=s["layers"], seed=s["seed"],
-            frontend_s=s["frontend_s"])
-        res = merged(sim.results)
+            frontend_s=s["frontend_s"], record_bytes=RECORD_BYTES,
+            post_to="host0" if s["tokens_as_frames"] else None)
+        res = merged(sim.results, sim.posts if s["tokens_as_frames"] else None, s["topo"])
         row = level_row(res, s, level, opts, time.monotonic() - t0)
         # bytes on each network class per token delivered (with --layers: scaled to
-        # the model's layers, as the step's time is)
+        # the model's layers, as the step's time is; not the front-end's, whose
+        # frames, the tokens to host0, go once a step)
         scale = s["model_layers"] / s["layers"] if s["layers"] else 1.0
         toks = max(row["total_output_tokens"], 1)
-        row["kb_per_token_by_class"] = {cls: b * scale / toks / 1e3
+
+        def per_token(cls: str, n: int, scale: float = scale, toks: int = toks) -> float:
+            return n * (1.0 if cls == "frontend" else scale) / toks
+
+        row["kb_per_token_by_class"] = {cls: per_token(cls, b) / 1e3
                                         for cls, b in sorted(sim.bytes_by_class.items())}
         # semantic distance per network class: frames handed from node to node on
         # its links (process crossings, launched) and switch traversals, per token
         row["semantic_per_token_by_class"] = {
-            cls: {"crossings": sim.frames_by_class.get(cls, 0) * scale / toks,
-                  "hops": sim.hops_by_class.get(cls, 0) * scale / toks}
+            cls: {"crossings": per_token(cls, sim.frames_by_class.get(cls, 0)),
+                  "hops": per_token(cls, sim.hops_by_class.get(cls, 0))}
             for cls in sorted(sim.frames_by_class)}
         rows.append(row)
         P = row["parts_ms"]

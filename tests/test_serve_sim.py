@@ -40,6 +40,11 @@ def test_sim_rows_have_client_metrics_and_the_step_split(tmp_path: Path,
         assert r["step_over_itl"] == pytest.approx(1.0, rel=0.05)
         assert 0 < r["experience"]["compute"] <= 1
         assert r["kb_per_token_by_class"]["scaleup"] > 0  # TP inside a domain
+        # the tokens go to host0 as frames: a step's records and their ACK on the
+        # front-end's link, each way at least the path's time
+        assert r["tokens_as_frames"] and r["kb_per_token_by_class"]["frontend"] > 0
+        assert r["semantic_per_token_by_class"]["frontend"]["crossings"] > 0
+        assert r["parts_ms"]["transport"]["p50"] >= doc["params"]["frontend_s"] * 1e3 * 0.999
     by = {r["concurrency"]: r for r in rows}
     assert by[4]["output_throughput_tok_s"] > by[1]["output_throughput_tok_s"]
 

@@ -51,7 +51,8 @@ def served_decode(ctx: Any, preset: str, tp: int, ep: int, prompt_len: Sequence[
                   arrivals: Sequence[float] | None = None, concurrency: int = 0,
                   max_batch: int = 64, gpu: str | None = "h100", variant: str = "flat",
                   path: str = "ina", layers: int | None = None, seed: int = 0,
-                  frontend_s: float = 0.0, think_s: float = 0.0
+                  frontend_s: float = 0.0, think_s: float = 0.0,
+                  post_to: str | None = None, record_bytes: int = 32
                   ) -> Generator[Any, Any, dict[str, Any]]:
     """Serve ``len(prompt_len)`` requests (request ``i``: ``prompt_len[i]`` prompt
     tokens, ``output_len[i]`` new ones) on ``tp x ep x pp`` ranks, timing-only.
@@ -61,8 +62,14 @@ def served_decode(ctx: Any, preset: str, tp: int, ep: int, prompt_len: Sequence[
     ``layers`` runs that many of the model's layers on the fabric and charges
     each step the rest as their share of it (the per-layer parts scaled up), so
     queueing and arrivals follow the whole model's step times.
-    Returns, on the leader, ``{"requests": [{"arrival", "tokens": [times]}],
-    "steps": [parts]}`` (seconds of virtual time); on the others ``{}``.
+    ``post_to`` (a node: ``"host0"``): after each step the leader posts its
+    tokens there, ``record_bytes`` each, as frames over the fabric's links
+    (``ctx.post``: in the background, the next step starts at once); each token
+    then names its post, whose arrival the simulation logs.
+    Returns, on the leader, ``{"requests": [{"arrival", "tokens": [times],
+    "posts": [post numbers]}], "steps": [parts], "leader": its node, "start":
+    the clock the times count from}`` (seconds of virtual time); on the others
+    ``{}``.
     """
     import dataclasses
 
@@ -113,6 +120,7 @@ def served_decode(ctx: Any, preset: str, tp: int, ep: int, prompt_len: Sequence[
     else:
         arrive[:min(concurrency, n)] = start
     tokens: list[list[float]] = [[] for _ in range(n)]
+    posts: list[list[int]] = [[] for _ in range(n)]
     steps: list[dict[str, float]] = []
     nxt = 0  # the next request not yet admitted
     followers = list(range(base + 1, base + size))
@@ -183,12 +191,16 @@ def served_decode(ctx: Any, preset: str, tp: int, ep: int, prompt_len: Sequence[
         part["rows"] = float(len(active))
         part["first"] = float(first)
         part["t"] = t_end
+        post = -1
         if leader:
             steps.append(part)
+            if post_to is not None and active:  # the step's tokens, on their way to host0
+                post = yield ctx.post(post_to, record_bytes * len(active))
         for r in running:
             for s in r:
                 if leader:
                     tokens[s[0]].append(t_end)
+                    posts[s[0]].append(post)
                 s[1] = 0
                 s[2] -= 1
                 context[s[0]] += 1
@@ -207,8 +219,9 @@ def served_decode(ctx: Any, preset: str, tp: int, ep: int, prompt_len: Sequence[
     if not leader:
         return {}
     return {"requests": [{"id": ids[i], "arrival": float(arrive[i] - start),
-                          "tokens": [t - start for t in tokens[i]]} for i in range(n)],
-            "steps": steps, "group": group}
+                          "tokens": [t - start for t in tokens[i]], "posts": posts[i]}
+                         for i in range(n)],
+            "steps": steps, "group": group, "leader": ctx.name, "start": start}
 
 
 def deal(total: int, dp: int, group: int, concurrency: int = 0) -> tuple[list[int], int]:

@@ -29,7 +29,8 @@ from fabric.errors import UsageError
 
 __all__ = ["Allreduce", "Barrier", "Clock", "CloseGroup", "Collective", "Compute", "Context",
            "Control", "Counters",
-           "MakeGroup", "MoeCombine", "MoeDispatch", "Operation", "Recv", "Send", "Together",
+           "MakeGroup", "MoeCombine", "MoeDispatch", "Operation", "Post", "Recv", "Send",
+           "Together",
            "check_workload",
            "start_workload",
            "program_of", "stream_program"]
@@ -135,6 +136,17 @@ class Together:
 
 
 @dataclass(frozen=True)
+class Post:
+    """Hand ``nbytes`` to node ``node`` (a host: ``"host0"``) in the background:
+    yields the post's number at once; the frames go reliably while the workload
+    goes on, and the receiver logs when each post was whole (simulation:
+    ``SimResult.posts``)."""
+
+    node: str
+    nbytes: int
+
+
+@dataclass(frozen=True)
 class Barrier:
     """Wait until every worker (or every member of ``group``) reached this barrier."""
 
@@ -171,7 +183,7 @@ class Control:
 
 
 Operation = (Allreduce | Collective | MoeDispatch | MoeCombine | MakeGroup | CloseGroup | Send
-             | Recv | Together | Barrier | Compute | Clock | Counters | Control)
+             | Recv | Together | Post | Barrier | Compute | Clock | Counters | Control)
 
 
 class Context:
@@ -266,6 +278,11 @@ class Context:
                  nbytes: int = 0, policy: str = "selective") -> Together:
         """Send to ``dst`` and receive from ``src`` at the same time."""
         return Together((Send(dst, x, nbytes, policy), Recv(src, out, nbytes, policy)))
+
+    def post(self, node: str, nbytes: int) -> Post:
+        """``nbytes`` to node ``node`` in the background (timing-only, simulation);
+        yields the post's number without waiting for its delivery."""
+        return Post(node, nbytes)
 
     def barrier(self, group: Any = None) -> Barrier:
         """A barrier over every worker (or the members of ``group``)."""

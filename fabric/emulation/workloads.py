@@ -24,6 +24,7 @@ from fabric.core.workload import (
     MakeGroup,
     MoeCombine,
     MoeDispatch,
+    Post,
     Recv,
     Send,
     Together,
@@ -85,6 +86,9 @@ def perform(ep: Any, op: Any) -> Any:
         if any((o.x if isinstance(o, Send) else o.out) is None for o in parts):
             raise UsageError("timing-only streams (no array) run in simulation only")
         return ep.run(stream_program(ep.state, op), f"{type(op).__name__.lower()}")
+    if isinstance(op, Post):
+        raise UsageError("ctx.post (background posts to a node) runs in simulation only; "
+                         "launched, `semfab serve` sends each step's tokens to host0 itself")
     if isinstance(op, Barrier):
         ep.barrier(op.group)
         return None

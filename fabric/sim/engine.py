@@ -36,6 +36,7 @@ from fabric.core.faults import FaultSpec, parse_faults
 from fabric.core.frame import Flag, FrameError, Op
 from fabric.core.hostnode import HostAggregator
 from fabric.core.link import CreditBack, LinkPipeline, wire_bytes
+from fabric.core.posting import Inbox, Outbox, PostArrival
 from fabric.core.programs import (
     HOST_PS_FLOW,
     Chain,
@@ -63,6 +64,7 @@ from fabric.core.workload import (
     MakeGroup,
     MoeCombine,
     MoeDispatch,
+    Post,
     Recv,
     Send,
     Together,
@@ -146,11 +148,15 @@ class SimResult:
     #: shaped links only, as ``bytes_by_class``
     frames_by_class: dict[str, int] = field(default_factory=dict)
     hops_by_class: dict[str, int] = field(default_factory=dict)
+    #: posts (``ctx.post``) whole at their receivers, by receiving node: from
+    #: which node, the post's number, its bytes and when (the workloads' clock,
+    #: ``ctx.clock()``)
+    posts: dict[str, list[PostArrival]] = field(default_factory=dict)
 
 
 class _Node:
     __slots__ = ("state", "ctx", "gen", "prog", "stash", "host", "done", "result", "error",
-                 "busy", "timer_at", "uplink", "name", "port", "stage")
+                 "busy", "timer_at", "uplink", "name", "port", "stage", "outbox", "inbox")
 
     def __init__(self, state: NodeState) -> None:
         self.state = state
@@ -168,6 +174,8 @@ class _Node:
         self.timer_at: float | None = None
         self.uplink: LinkPipeline | None = None
         self.stage: Program | None = None  # the step running when the stash was last replayed
+        self.outbox: Outbox | None = None  # its posts (ctx.post), made on the first
+        self.inbox: Inbox | None = None  # posts it received
 
 
 class ArrayMemoryPlane:
@@ -314,7 +322,9 @@ class Simulation:
             node.gen = start_workload(workload, node.ctx, *args, **kwargs)
             node.done = False
             self._resume(node, None)
-        self._drain(lambda: all(n.done for n in self._workers), until)
+        # (a worker whose workload ended may still have posts on the way)
+        self._drain(lambda: all(n.done and (n.outbox is None or n.outbox.done)
+                                for n in self._workers), until)
         unfinished = [n.name for n in self._workers if not n.done]
         failed = [n for n in self._workers if n.error is not None]
         if unfinished or failed:
@@ -352,7 +362,9 @@ class Simulation:
             credit_stalls=sum(p.credit_stalls for p in self.pipes.values()),
             credit_stalled_s=sum(p.credit_stalled_s for p in self.pipes.values()),
             bytes_by_class=by_class[0], frames_by_class=by_class[1],
-            hops_by_class=by_class[2])
+            hops_by_class=by_class[2],
+            posts={n.name: list(n.inbox.arrivals) for n in self.nodes.values()
+                   if n.inbox is not None})
 
     def _credit_deadlock(self) -> str:
         """A cycle of credit-controlled links each of which waits for credit that
@@ -540,6 +552,15 @@ class Simulation:
             t = max(t, node.busy) + tm.node_frame_s + tm.node_byte_s * wire_bytes(
                 header, payload)
             node.busy = t
+        if Inbox.wants(f):  # a post (ctx.post): any node takes it
+            if node.inbox is None:
+                node.inbox = Inbox(node.state.node_id, node.state.crc)
+            self._node_send(node, node.inbox.handle_frame(f, t), t)
+            return
+        box = node.outbox
+        if box is not None and box.wants(f):
+            self._outbox_step(node, lambda: box.handle_frame(f, t), t)
+            return
         if node.host is not None:
             self._host_frame(node, f, t)
             return
@@ -591,9 +612,11 @@ class Simulation:
                     self._replay_stash(node, t)
 
     def _schedule_node_timer(self, node: _Node) -> None:
-        if node.prog is None:
-            return
-        due = node.prog.get_timer()
+        due = node.prog.get_timer() if node.prog is not None else None
+        if node.outbox is not None:
+            d = node.outbox.get_timer()
+            if d is not None and (due is None or d < due):
+                due = d
         if due is not None and (node.timer_at is None or due < node.timer_at):
             node.timer_at = due
             self._push(max(due, self.now), _NODE_TIMER, node)
@@ -601,6 +624,9 @@ class Simulation:
     def _on_node_timer(self, node: _Node, t: float) -> None:
         if node.timer_at is not None and node.timer_at <= t:
             node.timer_at = None
+        box = node.outbox
+        if box is not None and (due := box.get_timer()) is not None and due <= t:
+            self._outbox_step(node, lambda: box.handle_timer(t), t)
         prog = node.prog
         if prog is None:
             return
@@ -609,6 +635,19 @@ class Simulation:
             self._step(node, lambda: prog.handle_timer(t), t)
         else:
             self._schedule_node_timer(node)
+
+    def _outbox_step(self, node: _Node, action: Callable[[], list[tuple[Any, Any]]],
+                     t: float) -> None:
+        """Run one step of the node's posts; a post that cannot be delivered fails
+        the node (its workload has moved on: there is nowhere to raise it)."""
+        try:
+            sends = action()
+        except SemfabError as exc:
+            node.outbox = None
+            self._fail(node, exc)
+            return
+        self._node_send(node, sends, t)
+        self._schedule_node_timer(node)
 
     def _fail(self, node: _Node, exc: BaseException) -> None:
         node.error = exc
@@ -642,6 +681,12 @@ class Simulation:
                 value = {"retransmits": node.state.retransmits,
                          "timeouts": node.state.timeouts}
                 continue
+            if isinstance(op, Post):
+                try:
+                    value = self._post(node, op, t)
+                except SemfabError as refused:
+                    error = refused
+                continue
             if isinstance(op, Compute):
                 node.busy = t + op.seconds
                 self._push(node.busy, _RESUME, (node, None))
@@ -656,6 +701,18 @@ class Simulation:
             if _running(node) is prog:  # not finished at once: frames that came early
                 self._replay_stash(node, t)
             return
+
+    def _post(self, node: _Node, op: Post, t: float) -> int:
+        """Start a post (ctx.post) and return its number: the workload goes on."""
+        names = {n.name for n in self.topo.nodes}
+        if op.node not in names:
+            raise UsageError(f"{node.name}: post to {op.node!r}: no such node")
+        if node.outbox is None:
+            node.outbox = Outbox(node.state)
+        number, sends = node.outbox.post(self._ids[op.node], op.nbytes, t)
+        self._node_send(node, sends, t)
+        self._schedule_node_timer(node)
+        return number
 
     def _replay_stash(self, node: _Node, t: float) -> None:
         prog = node.prog

@@ -1,0 +1,210 @@
+"""Posts: bytes a worker hands to another node in the background, reliably.
+
+A decoding leader hands each step's tokens to host0 over the front-end and goes
+on with the next step at once; a checkpointing rank streams its state to host0
+beside it. Neither waits for the delivery, yet both deliveries are frames on
+the links, queued behind each other and behind everything else those links
+carry. :class:`Outbox` is the sending side (one reliable stream per destination
+node, selective repeat under the path's congestion policy, the same
+:class:`~fabric.core.reliability.Sender` a stream uses); :class:`Inbox` the
+receiving side (a :class:`~fabric.core.reliability.Receiver` per sender, every
+frame ACKed, and the time each post was whole). Both are pure: frames and
+``now`` in, frames and timers out.
+
+A post's frames are WRITEs on :data:`POST_FLOW` (ACKs and NACKs on the next
+flow): ``msg`` numbers the post (per sender), ``offset`` is the frame's place in
+it and ``key`` the post's size, so the receiver knows when it has it all.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Final
+
+from fabric.core import frame as fr
+from fabric.core.frame import Flag, Op
+from fabric.core.reliability import Receiver, Sender
+from fabric.errors import UsageError
+
+__all__ = ["POST_FLOW", "Inbox", "InboxStats", "Outbox", "PostArrival"]
+
+#: The flow of posts' WRITEs; their ACKs and NACKs travel on POST_FLOW + 1.
+POST_FLOW: Final = 26
+#: Frames of one destination's posts in flight at most (a stream's window).
+POST_WINDOW_FRAMES: Final = 64
+#: The receiver's window of PSNs it accepts ahead of the next expected one.
+POST_RECEIVER_WINDOW: Final = 4096
+
+Send = tuple[bytes, Any]
+
+
+_ZEROS: dict[int, bytes] = {}
+
+
+def _zeros(n: int) -> bytes:
+    """A shared zero payload of ``n`` bytes (posts are timing-only)."""
+    z = _ZEROS.get(n)
+    if z is None:
+        z = _ZEROS[n] = bytes(n)
+    return z
+
+
+@dataclass(frozen=True)
+class PostArrival:
+    """A post whole at its receiver: from node ``src``, its number, when."""
+
+    src: int
+    post: int
+    nbytes: int
+    t: float
+
+
+@dataclass(frozen=True)
+class InboxStats:
+    """What an inbox received."""
+
+    frames: int
+    duplicates: int
+    posts: int
+
+
+class Outbox:
+    """One node's posts to other nodes (``st``: its :class:`NodeState`)."""
+
+    def __init__(self, st: Any) -> None:
+        self.st = st
+        self._senders: dict[int, Sender[int]] = {}
+        self._frames: dict[int, tuple[int, int, int, int]] = {}  # handle -> post, off, n, size
+        self._next_frame = 0
+        self.posts = 0
+
+    def post(self, dst: int, nbytes: int, now: float) -> tuple[int, list[Send]]:
+        """Post ``nbytes`` (timing-only: zero bytes of that size) to node ``dst``;
+        returns the post's number and the frames to send now."""
+        st = self.st
+        if nbytes < 1:
+            raise UsageError(f"{st.name}: a post needs nbytes >= 1, not {nbytes}")
+        if dst == st.node_id or not 0 <= dst < len(st.topo.nodes):
+            raise UsageError(f"{st.name}: post to node id {dst}: not another node")
+        sender = self._senders.get(dst)
+        if sender is None:
+            if st.path_congestion(dst).cc == "eqds":
+                raise UsageError(
+                    f"{st.name}: a post to {st.topo.by_id(dst).name} crosses links under "
+                    "eqds, whose receivers grant credit; a post's receiver grants none: "
+                    "choose another cc for that network class")
+            sender = self._senders[dst] = st.stream_sender(
+                POST_FLOW, dst, policy="selective", window_frames=POST_WINDOW_FRAMES,
+                frame_bytes=st.stream_frame_bytes, operation="post", key=0)
+        n = self.posts
+        self.posts += 1
+        fb = st.stream_frame_bytes
+        burst = []
+        for off in range(0, nbytes, fb):
+            h = self._next_frame
+            self._next_frame += 1
+            size = min(fb, nbytes - off)
+            self._frames[h] = (n, off, size, nbytes)
+            burst.append((h, size))
+        return n, self._put(dst, sender.send_many(burst, now))
+
+    def _put(self, dst: int, transmits: list[Any]) -> list[Send]:
+        out: list[Send] = []
+        st = self.st
+        for t in transmits:
+            post, off, n, total = self._frames[t.handle]
+            part = _zeros(n)
+            out.append((fr.encode_header(Op.WRITE, src=st.node_id, dst=dst, flow=POST_FLOW,
+                                         psn=t.psn, msg=post & 0xFFFF_FFFF, offset=off,
+                                         key=total, flags=t.flags, payload=part,
+                                         crc=st.crc), part))
+        return out
+
+    def wants(self, f: fr.Frame) -> bool:
+        """An ACK or NACK of our posts."""
+        return f.flow == POST_FLOW + 1 and f.src in self._senders and (
+            f.op is Op.ACK or f.op is Op.NACK)
+
+    def handle_frame(self, f: fr.Frame, now: float) -> list[Send]:
+        """Take an ACK or NACK (:meth:`wants`); frames to send again."""
+        sender = self._senders[f.src]
+        if f.op is Op.ACK:
+            out = sender.handle_ack(f.psn, f.sack, now, f.has(Flag.ECN))
+        else:
+            out = sender.handle_nack(f.psn, f.offset, now)
+        self._forget(sender)
+        return self._put(f.src, out)
+
+    def _forget(self, sender: Sender[int]) -> None:
+        for h in sender.pop_acked():
+            self._frames.pop(h, None)
+
+    def get_timer(self) -> float | None:
+        """The earliest retransmit deadline of any destination."""
+        due: float | None = None
+        for s in self._senders.values():
+            d = s.get_timer()
+            if d is not None and (due is None or d < due):
+                due = d
+        return due
+
+    def handle_timer(self, now: float) -> list[Send]:
+        """Resend what timed out (RetryLimitExceeded when a destination is gone)."""
+        out: list[Send] = []
+        for dst, s in self._senders.items():
+            d = s.get_timer()
+            if d is not None and d <= now:
+                resent = s.handle_timer(now)
+                self.st.retransmits += sum(1 for t in resent if t.retransmit)
+                out += self._put(dst, resent)
+        return out
+
+    @property
+    def done(self) -> bool:
+        """Every post acknowledged."""
+        return all(s.done for s in self._senders.values())
+
+
+class Inbox:
+    """The posts a node receives (``node_id``: its id): each frame ACKed, and the
+    time each post was whole (:attr:`arrivals`)."""
+
+    def __init__(self, node_id: int, crc: bool = False) -> None:
+        self.node_id = node_id
+        self.crc = crc
+        self._receivers: dict[int, Receiver[tuple[int, int, int]]] = {}
+        self._have: dict[tuple[int, int], int] = {}  # (src, post) -> bytes so far
+        self.arrivals: list[PostArrival] = []
+        self._frames = 0
+
+    @staticmethod
+    def wants(f: fr.Frame) -> bool:
+        """A post's frame."""
+        return f.flow == POST_FLOW and f.op is Op.WRITE
+
+    def handle_frame(self, f: fr.Frame, now: float) -> list[Send]:
+        """Take a post's frame; the ACK (and gap NACK) to send back."""
+        self._frames += 1
+        rx = self._receivers.get(f.src)
+        if rx is None:
+            rx = self._receivers[f.src] = Receiver(
+                POST_FLOW, ordered=False, ack_every=1, window=POST_RECEIVER_WINDOW)
+        delivered, ack = rx.handle_frame(f.psn, (f.msg, f.length, f.key), now, flags=f.flags)
+        for d in delivered:
+            post, n, total = d.handle
+            key = (f.src, post)
+            got = self._have.get(key, 0) + n
+            if got >= total:
+                self._have.pop(key, None)
+                self.arrivals.append(PostArrival(f.src, post, total, now))
+            else:
+                self._have[key] = got
+        if ack is None:
+            return []
+        return [(h, None) for h in ack.frames(src=self.node_id, dst=f.src,
+                                             flow=POST_FLOW + 1, crc=self.crc)]
+
+    def statistics(self) -> InboxStats:
+        """A frozen snapshot."""
+        dups = sum(r.statistics().duplicates for r in self._receivers.values())
+        return InboxStats(frames=self._frames, duplicates=dups, posts=len(self.arrivals))
