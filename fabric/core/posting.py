@@ -133,6 +133,7 @@ class Outbox:
         else:
             out = sender.handle_nack(f.psn, f.offset, now)
         self._forget(sender)
+        self.st.retransmits += sum(1 for t in out if t.retransmit)
         return self._put(f.src, out)
 
     def _forget(self, sender: Sender[int]) -> None:
