@@ -63,6 +63,9 @@ def add_arguments(g: Any) -> None:
                    "topology has host0, else 0)")
     g.add_argument("--host-us", type=float, default=HOST_US_PER_TOKEN,
                    help="--sim: host0's detokenizer and HTTP cost per token")
+    g.add_argument("--checkpoint", metavar="BYTES", default=None,
+                   help="--sim: as decoding starts every rank sends host0 this much (its "
+                   "shard of a checkpoint) over the links the tokens take (e.g. 256M)")
 
 
 def _topology(args: argparse.Namespace, size: int) -> Any:
@@ -120,12 +123,25 @@ def check(args: argparse.Namespace) -> dict[str, Any]:
     for flag, v in (("--frontend-us", args.frontend_us), ("--host-us", args.host_us)):
         if v is not None and not (math.isfinite(v) and v >= 0):
             raise UsageError(f"{flag} {v:g}: give microseconds >= 0")
+    ckpt = 0
+    if args.checkpoint is not None:
+        from bench.report import parse_size
+
+        try:
+            ckpt = parse_size(args.checkpoint)
+        except ValueError:
+            ckpt = -1
+        if ckpt < 1:
+            raise UsageError(f"--checkpoint {args.checkpoint}: give bytes per rank, e.g. 256M")
     size = args.tp * args.ep * args.pp
     if args.workers is not None and (args.workers < 1 or args.workers % size):
         raise UsageError(f"--workers {args.workers}: give a multiple of tp x ep x pp = {size} "
                          "(one generator per group of that many)")
     topo = _topology(args, size)
     world = len(topo.workers)
+    if ckpt and (args.frontend_us is not None or not any(h.name == "host0" for h in topo.hosts)):
+        raise UsageError("--checkpoint goes to host0 over the links: it needs a topology "
+                         "with host0 and no --frontend-us")
     return {"model": m.name, "tp": args.tp, "ep": args.ep, "pp": args.pp, "moe": args.moe,
             "dp": world // size,
             "tp_path": args.tp_path, "gpu": None if args.gpu == "none" else args.gpu,
@@ -134,7 +150,7 @@ def check(args: argparse.Namespace) -> dict[str, Any]:
             "frontend_s": frontend_s(topo, args.frontend_us), "host_s": args.host_us * 1e-6,
             # the tokens go to host0 as frames unless a fixed time is asked for
             "tokens_as_frames": args.frontend_us is None
-            and any(h.name == "host0" for h in topo.hosts),
+            and any(h.name == "host0" for h in topo.hosts), "checkpoint_bytes": ckpt,
             "topology": args.topology, "seed": args.seed, "topo": topo}
 
 
@@ -232,6 +248,7 @@ def level_row(res: dict[str, Any], s: dict[str, Any], level: Any, opts: Any,
                 "input_len": s["input_len"], "output_len": s["output_len"],
                 "frontend_us": s["frontend_s"] * 1e6, "host_us": s["host_s"] * 1e6,
                 "tokens_as_frames": s["tokens_as_frames"],
+                "checkpoint_bytes": s["checkpoint_bytes"],
                 "wall_s": wall, "strategy": "simulated", "load": level.label})
     return row
 
@@ -255,7 +272,9 @@ def run(opts: Any) -> int:
         f"tokens {s['frontend_s'] * 1e6:.1f} us one way (fixed)"
     print(f"# input-len {s['input_len']}  output-len {s['output_len']}  {way}  requests "
           f"{s['frontend_s'] * 1e6:.1f} us one way  host {s['host_s'] * 1e6:.0f} us/token "
-          f"(modelled)  seed {s['seed']}", flush=True)
+          f"(modelled)  seed {s['seed']}"
+          + (f"  checkpoint {s['checkpoint_bytes']} B per rank to host0"
+             if s["checkpoint_bytes"] else ""), flush=True)
     rows = []
     head = ["load", "req/s", "out tok/s", "TTFT p50", "ITL p50", "ITL p99", "goodput",
             *STEP_PARTS, "parts / ITL", "wall s"]
@@ -273,7 +292,8 @@ def run(opts: Any) -> int:
             concurrency=level.concurrency or 0, gpu=s["gpu"], variant=s["moe"],
             path=s["tp_path"], layers=s["layers"], seed=s["seed"],
             frontend_s=s["frontend_s"], record_bytes=RECORD_BYTES,
-            post_to="host0" if s["tokens_as_frames"] else None)
+            post_to="host0" if s["tokens_as_frames"] else None,
+            checkpoint_bytes=s["checkpoint_bytes"])
         res = merged(sim.results, sim.posts if s["tokens_as_frames"] else None, s["topo"])
         row = level_row(res, s, level, opts, time.monotonic() - t0)
         # bytes on each network class per token delivered (with --layers: scaled to

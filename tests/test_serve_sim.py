@@ -80,9 +80,38 @@ def test_sim_runs_data_parallel_generators_from_workers(tmp_path: Path,
     (["--sim", "--model", "tiny", "--base-url", "http://127.0.0.1:9"], "--base-url"),
     (["--sim", "--model", "tiny", "--topology", "/nonexistent.toml"], "--topology"),
     (["--sim", "--model", "tiny", "--workers", "0"], "a multiple of tp x ep x pp"),
+    (["--sim", "--model", "tiny", "--checkpoint", "lots"], "--checkpoint lots"),
+    (["--sim", "--model", "tiny", "--checkpoint", "1M", "--frontend-us", "5"], "needs a topology"),
 ])
 def test_sim_refuses_bad_flags_in_one_line(argv: list[str], says: str,
                                           capsys: pytest.CaptureFixture[str]) -> None:
     assert _main(argv) == 2
     err = capsys.readouterr().err
     assert says in err and "Traceback" not in err
+
+
+def test_a_checkpoint_to_host0_delays_the_tokens_not_the_steps(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--checkpoint: every rank posts its shard to host0 as decoding starts, over the
+    links the tokens take; the tokens wait behind its frames, the steps do not."""
+    topo = tmp_path / "c.toml"  # two domains of two; host0 on a 1 Gb/s front-end
+    subprocess.run([sys.executable, "-m", "fabric.cli", "topo", "gen", "--cluster", "2",
+                    "--gpus-per-domain", "2", "--frontend-gbps", "1", "-o", str(topo)],
+                   check=True, timeout=60)
+    rows = {}
+    for ckpt in ("", "2M"):
+        out = tmp_path / f"c{ckpt}.json"
+        assert _main(["--sim", "--model", "mixtral-8x7b", "--tp", "2", "--ep", "2", "--layers",
+                      "1", "--concurrency", "4", "--num-prompts", "4", "--tokens", "4",
+                      "--input-len", "16", "--topology", str(topo), "--json", str(out)]
+                     + (["--checkpoint", ckpt] if ckpt else [])) == 0
+        rows[ckpt] = json.loads(out.read_text())["results"][0]
+    assert "checkpoint 2097152 B per rank to host0" in capsys.readouterr().out
+    quiet, busy = rows[""], rows["2M"]
+    assert busy["checkpoint_bytes"] == 2 << 20 and quiet["checkpoint_bytes"] == 0
+    # 8 MiB on 1 Gb/s: the first tokens wait milliseconds at host0's link
+    assert busy["parts_ms"]["transport"]["p50"] > 100 * quiet["parts_ms"]["transport"]["p50"]
+    assert busy["ttft_ms"]["p50"] > quiet["ttft_ms"]["p50"]
+    for part in ("dispatch", "combine", "tp"):  # the steps do not (other links)
+        assert busy["parts_ms"][part]["mean"] == pytest.approx(
+            quiet["parts_ms"][part]["mean"], rel=0.01)

@@ -11,9 +11,12 @@ receiving side (a :class:`~fabric.core.reliability.Receiver` per sender, every
 frame ACKed, and the time each post was whole). Both are pure: frames and
 ``now`` in, frames and timers out.
 
-A post's frames are WRITEs on :data:`POST_FLOW` (ACKs and NACKs on the next
-flow): ``msg`` numbers the post (per sender), ``offset`` is the frame's place in
-it and ``key`` the post's size, so the receiver knows when it has it all.
+A sender keeps one stream per destination and *channel* (``job``): posts on
+one channel go in order, those on others beside them (a checkpoint on its own
+channel does not hold up the tokens on theirs). A post's frames are WRITEs on
+:data:`POST_FLOW` (ACKs and NACKs on the next flow): ``msg`` numbers the post
+(per sender), ``offset`` is the frame's place in it and ``key`` the post's
+size, so the receiver knows when it has it all.
 """
 
 from __future__ import annotations
@@ -51,12 +54,14 @@ def _zeros(n: int) -> bytes:
 
 @dataclass(frozen=True)
 class PostArrival:
-    """A post whole at its receiver: from node ``src``, its number, when."""
+    """A post whole at its receiver: from node ``src`` on ``channel``, its number,
+    its size, when."""
 
     src: int
     post: int
     nbytes: int
     t: float
+    channel: int = 0
 
 
 @dataclass(frozen=True)
@@ -73,29 +78,32 @@ class Outbox:
 
     def __init__(self, st: Any) -> None:
         self.st = st
-        self._senders: dict[int, Sender[int]] = {}
+        self._senders: dict[tuple[int, int], Sender[int]] = {}  # (dst, channel)
         self._frames: dict[int, tuple[int, int, int, int]] = {}  # handle -> post, off, n, size
         self._next_frame = 0
         self.posts = 0
 
-    def post(self, dst: int, nbytes: int, now: float) -> tuple[int, list[Send]]:
-        """Post ``nbytes`` (timing-only: zero bytes of that size) to node ``dst``;
-        returns the post's number and the frames to send now."""
+    def post(self, dst: int, nbytes: int, now: float, channel: int = 0
+             ) -> tuple[int, list[Send]]:
+        """Post ``nbytes`` (timing-only: zero bytes of that size) to node ``dst`` on
+        ``channel``; returns the post's number and the frames to send now."""
         st = self.st
         if nbytes < 1:
             raise UsageError(f"{st.name}: a post needs nbytes >= 1, not {nbytes}")
         if dst == st.node_id or not 0 <= dst < len(st.topo.nodes):
             raise UsageError(f"{st.name}: post to node id {dst}: not another node")
-        sender = self._senders.get(dst)
+        if not 0 <= channel <= 0xFFFF:
+            raise UsageError(f"{st.name}: post channel {channel}: 0..65535")
+        sender = self._senders.get((dst, channel))
         if sender is None:
             if st.path_congestion(dst).cc == "eqds":
                 raise UsageError(
                     f"{st.name}: a post to {st.topo.by_id(dst).name} crosses links under "
                     "eqds, whose receivers grant credit; a post's receiver grants none: "
                     "choose another cc for that network class")
-            sender = self._senders[dst] = st.stream_sender(
+            sender = self._senders[(dst, channel)] = st.stream_sender(
                 POST_FLOW, dst, policy="selective", window_frames=POST_WINDOW_FRAMES,
-                frame_bytes=st.stream_frame_bytes, operation="post", key=0)
+                frame_bytes=st.stream_frame_bytes, operation="post", key=channel)
         n = self.posts
         self.posts += 1
         fb = st.stream_frame_bytes
@@ -106,35 +114,38 @@ class Outbox:
             size = min(fb, nbytes - off)
             self._frames[h] = (n, off, size, nbytes)
             burst.append((h, size))
-        return n, self._put(dst, sender.send_many(burst, now))
+        return n, self._put((dst, channel), sender.send_many(burst, now))
 
-    def _put(self, dst: int, transmits: list[Any]) -> list[Send]:
+    def _put(self, where: tuple[int, int], transmits: list[Any]) -> list[Send]:
         out: list[Send] = []
         st = self.st
+        dst, channel = where
         for t in transmits:
             post, off, n, total = self._frames[t.handle]
             part = _zeros(n)
             out.append((fr.encode_header(Op.WRITE, src=st.node_id, dst=dst, flow=POST_FLOW,
-                                         psn=t.psn, msg=post & 0xFFFF_FFFF, offset=off,
+                                         job=channel, psn=t.psn, msg=post & 0xFFFF_FFFF,
+                                         offset=off,
                                          key=total, flags=t.flags, payload=part,
                                          crc=st.crc), part))
         return out
 
     def wants(self, f: fr.Frame) -> bool:
         """An ACK or NACK of our posts."""
-        return f.flow == POST_FLOW + 1 and f.src in self._senders and (
+        return f.flow == POST_FLOW + 1 and (f.src, f.job) in self._senders and (
             f.op is Op.ACK or f.op is Op.NACK)
 
     def handle_frame(self, f: fr.Frame, now: float) -> list[Send]:
         """Take an ACK or NACK (:meth:`wants`); frames to send again."""
-        sender = self._senders[f.src]
+        where = (f.src, f.job)
+        sender = self._senders[where]
         if f.op is Op.ACK:
             out = sender.handle_ack(f.psn, f.sack, now, f.has(Flag.ECN))
         else:
             out = sender.handle_nack(f.psn, f.offset, now)
         self._forget(sender)
         self.st.retransmits += sum(1 for t in out if t.retransmit)
-        return self._put(f.src, out)
+        return self._put(where, out)
 
     def _forget(self, sender: Sender[int]) -> None:
         for h in sender.pop_acked():
@@ -152,12 +163,12 @@ class Outbox:
     def handle_timer(self, now: float) -> list[Send]:
         """Resend what timed out (RetryLimitExceeded when a destination is gone)."""
         out: list[Send] = []
-        for dst, s in self._senders.items():
+        for where, s in self._senders.items():
             d = s.get_timer()
             if d is not None and d <= now:
                 resent = s.handle_timer(now)
                 self.st.retransmits += sum(1 for t in resent if t.retransmit)
-                out += self._put(dst, resent)
+                out += self._put(where, resent)
         return out
 
     @property
@@ -173,7 +184,7 @@ class Inbox:
     def __init__(self, node_id: int, crc: bool = False) -> None:
         self.node_id = node_id
         self.crc = crc
-        self._receivers: dict[int, Receiver[tuple[int, int, int]]] = {}
+        self._receivers: dict[tuple[int, int], Receiver[tuple[int, int, int]]] = {}
         self._have: dict[tuple[int, int], int] = {}  # (src, post) -> bytes so far
         self.arrivals: list[PostArrival] = []
         self._frames = 0
@@ -186,9 +197,9 @@ class Inbox:
     def handle_frame(self, f: fr.Frame, now: float) -> list[Send]:
         """Take a post's frame; the ACK (and gap NACK) to send back."""
         self._frames += 1
-        rx = self._receivers.get(f.src)
+        rx = self._receivers.get((f.src, f.job))
         if rx is None:
-            rx = self._receivers[f.src] = Receiver(
+            rx = self._receivers[(f.src, f.job)] = Receiver(
                 POST_FLOW, ordered=False, ack_every=1, window=POST_RECEIVER_WINDOW)
         delivered, ack = rx.handle_frame(f.psn, (f.msg, f.length, f.key), now, flags=f.flags)
         for d in delivered:
@@ -197,12 +208,12 @@ class Inbox:
             got = self._have.get(key, 0) + n
             if got >= total:
                 self._have.pop(key, None)
-                self.arrivals.append(PostArrival(f.src, post, total, now))
+                self.arrivals.append(PostArrival(f.src, post, total, now, f.job))
             else:
                 self._have[key] = got
         if ack is None:
             return []
-        return [(h, None) for h in ack.frames(src=self.node_id, dst=f.src,
+        return [(h, None) for h in ack.frames(src=self.node_id, dst=f.src, job=f.job,
                                              flow=POST_FLOW + 1, crc=self.crc)]
 
     def statistics(self) -> InboxStats:

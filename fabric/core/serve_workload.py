@@ -44,6 +44,8 @@ __all__ = ["PLAN_ROW", "deal", "served_decode"]
 
 #: Ints per joining request in a plan: request, replica, prompt tokens, output tokens.
 PLAN_ROW = 4
+#: The post channel of a checkpoint (the tokens go on channel 0, beside it).
+CHECKPOINT_CHANNEL = 1
 
 
 def served_decode(ctx: Any, preset: str, tp: int, ep: int, prompt_len: Sequence[int],
@@ -52,8 +54,8 @@ def served_decode(ctx: Any, preset: str, tp: int, ep: int, prompt_len: Sequence[
                   max_batch: int = 64, gpu: str | None = "h100", variant: str = "flat",
                   path: str = "ina", layers: int | None = None, seed: int = 0,
                   frontend_s: float = 0.0, think_s: float = 0.0,
-                  post_to: str | None = None, record_bytes: int = 32
-                  ) -> Generator[Any, Any, dict[str, Any]]:
+                  post_to: str | None = None, record_bytes: int = 32,
+                  checkpoint_bytes: int = 0) -> Generator[Any, Any, dict[str, Any]]:
     """Serve ``len(prompt_len)`` requests (request ``i``: ``prompt_len[i]`` prompt
     tokens, ``output_len[i]`` new ones) on ``tp x ep x pp`` ranks, timing-only.
 
@@ -65,7 +67,9 @@ def served_decode(ctx: Any, preset: str, tp: int, ep: int, prompt_len: Sequence[
     ``post_to`` (a node: ``"host0"``): after each step the leader posts its
     tokens there, ``record_bytes`` each, as frames over the fabric's links
     (``ctx.post``: in the background, the next step starts at once); each token
-    then names its post, whose arrival the simulation logs.
+    then names its post, whose arrival the simulation logs. ``checkpoint_bytes``:
+    as decoding starts, every rank posts that many bytes there too (its shard of
+    a checkpoint, sharing the links with the tokens).
     Returns, on the leader, ``{"requests": [{"arrival", "tokens": [times],
     "posts": [post numbers]}], "steps": [parts], "leader": its node, "start":
     the clock the times count from}`` (seconds of virtual time); on the others
@@ -114,6 +118,10 @@ def served_decode(ctx: Any, preset: str, tp: int, ep: int, prompt_len: Sequence[
     running: list[list[list[int]]] = [[] for _ in range(ep)]
     context = np.asarray(prompt_len, np.int64).copy()  # tokens each request's cache holds
     start = yield ctx.clock()
+    if checkpoint_bytes:
+        if post_to is None:
+            raise UsageError("a checkpoint goes to a node: give post_to")
+        yield ctx.post(post_to, checkpoint_bytes, channel=CHECKPOINT_CHANNEL)
     arrive = np.full(n, np.inf)
     if arrivals is not None:
         arrive[:] = start + np.asarray(arrivals, np.float64)

@@ -140,10 +140,11 @@ class Post:
     """Hand ``nbytes`` to node ``node`` (a host: ``"host0"``) in the background:
     yields the post's number at once; the frames go reliably while the workload
     goes on, and the receiver logs when each post was whole (simulation:
-    ``SimResult.posts``)."""
+    ``SimResult.posts``). Posts on one ``channel`` go in order, others beside."""
 
     node: str
     nbytes: int
+    channel: int = 0
 
 
 @dataclass(frozen=True)
@@ -279,10 +280,11 @@ class Context:
         """Send to ``dst`` and receive from ``src`` at the same time."""
         return Together((Send(dst, x, nbytes, policy), Recv(src, out, nbytes, policy)))
 
-    def post(self, node: str, nbytes: int) -> Post:
+    def post(self, node: str, nbytes: int, *, channel: int = 0) -> Post:
         """``nbytes`` to node ``node`` in the background (timing-only, simulation);
-        yields the post's number without waiting for its delivery."""
-        return Post(node, nbytes)
+        yields the post's number without waiting for its delivery. Posts on one
+        ``channel`` arrive in order; other channels go beside them."""
+        return Post(node, nbytes, channel)
 
     def barrier(self, group: Any = None) -> Barrier:
         """A barrier over every worker (or the members of ``group``)."""

@@ -709,7 +709,7 @@ class Simulation:
             raise UsageError(f"{node.name}: post to {op.node!r}: no such node")
         if node.outbox is None:
             node.outbox = Outbox(node.state)
-        number, sends = node.outbox.post(self._ids[op.node], op.nbytes, t)
+        number, sends = node.outbox.post(self._ids[op.node], op.nbytes, t, op.channel)
         self._node_send(node, sends, t)
         self._schedule_node_timer(node)
         return number
