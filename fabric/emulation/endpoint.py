@@ -110,6 +110,7 @@ class Endpoint:
         run_id: str = "run",
         timeout_s: float = DEFAULT_TIMEOUT_S,
         ctx: zmq.Context | None = None,
+        hello: bool = True,
     ) -> None:
         from fabric.core.programs import NodeState
 
@@ -168,7 +169,8 @@ class Endpoint:
         self.shares_host = topo.host_address(name) == topo.host_address(self.switch_name)
         # frames recorded for a trace (SEMFAB_FRAME_TRACE only)
         self.frame_log = FrameLog.from_env(name, self.node.kind, self.world)
-        self._hello()
+        if hello:  # (else the caller says hello itself: see :meth:`hello`)
+            self.hello()
 
     # the counters live in the protocol state, which programs update
     @property
@@ -545,9 +547,19 @@ class Endpoint:
         result: dict[str, Any] = self.run(prog, f"control request {t!r} to node {prog.dst}")
         return result
 
-    def _hello(self) -> None:
+    def hello(self, timeout_s: float | None = None) -> None:
+        """Introduce this node to its switch (FabricTimeout after ``timeout_s``, by
+        default the endpoint's): the switch then knows its port."""
         # The DEALER connects asynchronously and frames may be lost: retry.
-        reply = self.request("hello", "welcome", name=self.name)
+        prog_timeout, self.timeout_s = self.timeout_s, timeout_s or self.timeout_s
+        try:
+            from fabric.core.programs import Request
+
+            prog = Request(self.state, "hello", "welcome", name=self.name,
+                           timeout_s=self.timeout_s)
+            reply = self.run(prog, f"control request 'hello' to node {prog.dst}")
+        finally:
+            self.timeout_s = prog_timeout
         log.debug("%s: welcomed by %s", self.name, reply.get("switch"))
 
     # ------------------------------------------------------------------ memory

@@ -33,7 +33,7 @@ from fabric.core.topology import Node, Topology, TopologyError, load
 from fabric.emulation import transport
 from fabric.emulation.endpoint import Endpoint
 from fabric.emulation.launcher import NODE_ENV
-from fabric.errors import UsageError, check_seconds
+from fabric.errors import FabricTimeout, UsageError, check_seconds
 
 log = logging.getLogger("semfab.node")
 
@@ -101,10 +101,15 @@ def run(args: argparse.Namespace) -> int:
     # a task's file that calls launch() at import time is refused there
     os.environ[NODE_ENV] = args.name
     ctx = transport.context()
-    ep = Endpoint(topo, args.name, args.sock_dir, run_id=args.run_id, timeout_s=args.timeout,
-                  ctx=ctx)
-    ep.crc = args.crc
     ctl = transport.dealer(ctx, args.ctl, args.name) if args.ctl else None
+    ep = Endpoint(topo, args.name, args.sock_dir, run_id=args.run_id, timeout_s=args.timeout,
+                  ctx=ctx, hello=ctl is None)
+    ep.crc = args.crc
+    if ctl is not None and not _hello(ep, ctl, args.timeout):
+        ep.close()
+        ctl.close(0)
+        ctx.term()
+        return 1
     stop = False
 
     def on_term(*_: object) -> None:
@@ -162,6 +167,33 @@ def run(args: argparse.Namespace) -> int:
             ctl.close(0)
         ctx.term()
     return code
+
+
+#: Seconds of one hello to the switch before the node looks for a shutdown.
+HELLO_SLICE_S = 0.5
+
+
+def _hello(ep: Endpoint, ctl: zmq.Socket, timeout_s: float) -> bool:
+    """Say hello to the switch, in slices: between them, a shutdown from the
+    launcher (another node could not start) ends the wait at once. False when
+    stopped; FabricTimeout when the switch never answered within ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            ep.hello(timeout_s=max(min(HELLO_SLICE_S, left), 0.01))
+            return True
+        except FabricTimeout:
+            if time.monotonic() >= deadline:
+                raise
+        while ctl.poll(0):
+            msg = control.parse(ctl.recv())
+            if msg["t"] == "shutdown":
+                log.error("%s: the run was stopped before this node started: %s", ep.name,
+                          msg.get("error") or "no reason given")
+                return False
+            if msg["t"] == "ping":
+                ctl.send(control.pack("pong", name=ep.name))
 
 
 def _resolved(value: Any) -> Any:

@@ -56,6 +56,10 @@ log = logging.getLogger("semfab.run")
 JOIN_RETRY_S = 0.5
 #: The coordinator pings every process this often.
 PING_S = 1.0
+#: After an error while nodes start, the coordinator says "shutdown" for this
+#: long, every SHUTDOWN_EVERY_S, so that nodes still starting hear it too.
+SHUTDOWN_LINGER_S = 3.0
+SHUTDOWN_EVERY_S = 0.25
 #: Clock exchanges per process; the one with the shortest round trip is kept.
 CLOCK_ROUNDS = 8
 #: What a process reports of its clocks: wall-clock offset from rank 0 (ours minus
@@ -391,11 +395,17 @@ class Coordinator(threading.Thread):
 
     def _shutdown(self, error: str | None) -> None:
         fields = {"error": error} if error else {}
-        for p in self._procs.values():
-            if p.name:
-                self._send(p.name, "shutdown", **fields)
-            self._send(f"{JOIN}{p.rank}", "shutdown", **fields)  # not started a node yet
-        time.sleep(0.2)  # let the messages leave before the socket closes
+        # after an error while nodes were starting, said again for a while: a node
+        # still starting connects its control socket late, and a ROUTER drops what
+        # it sends to one not yet there
+        starting = not all(p.ready for p in self._procs.values())
+        rounds = round(SHUTDOWN_LINGER_S / SHUTDOWN_EVERY_S) if error and starting else 1
+        for _ in range(rounds):
+            for p in self._procs.values():
+                if p.name:
+                    self._send(p.name, "shutdown", **fields)
+                self._send(f"{JOIN}{p.rank}", "shutdown", **fields)  # not started a node yet
+            time.sleep(SHUTDOWN_EVERY_S)  # (and let the messages leave before closing)
         self.sock.close(0)
         self.ctx.term()
 
