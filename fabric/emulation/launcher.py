@@ -192,6 +192,9 @@ class Fabric:
         self.ctl: zmq.Socket | None = None
         self._ready: set[str] = set()
         self._done: dict[tuple[int, str], dict[str, Any]] = {}
+        # tasks each node was given and has not answered: a node busy with one
+        # reads no shutdown (close() stops it at once)
+        self._busy: dict[str, set[int]] = {}
         self._closed = False
 
     # ------------------------------------------------------------------ start
@@ -364,6 +367,7 @@ class Fabric:
                                args=pickle.dumps((tuple(args), kwargs or {})))
         for name in names:
             self.ctl.send_multipart([name.encode(), payload])
+            self._busy.setdefault(name, set()).add(task.id)
         return task
 
     def wait(self, task: Task, timeout_s: float | None = None) -> list[Any]:
@@ -380,6 +384,7 @@ class Fabric:
                                     f"{', '.join(pending)}") from None
             if msg.get("t") == "done":
                 self._done[(int(msg["task"]), who)] = msg
+                self._busy.get(who, set()).discard(int(msg["task"]))
         msgs = {n: self._done.pop((task.id, n)) for n in task.nodes}
         errors = {n: m["error"] for n, m in msgs.items() if not m["ok"]}
         if errors:
@@ -417,6 +422,11 @@ class Fabric:
                                             zmq.NOBLOCK)
                 except zmq.ZMQError:
                     pass  # not connected (never started or already gone)
+        # a node still running a task nobody waits for any more (a peer died under
+        # it) would read the shutdown only when the task gives up: stop it now
+        for name, tasks in self._busy.items():
+            if tasks and self.procs[name].popen.poll() is None:
+                _signal_group(self.procs[name].popen, signal.SIGTERM)
         deadline = time.monotonic() + 5.0
         for p in self.procs.values():
             try:

@@ -111,10 +111,13 @@ def run(args: argparse.Namespace) -> int:
         ctx.term()
         return 1
     stop = False
+    busy = False  # running a task: SIGTERM ends it where it is
 
     def on_term(*_: object) -> None:
         nonlocal stop
         stop = True
+        if busy:  # (the launcher stops a node whose task nobody waits for)
+            raise SystemExit(1)
 
     signal.signal(signal.SIGTERM, on_term)
     if ctl is not None:
@@ -157,7 +160,12 @@ def run(args: argparse.Namespace) -> int:
                     stop = True
                     break
                 if msg["t"] == "run":
-                    ctl.send(_run_task(ep, msg))
+                    busy = True
+                    try:
+                        answer = _run_task(ep, msg)
+                    finally:
+                        busy = False
+                    ctl.send(answer)
                     boss.heard(time.monotonic())  # pings queued while the task ran
                 elif msg["t"] == "ping":
                     ctl.send(control.pack("pong", name=args.name))
