@@ -168,7 +168,10 @@ def merged(results: list[Any], posts: dict[str, list[Any]] | None = None,
                 try:
                     q["seen"] = [whole[(src, p)] - r["start"] for p in q["posts"]]
                 except KeyError:  # (the run ends only when every post is whole)
-                    raise RuntimeError(f"a post of {r['leader']} never reached host0") from None
+                    from fabric.sim import SimulationError
+
+                    raise SimulationError(f"a post of {r['leader']} never reached host0"
+                                          ) from None
     requests = sorted((q for r in leads for q in r["requests"]), key=lambda q: q["id"])
     steps = [p for r in leads for p in r["steps"]]
     return {"requests": requests, "steps": steps}

@@ -81,10 +81,13 @@ def test_a_lost_frame_is_sent_again() -> None:
 
 def test_bad_posts_are_refused() -> None:
     box = Outbox(NodeState(TOPO, "w0"))
-    with pytest.raises(UsageError, match="nbytes >= 1"):
+    with pytest.raises(UsageError, match="nbytes from 1"):
         box.post(TOPO.node("host0").id, 0, 0.0)
-    with pytest.raises(UsageError, match="not another node"):
-        box.post(TOPO.node("w0").id, 10, 0.0)
+    with pytest.raises(UsageError, match="nbytes from 1"):
+        box.post(TOPO.node("host0").id, 1 << 32, 0.0)
+    for name in ("w0", "sw0"):  # itself, a switch
+        with pytest.raises(UsageError, match="not another worker or host"):
+            box.post(TOPO.node(name).id, 10, 0.0)
 
 
 def _tokens_and_checkpoint(ctx, steps: int, step_s: float, ckpt: int):  # type: ignore[no-untyped-def]

@@ -88,10 +88,12 @@ class Outbox:
         """Post ``nbytes`` (timing-only: zero bytes of that size) to node ``dst`` on
         ``channel``; returns the post's number and the frames to send now."""
         st = self.st
-        if nbytes < 1:
-            raise UsageError(f"{st.name}: a post needs nbytes >= 1, not {nbytes}")
-        if dst == st.node_id or not 0 <= dst < len(st.topo.nodes):
-            raise UsageError(f"{st.name}: post to node id {dst}: not another node")
+        if not 1 <= nbytes <= fr.MAX_PAYLOAD:  # (its size travels in a 32-bit field)
+            raise UsageError(f"{st.name}: a post needs nbytes from 1 to {fr.MAX_PAYLOAD}, "
+                             f"not {nbytes}")
+        if dst == st.node_id or not 0 <= dst < len(st.topo.nodes) \
+                or st.topo.by_id(dst).is_switch:
+            raise UsageError(f"{st.name}: post to node id {dst}: not another worker or host")
         if not 0 <= channel <= 0xFFFF:
             raise UsageError(f"{st.name}: post channel {channel}: 0..65535")
         sender = self._senders.get((dst, channel))

@@ -193,7 +193,9 @@ def _hello(ep: Endpoint, ctl: zmq.Socket, timeout_s: float) -> bool:
             return True
         except FabricTimeout:
             if time.monotonic() >= deadline:
-                raise
+                raise FabricTimeout(f"{ep.name}: control request 'hello' to its switch "
+                                    f"{ep.switch_name}: no answer within {timeout_s:g}s "
+                                    "(see the logs in the run folder)") from None
         while ctl.poll(0):
             msg = control.parse(ctl.recv())
             if msg["t"] == "shutdown":
