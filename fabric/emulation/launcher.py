@@ -423,10 +423,11 @@ class Fabric:
                 except zmq.ZMQError:
                     pass  # not connected (never started or already gone)
         # a node still running a task nobody waits for any more (a peer died under
-        # it) would read the shutdown only when the task gives up: stop it now
-        for name, tasks in self._busy.items():
-            if tasks and self.procs[name].popen.poll() is None:
-                _signal_group(self.procs[name].popen, signal.SIGTERM)
+        # it) would read the shutdown only when the task gives up, and one that never
+        # said ready may not read it at all: stop those now
+        for name, p in self.procs.items():
+            if (self._busy.get(name) or name not in self._ready) and p.popen.poll() is None:
+                _signal_group(p.popen, signal.SIGTERM)
         deadline = time.monotonic() + 5.0
         for p in self.procs.values():
             try:
