@@ -186,3 +186,23 @@ def test_posts_are_whole_through_lossy_links_in_simulation() -> None:
     res = Simulation(TOPO, faults="loss=0.05", seed=3).run(many)
     assert sorted(a.post for a in res.posts["host0"]) == list(range(20))
     assert res.retransmits > 0
+
+
+def test_a_trimmed_post_frame_is_asked_for_again_at_once() -> None:
+    """Two workers post 1 MB each to host0 at once through a switch whose 60 kB
+    buffer trims: host0 NACKs each cut frame, its sender resends it without a
+    timeout, and both posts are whole about when the link could carry them."""
+    from fabric.core.congestion.settings import CongestionSettings
+
+    topo = star(2, bandwidth_gbps=1.0, latency_us=10.0, hosts=1, mtu=9000).with_congestion(
+        CongestionSettings(buffer_bytes=60_000, trim=True))
+
+    def burst(ctx):  # type: ignore[no-untyped-def]
+        yield ctx.post("host0", 1_000_000)
+
+    res = Simulation(topo).run(burst)
+    assert sorted(a.nbytes for a in res.posts["host0"]) == [1_000_000] * 2
+    assert res.trims > 0 and res.overflow_drops == 0
+    assert all(n.timeouts == 0 for n in res.nodes.values())
+    ideal = 2_000_000 * 8 / 1e9  # host0's link carries both
+    assert max(a.t for a in res.posts["host0"]) < 1.5 * ideal

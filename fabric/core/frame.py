@@ -59,6 +59,7 @@ __all__ = [
     "trimmable",
     "STREAM_FLOWS",
     "COMBINE_FLOW",
+    "POST_FLOW",
     "mark_ce",
     "peek",
     "DTYPE_SIZES",
@@ -654,6 +655,10 @@ MASKED_FLOW: Final = 22
 #: switch, and the switch's finished sums to each token's home, whose receiver
 #: answers a trimmed sum with a TRIMMED NACK to the switch that sent it.
 COMBINE_FLOW: Final = 24
+#: The flow of posts (fabric.core.posting: bytes handed to a node in the
+#: background; ACKs and NACKs on flow + 1): a receiver answers a trimmed one
+#: with a TRIMMED NACK too.
+POST_FLOW: Final = 26
 #: A masked multicast frame (Flag.MCAST, ``key`` != 0) names its members by bits:
 #: bit i of ``key`` is member ``MASK_BITS * offset + i`` of the group, by id, so
 #: ``offset`` picks a block of 32 and one frame reaches members of one block.
@@ -662,9 +667,9 @@ MASK_BITS: Final = 32
 
 def trimmable(header: bytes | bytearray | memoryview) -> bool:
     """Whether a switch may trim this frame rather than drop it: a unicast WRITE of a
-    stream (:data:`STREAM_FLOWS`), a masked multicast row (:data:`MASKED_FLOW`) or
-    a combine frame (:data:`COMBINE_FLOW`), whose receivers ask for it again at
-    once."""
+    stream (:data:`STREAM_FLOWS`) or a post (:data:`POST_FLOW`), a masked multicast
+    row (:data:`MASKED_FLOW`) or a combine frame (:data:`COMBINE_FLOW`), whose
+    receivers ask for it again at once."""
     view = memoryview(header)
     if view.nbytes < HEADER_SIZE:
         return False
@@ -675,7 +680,7 @@ def trimmable(header: bytes | bytearray | memoryview) -> bool:
     fields = _HEADER.unpack_from(view)
     if view[2] & _F_MCAST:
         return fields[7] == MASKED_FLOW and fields[9] != 0  # flow; key: a member mask
-    return fields[7] in STREAM_FLOWS
+    return fields[7] in STREAM_FLOWS or fields[7] == POST_FLOW
 
 
 def is_trimmed(header: bytes | bytearray | memoryview, payload: object = None) -> bool:

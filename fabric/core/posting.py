@@ -31,8 +31,11 @@ from fabric.errors import UsageError
 
 __all__ = ["POST_FLOW", "Inbox", "InboxStats", "Outbox", "PostArrival"]
 
-#: The flow of posts' WRITEs; their ACKs and NACKs travel on POST_FLOW + 1.
-POST_FLOW: Final = 26
+#: The flow of posts' WRITEs; their ACKs and NACKs travel on POST_FLOW + 1. A
+#: switch trims a post's frame rather than drop it (the frame codec's
+#: ``trimmable``); the receiving node answers the cut header with a TRIMMED NACK
+#: (``NodeState.answer_trimmed``) and the sender resends it at once.
+POST_FLOW: Final = fr.POST_FLOW
 #: Frames of one destination's posts in flight at most (a stream's window).
 POST_WINDOW_FRAMES: Final = 64
 #: The receiver's window of PSNs it accepts ahead of the next expected one.

@@ -680,8 +680,8 @@ class NodeState:
 
     def answer_trimmed(self, f: fr.Frame, now: float) -> list[Send]:
         """A trimmed frame came (:func:`fabric.core.frame.is_trimmed`): for a stream's
-        data (P2P_FLOW and collective streams) or a masked multicast row (MoE
-        dispatch), all answered on their flow + 1, a TRIMMED NACK, so its sender
+        data (P2P_FLOW and collective streams), a post's or a masked multicast row
+        (MoE dispatch), all answered on their flow + 1, a TRIMMED NACK, so its sender
         resends at once (a stream under a receiver-driven policy once this node
         grants it again); a combine sum (in-network MoE), a TRIMMED NACK on its flow
         to the switch that summed it, which kept it; other flows' are dropped like a
@@ -692,7 +692,7 @@ class NodeState:
                                     code=NackCode.TRIMMED, job=f.job, msg=f.msg,
                                     crc=self.crc), None)]
         if f.op is not Op.WRITE or (f.flow not in fr.STREAM_FLOWS
-                                    and f.flow != fr.MASKED_FLOW):
+                                    and f.flow != fr.MASKED_FLOW and f.flow != fr.POST_FLOW):
             return []
         out: list[Send] = [(fr.encode_nack(src=self.node_id, dst=f.src, flow=f.flow + 1,
                                            psn=f.psn, code=NackCode.TRIMMED, job=f.job,
