@@ -127,19 +127,22 @@ def check(args: argparse.Namespace) -> dict[str, Any]:
     if args.checkpoint is not None:
         from bench.report import parse_size
 
+        bad = UsageError(f"--checkpoint {args.checkpoint}: give bytes per rank, e.g. 256M")
         try:
             ckpt = parse_size(args.checkpoint)
         except ValueError:
-            ckpt = -1
+            raise bad from None
         if ckpt < 1:
-            raise UsageError(f"--checkpoint {args.checkpoint}: give bytes per rank, e.g. 256M")
+            raise bad
     size = args.tp * args.ep * args.pp
     if args.workers is not None and (args.workers < 1 or args.workers % size):
         raise UsageError(f"--workers {args.workers}: give a multiple of tp x ep x pp = {size} "
                          "(one generator per group of that many)")
     topo = _topology(args, size)
     world = len(topo.workers)
-    if ckpt and (args.frontend_us is not None or not any(h.name == "host0" for h in topo.hosts)):
+    # the tokens go to host0 as frames unless a fixed time is asked for
+    as_frames = args.frontend_us is None and any(h.name == "host0" for h in topo.hosts)
+    if ckpt and not as_frames:
         raise UsageError("--checkpoint goes to host0 over the links: it needs a topology "
                          "with host0 and no --frontend-us")
     return {"model": m.name, "tp": args.tp, "ep": args.ep, "pp": args.pp, "moe": args.moe,
@@ -148,9 +151,7 @@ def check(args: argparse.Namespace) -> dict[str, Any]:
             "layers": args.layers, "model_layers": m.layers, "world": world,
             "input_len": args.input_len or DEFAULT_INPUT_LEN, "output_len": args.tokens,
             "frontend_s": frontend_s(topo, args.frontend_us), "host_s": args.host_us * 1e-6,
-            # the tokens go to host0 as frames unless a fixed time is asked for
-            "tokens_as_frames": args.frontend_us is None
-            and any(h.name == "host0" for h in topo.hosts), "checkpoint_bytes": ckpt,
+            "tokens_as_frames": as_frames, "checkpoint_bytes": ckpt,
             "topology": args.topology, "seed": args.seed, "topo": topo}
 
 
